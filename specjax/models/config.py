@@ -1,0 +1,149 @@
+"""Model configuration: a frozen, hashable dataclass validated at construction.
+
+`ModelConfig` is the static argument of every model function, so it must be hashable and
+immutable; everything about the architecture that changes shapes or control flow lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A configuration value that cannot work; the message names the field and what is allowed."""
+
+
+def _require(ok: bool, field: str, value, allowed: str) -> None:
+  if not ok:
+    raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama 3 frequency-dependent RoPE scaling (HF `rope_type="llama3"`)."""
+
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+  def __post_init__(self):
+    _require(self.factor >= 1.0, "rope_scaling.factor", self.factor, "must be >= 1")
+    _require(
+        0 < self.low_freq_factor < self.high_freq_factor,
+        "rope_scaling.low_freq_factor",
+        self.low_freq_factor,
+        "must be > 0 and < high_freq_factor",
+    )
+    _require(
+        self.original_max_position > 0,
+        "rope_scaling.original_max_position",
+        self.original_max_position,
+        "must be a positive int",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a decoder-only transformer of the Llama 3 / Qwen2 / Qwen3 families.
+
+  Attributes:
+    vocab_size: V, number of token ids.
+    d_model: D, width of the residual stream.
+    n_layers: L, number of transformer blocks.
+    n_heads: N, query heads.
+    n_kv_heads: K, key/value heads (grouped-query attention when K < N; N % K == 0).
+    head_dim: H, per-head width; independent of D / N (Qwen3 uses 128 with D=1024, N=16).
+    mlp_dim: F, hidden width of the SwiGLU MLP.
+    rope_theta: RoPE base.
+    rope_scaling: None, or Llama 3 style frequency scaling.
+    rms_norm_eps: epsilon of every RMSNorm.
+    qkv_bias: biases on the q/k/v projections (Qwen2).
+    qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3).
+    tie_embeddings: the output head reuses the input embedding.
+    max_position: largest position the model is meant to see; caches may not exceed it.
+    dtype: activation / compute dtype.
+    param_dtype: dtype parameters are created and stored in.
+    num_mtp_modules: DeepSeek-V3 style multi-token-prediction modules (0 = none).
+    num_medusa_heads: Medusa residual-MLP heads (0 = none).
+    medusa_layers: residual blocks per Medusa head.
+    family: checkpoint family written by `save_hf` ("llama", "qwen2", "qwen3").
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rope_scaling: Llama3RopeScaling | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  max_position: int = 2048
+  dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  num_mtp_modules: int = 0
+  num_medusa_heads: int = 0
+  medusa_layers: int = 1
+  family: Literal["llama", "qwen2", "qwen3"] = "llama"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "mlp_dim", "max_position", "medusa_layers"):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and value > 0, name, value, "must be a positive int")
+    for name in ("num_mtp_modules", "num_medusa_heads"):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")
+    _require(
+        self.n_heads % self.n_kv_heads == 0,
+        "n_kv_heads",
+        self.n_kv_heads,
+        f"must divide n_heads={self.n_heads} (grouped-query attention)",
+    )
+    _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
+    _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
+    _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
+    _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+    _require(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"one of {DTYPES}")
+    _require(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")
+    _require(
+        self.rope_scaling is None or isinstance(self.rope_scaling, Llama3RopeScaling),
+        "rope_scaling",
+        self.rope_scaling,
+        "None or a Llama3RopeScaling",
+    )
+    if self.family == "qwen2":
+      _require(self.qkv_bias and not self.qk_norm, "family", self.family,
+               "qwen2 checkpoints have qkv_bias=True and qk_norm=False")
+    if self.family == "qwen3":
+      _require(self.qk_norm, "family", self.family, "qwen3 checkpoints have qk_norm=True")
+    if self.family == "llama":
+      _require(not self.qk_norm, "family", self.family,
+               "llama checkpoints have no qk_norm; use family='qwen3'")
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per key/value head."""
+    return self.n_heads // self.n_kv_heads
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)

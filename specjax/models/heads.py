@@ -1,0 +1,112 @@
+"""Draft heads that live beside the trunk: DeepSeek-V3 MTP modules and Medusa heads.
+
+MTP module k (0-based) at position i reads the previous state `h` (the trunk's normalised
+hidden for k = 0, module k-1's output stream otherwise) and the embedding of the token
+k + 1 steps ahead, computes `proj [RMSNorm(h); RMSNorm(emb)]`, runs one transformer block
+with its own KV cache, and predicts token i + k + 2 through the *shared* output head.
+
+Medusa head k on the trunk's final hidden `h_i` predicts token i + k + 2 with a stack of
+residual SiLU blocks followed by the shared output head. No cache.
+
+Glossary: B batch, T tokens, D d_model, V vocab, K number of MTP modules / Medusa heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.models.cache import KVCache
+from specjax.models.config import ModelConfig
+from specjax.models.transformer import embed, rms_norm, run_blocks, unembed
+
+Params = dict[str, Any]
+
+
+@struct.dataclass
+class HeadOutput:
+  """Result of one MTP module.
+
+  Attributes:
+    logits: `[B, T, V]` float32.
+    hidden: `[B, T, D]` the module's output residual stream (input state of module k+1).
+    cache: the module's cache with the new entries written and committed, or None.
+  """
+
+  logits: jax.Array
+  hidden: jax.Array
+  cache: KVCache | None
+
+
+def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: jax.Array,
+                ahead_tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
+                *, new_mask: jax.Array | None = None,
+                advance: jax.Array | int | None = None) -> HeadOutput:
+  """Run MTP module `module` over T positions.
+
+  Args:
+    params: full parameters (trunk embedding / output head are shared).
+    module: 0-based module index (static).
+    prev_hidden: `[B, T, D]` previous state at each position.
+    ahead_tokens: `[B, T]` token `module + 1` steps ahead of each position.
+    positions: `[B, T]` positions i (RoPE of the module's block).
+    cache: optional one-layer `KVCache` of this module.
+    new_mask / advance: as in `transformer.forward`.
+
+  Returns:
+    `HeadOutput` whose logits at position i predict token i + module + 2.
+  """
+  if not 0 <= module < config.num_mtp_modules:
+    raise ValueError(
+        f"module={module} is invalid: config has num_mtp_modules={config.num_mtp_modules}")
+  m = params["mtp"][module]
+  dt = config.compute_dtype
+  h = rms_norm(prev_hidden.astype(dt), m["h_norm"], config.rms_norm_eps)
+  e = rms_norm(embed(params, config, ahead_tokens), m["e_norm"], config.rms_norm_eps)
+  x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([h, e], axis=-1), m["proj"].astype(dt))
+  x, _, cache = run_blocks([m["block"]], config, x, positions, cache, new_mask)
+  logits = unembed(params, config, rms_norm(x, m["out_norm"], config.rms_norm_eps))
+  if cache is not None:
+    cache = cache.advance(ahead_tokens.shape[1] if advance is None else advance)
+  return HeadOutput(logits=logits, hidden=x, cache=cache)
+
+
+def mtp_logits_all(params: Params, config: ModelConfig, hidden: jax.Array,
+                   tokens: jax.Array, positions: jax.Array) -> list[jax.Array]:
+  """Teacher-forced logits of every MTP module over a whole sequence (training).
+
+  Args:
+    hidden: `[B, T, D]` the trunk's normalised hidden states for `tokens`.
+    tokens: `[B, T]` the sequence.
+    positions: `[B, T]`.
+
+  Returns:
+    K arrays `[B, T, V]`; entry k at position i predicts `tokens[i + k + 2]`. Positions with
+    no such target are computed on padding and must be masked by the loss.
+  """
+  outs, prev = [], hidden
+  for k in range(config.num_mtp_modules):
+    ahead = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))
+    out = mtp_forward(params, config, k, prev, ahead, positions)
+    outs.append(out.logits)
+    prev = out.hidden
+  return outs
+
+
+def medusa_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+  """All Medusa heads on normalised hidden `[..., D]` -> `[K, ..., V]`.
+
+  Head k predicts the token k + 2 steps after the position of `hidden`.
+  """
+  dt = config.compute_dtype
+  outs = []
+  for head in params["medusa"]:
+    x = hidden.astype(dt)
+    for layer in head:
+      x = x + jax.nn.silu(jnp.einsum("...D,DE->...E", x, layer["w"].astype(dt))
+                          + layer["b"].astype(dt))
+    outs.append(unembed(params, config, x))
+  return jnp.stack(outs)

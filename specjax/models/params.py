@@ -1,0 +1,135 @@
+"""Parameter pytrees: initialisation and the logical axis names of every leaf.
+
+Parameters are nested dicts of arrays. Layers are a list of per-layer dicts rather than one
+stacked array: the forward pass unrolls the layers in Python, so each layer's weights and KV
+buffers are separate XLA buffers and nothing is sliced out of (or copied into) a stack.
+
+Glossary: V vocab, D d_model, L layers, N query heads, K kv heads, H head_dim, F mlp_dim.
+
+Logical axes (see `param_axes`) are `PartitionSpec`s of *logical* names — "vocab", "embed",
+"heads", "kv_heads", "head_dim", "mlp" — mapped to mesh axes by `specjax.sharding`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from specjax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+_INIT_STD = 0.02
+
+
+def _block_axes(config: ModelConfig) -> dict[str, P]:
+  axes = {
+      "attn_norm": P("embed"),
+      "wq": P("embed", "heads", "head_dim"),
+      "wk": P("embed", "kv_heads", "head_dim"),
+      "wv": P("embed", "kv_heads", "head_dim"),
+      "wo": P("heads", "head_dim", "embed"),
+      "mlp_norm": P("embed"),
+      "w_gate": P("embed", "mlp"),
+      "w_up": P("embed", "mlp"),
+      "w_down": P("mlp", "embed"),
+  }
+  if config.qkv_bias:
+    axes |= {"bq": P("heads", "head_dim"), "bk": P("kv_heads", "head_dim"),
+             "bv": P("kv_heads", "head_dim")}
+  if config.qk_norm:
+    axes |= {"q_norm": P("head_dim"), "k_norm": P("head_dim")}
+  return axes
+
+
+def param_axes(config: ModelConfig) -> Params:
+  """Logical axis names with the same tree structure as `init_params(config, key)`."""
+  axes: Params = {
+      "embed": P("vocab", "embed"),
+      "layers": [_block_axes(config) for _ in range(config.n_layers)],
+      "final_norm": P("embed"),
+  }
+  if not config.tie_embeddings:
+    axes["unembed"] = P("embed", "vocab")
+  if config.num_mtp_modules:
+    axes["mtp"] = [
+        {"h_norm": P("embed"), "e_norm": P("embed"), "proj": P(None, "embed"),
+         "block": _block_axes(config), "out_norm": P("embed")}
+        for _ in range(config.num_mtp_modules)
+    ]
+  if config.num_medusa_heads:
+    axes["medusa"] = [
+        [{"w": P("embed", None), "b": P(None)} for _ in range(config.medusa_layers)]
+        for _ in range(config.num_medusa_heads)
+    ]
+  return axes
+
+
+def _init_block(config: ModelConfig, key: jax.Array) -> Params:
+  d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+                   config.mlp_dim)
+  dt = config.weight_dtype
+  keys = jax.random.split(key, 7)
+  normal = lambda kk, shape: (_INIT_STD * jax.random.normal(kk, shape)).astype(dt)
+  block = {
+      "attn_norm": jnp.ones((d,), dt),
+      "wq": normal(keys[0], (d, n, h)),
+      "wk": normal(keys[1], (d, k, h)),
+      "wv": normal(keys[2], (d, k, h)),
+      "wo": normal(keys[3], (n, h, d)),
+      "mlp_norm": jnp.ones((d,), dt),
+      "w_gate": normal(keys[4], (d, f)),
+      "w_up": normal(keys[5], (d, f)),
+      "w_down": normal(keys[6], (f, d)),
+  }
+  if config.qkv_bias:
+    block |= {"bq": jnp.zeros((n, h), dt), "bk": jnp.zeros((k, h), dt),
+              "bv": jnp.zeros((k, h), dt)}
+  if config.qk_norm:
+    block |= {"q_norm": jnp.ones((h,), dt), "k_norm": jnp.ones((h,), dt)}
+  return block
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+  """Random parameters (normal, std 0.02; norms one; biases zero; Medusa blocks zero).
+
+  Medusa blocks start at zero so each head initially predicts what the base head predicts,
+  which is the standard Medusa initialisation and keeps early drafts sensible.
+  """
+  d, v = config.d_model, config.vocab_size
+  dt = config.weight_dtype
+  k_embed, k_unembed, k_layers, k_mtp = jax.random.split(key, 4)
+  params: Params = {
+      "embed": (_INIT_STD * jax.random.normal(k_embed, (v, d))).astype(dt),
+      "layers": [_init_block(config, kk)
+                 for kk in jax.random.split(k_layers, config.n_layers)],
+      "final_norm": jnp.ones((d,), dt),
+  }
+  if not config.tie_embeddings:
+    params["unembed"] = (_INIT_STD * jax.random.normal(k_unembed, (d, v))).astype(dt)
+  if config.num_mtp_modules:
+    mtp = []
+    for kk in jax.random.split(k_mtp, config.num_mtp_modules):
+      k_proj, k_block = jax.random.split(kk)
+      mtp.append({
+          "h_norm": jnp.ones((d,), dt),
+          "e_norm": jnp.ones((d,), dt),
+          "proj": (_INIT_STD * jax.random.normal(k_proj, (2 * d, d))).astype(dt),
+          "block": _init_block(config, k_block),
+          "out_norm": jnp.ones((d,), dt),
+      })
+    params["mtp"] = mtp
+  if config.num_medusa_heads:
+    params["medusa"] = [
+        [{"w": jnp.zeros((d, d), dt), "b": jnp.zeros((d,), dt)}
+         for _ in range(config.medusa_layers)]
+        for _ in range(config.num_medusa_heads)
+    ]
+  return params
+
+
+def count_params(params: Params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

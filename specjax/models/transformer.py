@@ -1,0 +1,231 @@
+"""The trunk: a pure-functional Llama 3 / Qwen2 / Qwen3 decoder.
+
+`forward(params, config, tokens, positions, cache)` runs the model over T new tokens. With
+a cache it writes their keys/values in place after the committed slots; an optional
+`new_mask` restricts which new tokens see each other, which is how a whole draft tree is
+verified in one pass (each node sees only its ancestors).
+
+Glossary: B batch, T new tokens, S cache slots, D d_model, N query heads, K kv heads,
+G = N / K query heads per kv head, H head_dim, F mlp_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.models.cache import KVCache, attention_mask
+from specjax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+@struct.dataclass
+class ForwardOutput:
+  """Result of `forward`.
+
+  Attributes:
+    logits: `[B, T, V]` float32, or None when `compute_logits=False`.
+    hidden: `[B, T, D]` final hidden state after the final norm (input of the output head).
+    intermediates: residual stream after each layer listed in `hidden_layers`, `[B, T, D]`.
+    cache: the cache with the new keys/values written, or None.
+  """
+
+  logits: jax.Array | None
+  hidden: jax.Array
+  intermediates: tuple[jax.Array, ...]
+  cache: KVCache | None
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in float32 and cast back, as HF Llama/Qwen do."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+  """Inverse frequencies `[H/2]`, with Llama 3 scaling when configured."""
+  h = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  scaling = config.rope_scaling
+  if scaling is None:
+    return inv_freq
+  low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(mid, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary embedding, half-split convention (HF `rotate_half`). x: `[B, T, *, H]`."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _write(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+  """Scatter `new [B, T, K, H]` into `buf [B, S, K, H]` at `slots [B, T]` (in place if donated)."""
+  rows = jnp.arange(buf.shape[0])[:, None]
+  return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
+
+
+def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
+          mask: jax.Array, kv: tuple[jax.Array, jax.Array] | None, slots: jax.Array | None,
+          inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+  """One pre-norm transformer block (attention + SwiGLU MLP).
+
+  Args:
+    layer: the block's parameters.
+    x: `[B, T, D]` residual stream.
+    positions: `[B, T]` absolute positions (for RoPE).
+    mask: `[B, T, S]` visibility (S = T without a cache).
+    kv: this layer's `(keys, values)` buffers `[B, S, K, H]`, or None.
+    slots: `[B, T]` slots the new keys/values are written to (with `kv`).
+    inv_freq: `[H/2]` RoPE inverse frequencies.
+
+  Returns:
+    The new residual stream `[B, T, D]` and the updated `(keys, values)` (or None).
+  """
+  dt = config.compute_dtype
+  w = lambda name: layer[name].astype(dt)
+  b, t, _ = x.shape
+
+  h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+  q = jnp.einsum("BTD,DNH->BTNH", h, w("wq"))
+  k = jnp.einsum("BTD,DKH->BTKH", h, w("wk"))
+  v = jnp.einsum("BTD,DKH->BTKH", h, w("wv"))
+  if config.qkv_bias:
+    q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+  if config.qk_norm:
+    q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
+    k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+
+  if kv is None:
+    keys, values, new_kv = k, v, None
+  else:
+    keys, values = _write(kv[0], k, slots), _write(kv[1], v, slots)
+    new_kv = (keys, values)
+
+  q = q.reshape(b, t, config.n_kv_heads, config.group_size, config.head_dim)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys.astype(dt),
+                      preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(config.head_dim)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values.astype(dt))
+  attn = attn.reshape(b, t, config.n_heads, config.head_dim)
+  x = x + jnp.einsum("BTNH,NHD->BTD", attn, w("wo"))
+
+  h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+  gate = jnp.einsum("BTD,DF->BTF", h, w("w_gate"))
+  up = jnp.einsum("BTD,DF->BTF", h, w("w_up"))
+  x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w("w_down"))
+  return x, new_kv
+
+
+def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+  """Token embeddings `[B, T, D]` in the compute dtype."""
+  return jnp.take(params["embed"], tokens, axis=0).astype(config.compute_dtype)
+
+
+def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+  """Output head: normalised hidden `[..., D]` -> float32 logits `[..., V]`."""
+  dt = config.compute_dtype
+  if config.tie_embeddings:
+    return jnp.einsum("...D,VD->...V", hidden, params["embed"].astype(dt),
+                      preferred_element_type=jnp.float32)
+  return jnp.einsum("...D,DV->...V", hidden, params["unembed"].astype(dt),
+                    preferred_element_type=jnp.float32)
+
+
+def causal_mask(batch: int, num_new: int) -> jax.Array:
+  """`[B, T, T]` lower-triangular visibility among new tokens."""
+  tri = jnp.tril(jnp.ones((num_new, num_new), bool))
+  return jnp.broadcast_to(tri, (batch, num_new, num_new))
+
+
+def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, positions: jax.Array,
+               cache: KVCache | None, new_mask: jax.Array | None,
+               hidden_layers: tuple[int, ...] = ()
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache | None]:
+  """Apply `layers` to the residual stream `x [B, T, D]`, writing into `cache` if given.
+
+  The cache must hold exactly `len(layers)` layers. Returns the final residual stream, the
+  streams after the layers named in `hidden_layers`, and the cache with new entries written
+  (lengths unchanged).
+  """
+  b, t, _ = x.shape
+  if new_mask is None:
+    new_mask = causal_mask(b, t)
+  new_mask = jnp.broadcast_to(new_mask, (b, t, t))
+  inv_freq = rope_frequencies(config)
+  if cache is None:
+    mask, slots = new_mask, None
+  else:
+    if len(cache.keys) != len(layers):
+      raise ValueError(f"cache has {len(cache.keys)} layers, the model {len(layers)}")
+    mask = attention_mask(cache.lengths, t, cache.max_len, new_mask)
+    slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  keys, values, intermediates = [], [], []
+  for i, layer in enumerate(layers):
+    kv = None if cache is None else (cache.keys[i], cache.values[i])
+    x, new_kv = block(layer, config, x, positions, mask, kv, slots, inv_freq)
+    if new_kv is not None:
+      keys.append(new_kv[0])
+      values.append(new_kv[1])
+    if i in hidden_layers:
+      intermediates.append(x)
+  if cache is not None:
+    cache = cache.replace(keys=tuple(keys), values=tuple(values))
+  return x, tuple(intermediates), cache
+
+
+def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache | None = None, *, new_mask: jax.Array | None = None,
+            advance: jax.Array | int | None = None, hidden_layers: tuple[int, ...] = (),
+            compute_logits: bool = True) -> ForwardOutput:
+  """Run the trunk over T new tokens.
+
+  Args:
+    params: trunk parameters (`init_params` / `load_hf`).
+    config: the model configuration (static).
+    tokens: `[B, T]` int token ids.
+    positions: `[B, T]` int absolute positions (RoPE); for a tree, committed length + depth.
+    cache: optional `KVCache`; the new keys/values go to slots `lengths[b] + t`.
+    new_mask: optional `[B, T, T]` (or broadcastable) bool visibility among the new tokens;
+      default causal. For tree verification pass the tree's ancestor-or-self mask.
+    advance: how many of the new slots to commit per row (`[B]` or scalar); default T.
+      Tree verification passes 0 and commits the accepted path afterwards.
+    hidden_layers: indices of layers whose output residual stream to return.
+    compute_logits: skip the output head when only hidden states are needed.
+
+  Returns:
+    A `ForwardOutput`.
+  """
+  for idx in hidden_layers:
+    if not 0 <= idx < config.n_layers:
+      raise ValueError(f"hidden_layers contains {idx}; allowed: 0..{config.n_layers - 1}")
+  x = embed(params, config, tokens)
+  x, intermediates, cache = run_blocks(params["layers"], config, x, positions, cache, new_mask,
+                                       hidden_layers)
+  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  logits = unembed(params, config, hidden) if compute_logits else None
+  if cache is not None:
+    cache = cache.advance(tokens.shape[1] if advance is None else advance)
+  return ForwardOutput(logits=logits, hidden=hidden, intermediates=intermediates, cache=cache)

@@ -1,0 +1,255 @@
+"""Device mesh, logical-axis rules, and the shardings of parameters, batches and caches.
+
+Every parameter leaf carries a `PartitionSpec` of *logical* names (`param_axes`); a short
+rules table maps each logical name to mesh axes. Keeping the two apart means one model
+definition runs data-parallel, FSDP, tensor-parallel or any mix by changing only the mesh
+shape (or, rarely, the rules).
+
+The mesh always has the axes ("data", "fsdp", "tensor"), some possibly of size 1:
+  data    pure data parallelism: batch split, parameters replicated.
+  fsdp    batch split and parameters split along "embed" (gathered when used).
+  tensor  Megatron-style split of heads, MLP hidden units and the vocabulary.
+
+A dimension whose size the mapped mesh axes do not divide (kv_heads=2 on tensor=4) falls
+back to fewer of those axes and then to replication, and a mesh axis is used at most once
+per array, so any model config runs on any mesh; such a fallback costs memory, not
+correctness.
+
+Glossary: B batch, S cache slots, K kv heads, H head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax.models.cache import KVCache
+from specjax.models.config import ModelConfig
+from specjax.models.params import init_params, param_axes
+
+Params = dict[str, Any]
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# A logical name may appear more than once: later entries are fallbacks tried in order when an
+# earlier one cannot be used (axis already taken in this array, or size not divisible).
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+)
+
+_CACHE_AXES = P("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all global devices).
+
+  One axis may be -1, meaning "all devices the other axes leave". On several hosts,
+  `jax.devices()` lists every process's devices, so the same call on each host builds the
+  same global mesh.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f"{name}={size!r} is invalid: must be a positive int or -1 "
+                       "(all remaining devices)")
+  free = [name for name, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ValueError(f"{' and '.join(f'{n}=-1' for n in free)} is invalid: at most one "
+                     "axis may be -1")
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if len(devices) % fixed:
+      raise ValueError(
+          f"{free[0]}=-1 is invalid: the other axes multiply to {fixed}, which does not "
+          f"divide the {len(devices)} devices")
+    sizes[free[0]] = len(devices) // fixed
+  shape = tuple(sizes[name] for name in MESH_AXES)
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+        f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} "
+        f"devices is invalid: there are {len(devices)} devices; the product must equal it "
+        "(use -1 on one axis to take the rest)")
+  # Auto axes: the model code leaves sharding of intermediates to the compiler; explicit
+  # (sharding-in-types) axes, the jax.make_mesh default, would demand annotations on them.
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=devices)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_mesh(spec: P, mesh: Mesh, shape: Sequence[int], rules: Rules = DEFAULT_RULES
+                    ) -> P:
+  """Map a `PartitionSpec` of logical names to one of mesh axes for an array of `shape`.
+
+  Each dimension takes the first rule for its logical name whose mesh axes are still free in
+  this array, keeping the longest prefix of them whose total size divides the dimension;
+  a dimension nothing fits is replicated. The result has one entry per dimension.
+
+  Raises:
+    ValueError: a logical name absent from `rules`, a rule naming an axis the mesh lacks,
+      or a spec longer than `shape`.
+  """
+  if len(spec) > len(shape):
+    raise ValueError(f"spec {spec} has {len(spec)} entries but the array has shape "
+                     f"{tuple(shape)}; allowed: at most one entry per dimension")
+  known = {name for name, _ in rules}
+  used: set[str] = set()
+  out: list[MeshAxes] = []
+  for dim, logical in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    chosen: tuple[str, ...] = ()
+    for name in _as_tuple(logical):
+      if name not in known:
+        raise ValueError(f"logical axis {name!r} has no rule; rules cover {sorted(known)}")
+      chosen += _first_rule_that_fits(name, dim // _size(mesh, chosen), mesh, rules,
+                                      used | set(chosen))
+    used.update(chosen)
+    out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return P(*out)
+
+
+def _first_rule_that_fits(name: str, size: int, mesh: Mesh, rules: Rules, used: set[str]
+                          ) -> tuple[str, ...]:
+  """Mesh axes for logical `name` on a dimension of `size`, avoiding the axes in `used`."""
+  for rule_name, axes in rules:
+    if rule_name != name:
+      continue
+    for axis in _as_tuple(axes):
+      if axis not in mesh.shape:
+        raise ValueError(f"rule {name!r} -> {axis!r} names a mesh axis the mesh lacks; "
+                         f"mesh axes are {tuple(mesh.axis_names)}")
+    free = [a for a in _as_tuple(axes) if a not in used]
+    # The longest prefix keeps the rule's order (batch over data before fsdp).
+    for n in range(len(free), 0, -1):
+      if size % _size(mesh, free[:n]) == 0:
+        return tuple(free[:n])
+  return ()
+
+
+def _size(mesh: Mesh, axes: Sequence[str]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_sharding(spec: P, mesh: Mesh, shape: Sequence[int], rules: Rules = DEFAULT_RULES
+                     ) -> NamedSharding:
+  """`NamedSharding` of an array of `shape` whose dimensions have the logical names `spec`."""
+  return NamedSharding(mesh, logical_to_mesh(spec, mesh, shape, rules))
+
+
+def param_shapes(config: ModelConfig) -> Params:
+  """`jax.ShapeDtypeStruct` of every parameter, computed without allocating any."""
+  return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Params:
+  """`NamedSharding` of every parameter, in the tree structure of `init_params(config, key)`."""
+  shapes = param_shapes(config)
+  axes = param_axes(config)
+  if jax.tree.structure(shapes) != jax.tree.structure(axes, is_leaf=_is_spec):
+    raise ValueError("param_axes(config) and init_params(config, key) have different tree "
+                     f"structures:\n{jax.tree.structure(axes, is_leaf=_is_spec)}\nvs\n"
+                     f"{jax.tree.structure(shapes)}")
+  return jax.tree.map(lambda s, a: logical_sharding(a, mesh, s.shape, rules), shapes, axes)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a `[B, ...]` array of rank `ndim`: B over the "batch" rule's mesh axes.
+
+  B must be divisible by the product of those axes' sizes (data x fsdp by default).
+  """
+  if ndim < 1:
+    raise ValueError(f"ndim={ndim} is invalid: a batch array has rank >= 1")
+  batch_axes = next((_as_tuple(axes) for name, axes in rules if name == "batch"), None)
+  if batch_axes is None:
+    raise ValueError(f"rules have no 'batch' entry; rules cover {[n for n, _ in rules]}")
+  first = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+  return NamedSharding(mesh, P(first, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """A full copy on every device of `mesh` (scalars, step counters, metrics)."""
+  return NamedSharding(mesh, P())
+
+
+def kv_cache_shardings(cache: KVCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> KVCache:
+  """A `KVCache` whose leaves are shardings: `[B, S, K, H]` buffers B over batch axes, K over
+  the kv_heads axes; `lengths [B]` over the batch axes. `cache` may hold arrays or
+  `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape(KVCache.create, ...)`)."""
+  buf = lambda x: logical_sharding(_CACHE_AXES, mesh, x.shape, rules)
+  return cache.replace(keys=tuple(buf(k) for k in cache.keys),
+                       values=tuple(buf(v) for v in cache.values),
+                       lengths=logical_sharding(P("batch"), mesh, cache.lengths.shape, rules))
+
+
+def shard_params(params: Params, shardings: Params) -> Params:
+  """Move existing parameters onto `shardings` (every host must hold the same values)."""
+  return jax.device_put(params, shardings)
+
+
+def init_sharded_params(config: ModelConfig, key: jax.Array, mesh: Mesh,
+                        rules: Rules = DEFAULT_RULES) -> Params:
+  """`init_params(config, key)` created directly in its shards, never whole on one device.
+
+  The values equal the unsharded `init_params` because JAX's partitionable threefry
+  (`jax_threefry_partitionable`, the default) makes random bits independent of sharding.
+  """
+  shardings = param_shardings(config, mesh, rules)
+  init = jax.jit(init_params, static_argnums=0, out_shardings=shardings)
+  return init(config, key)
+
+
+def opt_state_shardings(opt_state: Any, params: Params, shardings: Params) -> Any:
+  """Shardings of an optax state: leaves that mirror a parameter take its sharding.
+
+  Any subtree of `opt_state` with the tree structure of `params` (Adam's `mu` and `nu`, a
+  momentum buffer) is matched leaf by leaf; a matched leaf with the parameter's shape takes
+  the parameter's sharding, everything else (step counts, Adafactor's factored moments) is
+  replicated. `opt_state` and `params` may hold arrays or `jax.ShapeDtypeStruct`s.
+  """
+  mesh = _mesh_of(shardings)
+  params_def = jax.tree.structure(params)
+  flat_shapes = [np.shape(x) for x in jax.tree.leaves(params)]
+  flat_shardings = jax.tree.leaves(shardings)
+
+  def mirrors_params(node: Any) -> bool:
+    return jax.tree.structure(node) == params_def
+
+  def assign(node: Any) -> Any:
+    if not mirrors_params(node):
+      return replicated(mesh)
+    leaves = jax.tree.leaves(node)
+    return jax.tree.unflatten(params_def, [
+        sh if np.shape(x) == shape else replicated(mesh)
+        for x, shape, sh in zip(leaves, flat_shapes, flat_shardings)])
+
+  return jax.tree.map(assign, opt_state, is_leaf=mirrors_params)
+
+
+def _mesh_of(shardings: Params) -> Mesh:
+  leaves = jax.tree.leaves(shardings)
+  if not leaves or not all(isinstance(s, NamedSharding) for s in leaves):
+    raise ValueError("shardings must be a non-empty tree of NamedSharding")
+  return leaves[0].mesh
