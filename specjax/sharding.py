@@ -33,6 +33,12 @@ from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.params import init_params, param_axes
 
+__all__ = [
+    "DEFAULT_RULES", "MESH_AXES", "Rules", "batch_sharding", "init_sharded_params",
+    "kv_cache_shardings", "logical_sharding", "logical_to_mesh", "make_mesh",
+    "opt_state_shardings", "param_shapes", "param_shardings", "replicated", "shard_params",
+]
+
 Params = dict[str, Any]
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -176,9 +182,10 @@ def _is_spec(x: Any) -> bool:
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-  """Sharding of a `[B, ...]` array of rank `ndim`: B over the "batch" rule's mesh axes.
+  """Sharding of a `[B, ...]` array of rank `ndim`: B over the first "batch" rule's axes.
 
-  B must be divisible by the product of those axes' sizes (data x fsdp by default).
+  B must be divisible by the product of those axes' sizes (data x fsdp by default); for a
+  B that may not be, use `logical_sharding(P("batch", ...), mesh, shape)`, which falls back.
   """
   if ndim < 1:
     raise ValueError(f"ndim={ndim} is invalid: a batch array has rank >= 1")
@@ -195,9 +202,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_shardings(cache: KVCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> KVCache:
-  """A `KVCache` whose leaves are shardings: `[B, S, K, H]` buffers B over batch axes, K over
-  the kv_heads axes; `lengths [B]` over the batch axes. `cache` may hold arrays or
-  `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape(KVCache.create, ...)`)."""
+  """A `KVCache` of shardings for `cache` (arrays or `jax.ShapeDtypeStruct`s).
+
+  Buffers `[B, S, K, H]` split B over the "batch" axes and K over the "kv_heads" axes (the
+  same split as the wk/wv columns that produce them, so writes need no communication);
+  `lengths [B]` splits over the "batch" axes.
+  """
   buf = lambda x: logical_sharding(_CACHE_AXES, mesh, x.shape, rules)
   return cache.replace(keys=tuple(buf(k) for k in cache.keys),
                        values=tuple(buf(v) for v in cache.values),

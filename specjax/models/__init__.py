@@ -2,7 +2,8 @@
 
 from specjax.models.cache import KVCache, attention_mask
 from specjax.models.config import ConfigError, Llama3RopeScaling, ModelConfig
-from specjax.models.heads import HeadOutput, medusa_logits, mtp_forward, mtp_logits_all
+from specjax.models.heads import (HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
+                                  mtp_logits_all)
 from specjax.models.hf import CheckpointError, config_from_hf, config_to_hf, load_hf, save_hf
 from specjax.models.params import count_params, init_params, param_axes
 from specjax.models.transformer import (ForwardOutput, causal_mask, embed, forward, rms_norm,
@@ -12,6 +13,6 @@ __all__ = [
     "CheckpointError", "ConfigError", "ForwardOutput", "HeadOutput", "KVCache",
     "Llama3RopeScaling", "ModelConfig", "attention_mask", "causal_mask", "config_from_hf",
     "config_to_hf", "count_params", "embed", "forward", "init_params", "load_hf",
-    "medusa_logits", "mtp_forward", "mtp_logits_all", "param_axes", "rms_norm", "save_hf",
-    "unembed",
+    "medusa_logits", "mtp_forward", "mtp_head_logits", "mtp_logits_all", "param_axes",
+    "rms_norm", "save_hf", "unembed",
 ]

@@ -36,7 +36,7 @@ class HeadOutput:
     cache: the module's cache with the new entries written and committed, or None.
   """
 
-  logits: jax.Array
+  logits: jax.Array | None
   hidden: jax.Array
   cache: KVCache | None
 
@@ -44,7 +44,8 @@ class HeadOutput:
 def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: jax.Array,
                 ahead_tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None,
                 *, new_mask: jax.Array | None = None,
-                advance: jax.Array | int | None = None) -> HeadOutput:
+                advance: jax.Array | int | None = None,
+                compute_logits: bool = True) -> HeadOutput:
   """Run MTP module `module` over T positions.
 
   Args:
@@ -55,6 +56,7 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
     positions: `[B, T]` positions i (RoPE of the module's block).
     cache: optional one-layer `KVCache` of this module.
     new_mask / advance: as in `transformer.forward`.
+    compute_logits: skip the output head (logits None); see `mtp_head_logits`.
 
   Returns:
     `HeadOutput` whose logits at position i predict token i + module + 2.
@@ -68,10 +70,17 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
   e = rms_norm(embed(params, config, ahead_tokens), m["e_norm"], config.rms_norm_eps)
   x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([h, e], axis=-1), m["proj"].astype(dt))
   x, _, cache = run_blocks([m["block"]], config, x, positions, cache, new_mask)
-  logits = unembed(params, config, rms_norm(x, m["out_norm"], config.rms_norm_eps))
+  logits = mtp_head_logits(params, config, module, x) if compute_logits else None
   if cache is not None:
     cache = cache.advance(ahead_tokens.shape[1] if advance is None else advance)
   return HeadOutput(logits=logits, hidden=x, cache=cache)
+
+
+def mtp_head_logits(params: Params, config: ModelConfig, module: int,
+                    stream: jax.Array) -> jax.Array:
+  """Logits `[..., V]` of MTP module `module` from its output stream `[..., D]`."""
+  m = params["mtp"][module]
+  return unembed(params, config, rms_norm(stream, m["out_norm"], config.rms_norm_eps))
 
 
 def mtp_logits_all(params: Params, config: ModelConfig, hidden: jax.Array,

@@ -199,6 +199,10 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | Non
     raise ConfigError(f"config.json: rope type {rope_type!r} is unsupported: allowed "
                       "'default' (no scaling) or 'llama3'")
   original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+  if missing or original is None:
+    missing += [] if original is not None else ["original_max_position_embeddings"]
+    raise ConfigError(f"config.json: llama3 rope scaling is missing {missing}")
   return theta, Llama3RopeScaling(
       factor=float(params["factor"]),
       low_freq_factor=float(params["low_freq_factor"]),
@@ -242,8 +246,11 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
   """
   archs = hf.get("architectures") or []
   arch = next((a for a in archs if a in ARCHITECTURES), None)
+  if not archs:  # some hand-written configs name only the model_type
+    arch = _FAMILY_ARCH.get(hf.get("model_type"))
   if arch is None:
-    raise ConfigError(f"config.json: architectures={archs!r} is unsupported: allowed one of "
+    raise ConfigError(f"config.json: architectures={archs!r} (model_type="
+                      f"{hf.get('model_type')!r}) is unsupported: allowed one of "
                       f"{sorted(ARCHITECTURES)}")
   family = ARCHITECTURES[arch]
   missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -465,6 +472,21 @@ def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
   return out
 
 
+def _stored_trunk(params: Params, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Every tensor of the HF checkpoint, in transformers' order."""
+  arrays = _gather(params, _trunk_tensors(config))
+  if not (config.qkv_bias and config.family != "qwen2"):
+    return arrays
+  # Llama / Qwen3 with attention_bias=True also expect an o_proj bias; specjax has none, so
+  # it is zero (and `load_hf` accepts exactly that).
+  out = {}
+  for name, array in arrays.items():
+    out[name] = array
+    if name.endswith("self_attn.o_proj.weight"):
+      out[name.removesuffix("weight") + "bias"] = np.zeros(array.shape[:1], array.dtype)
+  return out
+
+
 def _shards(arrays: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
   """Split `arrays` in order into shards of at most `max_bytes` (one tensor may exceed it)."""
   shards: list[dict[str, np.ndarray]] = [{}]
@@ -508,7 +530,7 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
   """
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
     raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be a positive int")
-  trunk = _gather(params, _trunk_tensors(config))
+  trunk = _stored_trunk(params, config)
   heads = _gather(params, _head_tensors(config))
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,266 @@
+"""Tokenizers: the small interface the rest of specjax needs, a built-in character-level one
+for the built-in tasks, and a wrapper of a Hugging Face `tokenizer.json`.
+
+`encode` never adds special tokens; a caller that wants a BOS prepends `bos_id` when it is not
+None. `decode` drops special tokens (PAD, BOS, EOS, and the HF tokenizer's other specials).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import tokenizers
+
+
+class TokenizerError(ValueError):
+  """Text, an id or a tokenizer directory that cannot be used; the message names it."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the models, tasks and samplers need of a tokenizer."""
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids the tokenizer can produce (the model's V may be larger)."""
+    ...
+
+  @property
+  def eos_id(self) -> int:
+    """The id that ends a sequence."""
+    ...
+
+  @property
+  def pad_id(self) -> int:
+    """The id written into padding (always masked out)."""
+    ...
+
+  @property
+  def bos_id(self) -> int | None:
+    """The id a sequence starts with, or None when the model uses none (e.g. Qwen)."""
+    ...
+
+  def encode(self, text: str) -> list[int]:
+    """Ids of `text`, without special tokens."""
+    ...
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids`, dropping special tokens."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CharTokenizer:
+  """One id per character of a fixed alphabet, after three special ids.
+
+  Ids: 0 PAD, 1 BOS, 2 EOS, then `3 + i` for `alphabet[i]`.
+
+  Attributes:
+    alphabet: the characters, each once, e.g. "0123456789+=".
+  """
+
+  alphabet: str
+
+  PAD = 0
+  BOS = 1
+  EOS = 2
+  NUM_SPECIAL = 3
+
+  def __post_init__(self):
+    if not isinstance(self.alphabet, str) or not self.alphabet:
+      raise TokenizerError(f"alphabet={self.alphabet!r} is invalid: must be a non-empty str")
+    repeated = sorted({c for c in self.alphabet if self.alphabet.count(c) > 1})
+    if repeated:
+      raise TokenizerError(f"alphabet={self.alphabet!r} is invalid: characters {repeated} "
+                           "appear more than once")
+
+  @functools.cached_property
+  def _ids(self) -> dict[str, int]:
+    return {c: self.NUM_SPECIAL + i for i, c in enumerate(self.alphabet)}
+
+  @property
+  def vocab_size(self) -> int:
+    return self.NUM_SPECIAL + len(self.alphabet)
+
+  @property
+  def eos_id(self) -> int:
+    return self.EOS
+
+  @property
+  def pad_id(self) -> int:
+    return self.PAD
+
+  @property
+  def bos_id(self) -> int:
+    return self.BOS
+
+  def encode(self, text: str) -> list[int]:
+    ids = self._ids
+    try:
+      return [ids[c] for c in text]
+    except KeyError:
+      pos = next(i for i, c in enumerate(text) if c not in ids)
+      raise TokenizerError(f"character {text[pos]!r} at position {pos} of {text!r} is not in "
+                           f"the alphabet {self.alphabet!r}") from None
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if not 0 <= i < self.vocab_size:
+        raise TokenizerError(f"id {i} is out of range: allowed 0..{self.vocab_size - 1}")
+      if i >= self.NUM_SPECIAL:
+        out.append(self.alphabet[i - self.NUM_SPECIAL])
+    return "".join(out)
+
+
+# Fallback special tokens, tried in order when neither tokenizer_config.json nor
+# generation_config.json names one: the spellings of SentencePiece Llama/Mistral ("</s>"),
+# GPT-2/Qwen ("<|endoftext|>"), Llama 3 ("<|end_of_text|>") and Gemma ("<eos>").
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
+PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
+
+
+def _token_content(value: Any) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+  if isinstance(value, Mapping):
+    return value.get("content")
+  return value
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+  return json.loads(file.read_text()) if file.is_file() else {}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HFTokenizer:
+  """A Hugging Face fast tokenizer (`tokenizer.json`) with resolved special ids.
+
+  Build it with `from_dir` (a model directory) or `from_file` (a lone `tokenizer.json`).
+
+  Attributes:
+    tokenizer: the `tokenizers.Tokenizer`.
+    eos_id: the id that ends a sequence.
+    pad_id: the padding id (the EOS id when the tokenizer defines no pad token).
+    bos_id: the start-of-sequence id, or None.
+    eos_ids: every id that ends a sequence, `eos_id` first (chat models stop on several, e.g.
+      generation_config.json's `eos_token_id` list).
+  """
+
+  tokenizer: tokenizers.Tokenizer
+  eos_id: int
+  pad_id: int
+  bos_id: int | None = None
+  eos_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not self.eos_ids:
+      object.__setattr__(self, "eos_ids", (self.eos_id,))
+    if self.eos_ids[0] != self.eos_id:
+      raise TokenizerError(f"eos_ids={self.eos_ids} is invalid: must start with eos_id="
+                           f"{self.eos_id}")
+    named = {"eos_id": self.eos_id, "pad_id": self.pad_id, "bos_id": self.bos_id}
+    named |= {f"eos_ids[{i}]": v for i, v in enumerate(self.eos_ids)}
+    for field, value in named.items():
+      if value is not None and not 0 <= value < self.vocab_size:
+        raise TokenizerError(f"{field}={value} is invalid: allowed 0..{self.vocab_size - 1}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, *, eos_token: str | None = None,
+                pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
+    """Load a lone `tokenizer.json`; special tokens not given are guessed.
+
+    Guessing takes the first of `EOS_CANDIDATES` / `BOS_CANDIDATES` / `PAD_CANDIDATES` that
+    is in the vocabulary; no EOS is an error, no BOS means None, no pad means the EOS id.
+    """
+    return cls._build(Path(path), {}, {}, eos_token, pad_token, bos_token)
+
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike, *, eos_token: str | None = None,
+               pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
+    """Load `tokenizer.json` of an HF model directory.
+
+    Each special token comes from, in order: the argument; `tokenizer_config.json`
+    (`eos_token`, `pad_token`, `bos_token`; an explicit null BOS means none);
+    `generation_config.json` (`eos_token_id` — its whole list goes to `eos_ids` —,
+    `pad_token_id`, `bos_token_id`); the guesses of `from_file`.
+    """
+    path = Path(path)
+    return cls._build(path / "tokenizer.json", _read_json(path / "tokenizer_config.json"),
+                      _read_json(path / "generation_config.json"), eos_token, pad_token,
+                      bos_token)
+
+  @classmethod
+  def _build(cls, file: Path, tok_config: Mapping[str, Any], gen_config: Mapping[str, Any],
+             eos_token: str | None, pad_token: str | None,
+             bos_token: str | None) -> HFTokenizer:
+    if not file.is_file():
+      raise TokenizerError(f"{file}: missing; only fast tokenizers (tokenizer.json) are "
+                           "supported")
+    tok = tokenizers.Tokenizer.from_file(str(file))
+
+    def token_id(token: str, source: str) -> int:
+      i = tok.token_to_id(token)
+      if i is None:
+        raise TokenizerError(f"{source}={token!r} is not in the vocabulary of {file}")
+      return i
+
+    def guess(candidates: tuple[str, ...]) -> int | None:
+      return next((tok.token_to_id(c) for c in candidates if tok.token_to_id(c) is not None),
+                  None)
+
+    gen_eos = gen_config.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if eos_token is not None:
+      eos_id = token_id(eos_token, "eos_token")
+    elif _token_content(tok_config.get("eos_token")) is not None:
+      eos_id = token_id(_token_content(tok_config["eos_token"]), "tokenizer_config.eos_token")
+    elif gen_eos:
+      eos_id = gen_eos[0]
+    else:
+      eos_id = guess(EOS_CANDIDATES)
+      if eos_id is None:
+        raise TokenizerError(f"{file}: no EOS token: none given, none in tokenizer_config.json "
+                             f"or generation_config.json, and none of {EOS_CANDIDATES} in the "
+                             "vocabulary; pass eos_token")
+
+    if bos_token is not None:
+      bos_id = token_id(bos_token, "bos_token")
+    elif "bos_token" in tok_config:
+      content = _token_content(tok_config["bos_token"])
+      bos_id = None if content is None else token_id(content, "tokenizer_config.bos_token")
+    elif gen_config.get("bos_token_id") is not None:
+      bos_id = int(gen_config["bos_token_id"])
+    else:
+      bos_id = guess(BOS_CANDIDATES)
+
+    if pad_token is not None:
+      pad_id = token_id(pad_token, "pad_token")
+    elif _token_content(tok_config.get("pad_token")) is not None:
+      pad_id = token_id(_token_content(tok_config["pad_token"]), "tokenizer_config.pad_token")
+    elif gen_config.get("pad_token_id") is not None:
+      pad_id = int(gen_config["pad_token_id"])
+    else:
+      # Padding is always masked, so any id works; EOS is the usual choice when none exists.
+      pad_id = guess(PAD_CANDIDATES)
+      pad_id = eos_id if pad_id is None else pad_id
+
+    eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
+    return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids)

@@ -1,0 +1,135 @@
+"""Tokenizers: the character-level tokenizer, and HF tokenizers checked against transformers."""
+
+import json
+
+import pytest
+import transformers
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from specjax.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError
+
+TEXTS = ["hello world", "the quick brown fox", "héllo wörld, ünïcode ✓", "", "  spaces  "]
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_end|>"]
+
+
+def test_char_tokenizer_round_trips_text_and_reserves_special_ids():
+  tok = CharTokenizer("0123456789+= ")
+  assert isinstance(tok, Tokenizer)
+  assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2, 16)
+  ids = tok.encode("12+3= 15")
+  assert ids == [4, 5, 13, 6, 14, 15, 4, 8]
+  assert min(ids) >= 3  # text never produces a special id
+  assert tok.decode(ids) == "12+3= 15"
+
+
+def test_char_tokenizer_decode_drops_specials_and_rejects_out_of_range():
+  tok = CharTokenizer("ab")
+  assert tok.decode([tok.bos_id, 3, 4, tok.eos_id, tok.pad_id, tok.pad_id]) == "ab"
+  with pytest.raises(TokenizerError, match=r"id 5 is out of range: allowed 0\.\.4"):
+    tok.decode([3, 5])
+
+
+def test_char_tokenizer_rejects_out_of_alphabet_char_naming_it():
+  tok = CharTokenizer("abc")
+  with pytest.raises(TokenizerError, match=r"character 'x' at position 2 of 'abxc'.*'abc'"):
+    tok.encode("abxc")
+
+
+@pytest.mark.parametrize("alphabet", ["", "abca"])
+def test_char_tokenizer_rejects_empty_or_repeated_alphabet(alphabet):
+  with pytest.raises(TokenizerError, match="alphabet"):
+    CharTokenizer(alphabet)
+
+
+def _train_tokenizer() -> RawTokenizer:
+  tok = RawTokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(TEXTS * 5, trainer)
+  return tok
+
+
+@pytest.fixture(scope="module")
+def raw_tokenizer():
+  return _train_tokenizer()
+
+
+@pytest.fixture
+def model_dir(tmp_path, raw_tokenizer):
+  raw_tokenizer.save(str(tmp_path / "tokenizer.json"))
+  return tmp_path
+
+
+def _write(path, name, content) -> None:
+  (path / name).write_text(json.dumps(content))
+
+
+def test_hf_tokenizer_encode_decode_match_transformers(model_dir):
+  _write(model_dir, "tokenizer_config.json",
+         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"})
+  ours = HFTokenizer.from_dir(model_dir)
+  ref = transformers.AutoTokenizer.from_pretrained(model_dir)
+  assert isinstance(ours, Tokenizer)
+  assert ours.vocab_size == len(ref)
+  for text in TEXTS:
+    ids = ours.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
+  assert ours.decode([ours.eos_id] + ours.encode("hello")) == "hello"
+
+
+def test_hf_tokenizer_special_ids_from_tokenizer_config_match_transformers(model_dir):
+  _write(model_dir, "tokenizer_config.json", {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
+      "pad_token": "<pad>", "bos_token": None})
+  # generation_config's extra stop ids join eos_ids after the tokenizer's own EOS.
+  _write(model_dir, "generation_config.json", {"eos_token_id": [2, 3], "bos_token_id": 1})
+  ours = HFTokenizer.from_dir(model_dir)
+  ref = transformers.AutoTokenizer.from_pretrained(model_dir)
+  assert ours.eos_id == ref.eos_token_id == 3
+  assert ours.pad_id == ref.pad_token_id == 0
+  assert ours.bos_id is None and ref.bos_token_id is None  # explicit null: no BOS
+  assert ours.eos_ids == (3, 2)
+
+
+def test_hf_tokenizer_eos_from_generation_config_without_tokenizer_config(model_dir):
+  _write(model_dir, "generation_config.json",
+         {"eos_token_id": [3, 2], "pad_token_id": 2, "bos_token_id": 1})
+  tok = HFTokenizer.from_dir(model_dir)
+  assert (tok.eos_id, tok.eos_ids, tok.pad_id, tok.bos_id) == (3, (3, 2), 2, 1)
+
+
+def test_hf_tokenizer_from_file_guesses_documented_specials(model_dir):
+  tok = HFTokenizer.from_file(model_dir / "tokenizer.json")
+  assert (tok.eos_id, tok.bos_id, tok.pad_id) == (2, 1, 0)  # "</s>", "<s>", "<pad>"
+  explicit = HFTokenizer.from_file(model_dir / "tokenizer.json", eos_token="<|im_end|>")
+  assert explicit.eos_id == 3
+
+
+def test_hf_tokenizer_pad_falls_back_to_eos(tmp_path):
+  tok = RawTokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2}, unk_token=None))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  loaded = HFTokenizer.from_dir(tmp_path)
+  assert (loaded.eos_id, loaded.pad_id, loaded.bos_id) == (2, 2, None)
+
+
+def test_hf_tokenizer_without_any_eos_raises_naming_candidates(tmp_path):
+  tok = RawTokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token=None))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(TokenizerError, match=r"no EOS token.*</s>.*pass eos_token"):
+    HFTokenizer.from_dir(tmp_path)
+
+
+def test_hf_tokenizer_unknown_special_token_raises_naming_it(model_dir):
+  _write(model_dir, "tokenizer_config.json", {"eos_token": "<|not_there|>"})
+  with pytest.raises(TokenizerError, match=r"tokenizer_config.eos_token='<\|not_there\|>'"):
+    HFTokenizer.from_dir(model_dir)
+
+
+def test_hf_tokenizer_missing_tokenizer_json_raises(tmp_path):
+  with pytest.raises(TokenizerError, match=r"tokenizer\.json: missing"):
+    HFTokenizer.from_dir(tmp_path)
