@@ -11,3 +11,43 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+from specjax.models import ModelConfig, init_params  # noqa: E402
+from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
+
+PROGRESSION_VOCAB = 32
+
+
+def progression_batch(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+  """Arithmetic progressions mod 31 with a random start and step in 1..3 per row."""
+  start = rng.integers(0, 31, batch)[:, None]
+  step = rng.integers(1, 4, batch)[:, None]
+  return (start + step * np.arange(length)[None, :]) % 31
+
+
+def _train(config: ModelConfig, steps: int, seed: int):
+  rng = np.random.default_rng(seed)
+  optimizer = optax.adam(3e-3)
+  state = init_supervised_state(init_params(config, jax.random.key(seed)), optimizer)
+  step = make_supervised_step(config, optimizer)
+  mask = np.ones((16, 32), np.int32)
+  for _ in range(steps):
+    state, _ = step(state, progression_batch(rng, 16, 32), mask)
+  return state.params
+
+
+@pytest.fixture(scope="session")
+def progression_models():
+  """A target with 3 MTP modules and 3 Medusa heads, and a 1-layer draft model, both trained
+  in a few seconds on arithmetic progressions (so drafts are often, not always, accepted)."""
+  target = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=64, n_layers=2, n_heads=4,
+                       n_kv_heads=2, head_dim=16, mlp_dim=128, num_mtp_modules=3,
+                       num_medusa_heads=3, max_position=128)
+  draft = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=32, n_layers=1, n_heads=2,
+                      n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=128)
+  return {"config": target, "params": _train(target, 250, 0),
+          "draft_config": draft, "draft_params": _train(draft, 150, 1)}

@@ -1,0 +1,104 @@
+"""Sampling configuration and the processed target distribution.
+
+Losslessness needs one distribution used everywhere: the processed log-probabilities from
+`processed_logprobs` are what tokens are sampled from, what draft tokens are accepted
+against, and what rejection residuals are built from.
+
+Glossary: B batch, N nodes, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ConfigError
+
+_NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How tokens are drawn from the target.
+
+  Attributes:
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = all).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ConfigError(f"temperature={self.temperature!r} is invalid: must be >= 0 "
+                        "(0 means greedy)")
+    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+      raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an int >= 0 (0 = off)")
+    if not 0 < self.top_p <= 1:
+      raise ConfigError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  @property
+  def logprob_temperature(self) -> float:
+    """Temperature of the reported log-probabilities (1 for greedy)."""
+    return 1.0 if self.greedy else self.temperature
+
+
+def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """Log-probabilities `[..., V]` of the distribution tokens are sampled from.
+
+  Temperature, then top-k, then top-p (on the top-k-filtered distribution), renormalised.
+  For greedy decoding this is the temperature-1 distribution (only its argmax is used).
+  """
+  logits = logits.astype(jnp.float32) / sampling.logprob_temperature
+  vocab = logits.shape[-1]
+  if sampling.top_k and sampling.top_k < vocab:
+    kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
+    logits = jnp.where(logits >= kth, logits, _NEG)
+  if sampling.top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # Keep a token when the mass strictly before it is below top_p (always keeps the best).
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = before < sampling.top_p
+    keep = jnp.zeros_like(keep_sorted).at[
+        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    logits = jnp.where(keep, logits, _NEG)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def reported_logprobs(logits: jax.Array, tokens: jax.Array,
+                      sampling: SamplingConfig) -> jax.Array:
+  """log softmax(logits / temperature) at `tokens` (what a policy-gradient ratio needs).
+
+  Args:
+    logits: `[..., V]`.
+    tokens: `[...]` int.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / sampling.logprob_temperature, -1)
+  return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def sample_tokens(key: jax.Array, logprobs: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """One token per row from processed log-probabilities `[..., V]` (argmax when greedy)."""
+  if sampling.greedy:
+    return jnp.argmax(logprobs, axis=-1)
+  return jax.random.categorical(key, logprobs, axis=-1)
+
+
+def top_w(key: jax.Array | None, logprobs: jax.Array, width: int) -> jax.Array:
+  """`width` distinct tokens per row `[..., width]`: the most likely ones when `key` is None,
+  otherwise a sample without replacement (Gumbel top-k) from `logprobs`."""
+  scores = logprobs
+  if key is not None:
+    scores = logprobs + jax.random.gumbel(key, logprobs.shape)
+  return jax.lax.top_k(scores, width)[1]

@@ -1,0 +1,145 @@
+"""Static draft-tree topologies.
+
+A tree has a root (node 0: the last committed token, whose successor is being drafted) and
+N draft nodes 1..N in topological order (every parent precedes its children). Everything
+here is a Python int or a NumPy constant, so shapes derived from a tree are static.
+
+Glossary: N draft nodes, D depth, C max children per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from specjax.models.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+  """Topology of a draft tree.
+
+  Attributes:
+    parents: parent of each draft node 1..N, as an index into [root] + nodes (0 = root).
+      `parents[i - 1]` is the parent of node i and must be < i.
+  """
+
+  parents: tuple[int, ...]
+
+  def __post_init__(self):
+    for i, p in enumerate(self.parents, start=1):
+      if not isinstance(p, (int, np.integer)) or not 0 <= p < i:
+        raise ConfigError(
+            f"DraftTree.parents[{i - 1}]={p!r} is invalid: node {i}'s parent must be an int "
+            f"in [0, {i - 1}] (0 is the root; parents precede children)")
+
+  # Constructors ----------------------------------------------------------------------------
+
+  @classmethod
+  def empty(cls) -> DraftTree:
+    """No drafts: plain autoregressive decoding."""
+    return cls(())
+
+  @classmethod
+  def chain(cls, k: int) -> DraftTree:
+    """A single path of k draft tokens."""
+    if not (isinstance(k, int) and k >= 0):
+      raise ConfigError(f"chain length k={k!r} is invalid: must be an int >= 0")
+    return cls(tuple(range(k)))
+
+  @classmethod
+  def from_widths(cls, widths: Sequence[int]) -> DraftTree:
+    """Every node at depth d - 1 gets `widths[d - 1]` children; (4, 2, 1) has 4 + 8 + 8 nodes.
+
+    Children of one parent are its top-1, top-2, ... candidates (see `rank`).
+    """
+    widths = tuple(widths)
+    if not all(isinstance(w, int) and w >= 1 for w in widths):
+      raise ConfigError(f"widths={widths!r} is invalid: every width must be an int >= 1")
+    parents: list[int] = []
+    frontier = [0]
+    for w in widths:
+      nxt = []
+      for p in frontier:
+        for _ in range(w):
+          parents.append(p)
+          nxt.append(len(parents))
+      frontier = nxt
+    return cls(tuple(parents))
+
+  @classmethod
+  def from_parents(cls, parents: Sequence[int]) -> DraftTree:
+    return cls(tuple(int(p) for p in parents))
+
+  # Derived static structure ----------------------------------------------------------------
+
+  @property
+  def num_nodes(self) -> int:
+    """N, draft nodes (excluding the root)."""
+    return len(self.parents)
+
+  @functools.cached_property
+  def parent_array(self) -> np.ndarray:
+    """`[N + 1]` parent of each node of [root] + nodes; the root's parent is -1."""
+    return np.array((-1,) + self.parents, np.int32)
+
+  @functools.cached_property
+  def depths(self) -> np.ndarray:
+    """`[N + 1]` depth of each node; the root has depth 0."""
+    depth = np.zeros(self.num_nodes + 1, np.int32)
+    for i, p in enumerate(self.parents, start=1):
+      depth[i] = depth[p] + 1
+    return depth
+
+  @property
+  def depth(self) -> int:
+    """D, the deepest node's depth (longest acceptable run of drafts)."""
+    return int(self.depths.max())
+
+  @functools.cached_property
+  def ancestor_mask(self) -> np.ndarray:
+    """`[N + 1, N + 1]` bool: `[i, j]` when j is i or an ancestor of i."""
+    n = self.num_nodes + 1
+    mask = np.eye(n, dtype=bool)
+    for i in range(1, n):
+      mask[i] |= mask[self.parent_array[i]]
+    return mask
+
+  @functools.cached_property
+  def rank(self) -> np.ndarray:
+    """`[N + 1]` index of each node among its parent's children (root: 0)."""
+    rank = np.zeros(self.num_nodes + 1, np.int32)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(self.parents, start=1):
+      rank[i] = seen.get(p, 0)
+      seen[p] = rank[i] + 1
+    return rank
+
+  @property
+  def max_children(self) -> int:
+    """C, the largest number of children of any node (0 for the empty tree)."""
+    return int(np.bincount(np.array(self.parents, np.int64)).max()) if self.parents else 0
+
+  @functools.cached_property
+  def children(self) -> np.ndarray:
+    """`[N + 1, max(C, 1)]` children of each node in rank order, padded with -1."""
+    table = -np.ones((self.num_nodes + 1, max(self.max_children, 1)), np.int32)
+    for i, p in enumerate(self.parents, start=1):
+      table[p, self.rank[i]] = i
+    return table
+
+  def nodes_at_depth(self, d: int) -> np.ndarray:
+    """Indices of the nodes at depth d, in order."""
+    return np.nonzero(self.depths == d)[0].astype(np.int32)
+
+  def is_chain(self) -> bool:
+    return self.parents == tuple(range(self.num_nodes))
+
+  def __hash__(self):
+    return hash(self.parents)
+
+  def __eq__(self, other):
+    return isinstance(other, DraftTree) and self.parents == other.parents
