@@ -1,0 +1,133 @@
+"""The `specjax` command.
+
+  specjax generate --demo                      # train the built-in tiny model, then decode
+  specjax generate --checkpoint DIR --prompt "Hello" --drafter mtp --widths 2 1
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
+                              NGramDrafter, SamplingConfig, generate)
+
+DrafterName = Literal["none", "mtp", "medusa", "ngram", "draft-model"]
+DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
+
+
+def _drafter(name: DrafterName, draft_checkpoint: str | None):
+  """The drafter object and its parameters."""
+  if name == "mtp":
+    return MTPDrafter(), None
+  if name == "medusa":
+    return MedusaDrafter(), None
+  if name == "ngram":
+    return NGramDrafter(), None
+  if name == "draft-model":
+    if draft_checkpoint is None:
+      raise SystemExit("--drafter draft-model needs --draft-checkpoint DIR")
+    from specjax.models.hf import load_hf
+    params, config = load_hf(draft_checkpoint)
+    return DraftModelDrafter(config), params
+  return None, None
+
+
+def _timed(fn):
+  """Run once to compile, then time a second run (block until the result is ready)."""
+  jax.block_until_ready(fn())
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - start
+
+
+def generate_command(
+    checkpoint: str | None = None,
+    prompt: tuple[str, ...] = (),
+    demo: bool = False,
+    drafter: DrafterName = "mtp",
+    draft_checkpoint: str | None = None,
+    widths: tuple[int, ...] = (1, 1, 1),
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    compare: bool = True,
+    demo_steps: int = 400,
+) -> None:
+  """Generate text, speculatively, and print it with acceptance statistics.
+
+  Args:
+    checkpoint: a HuggingFace model directory (config.json, *.safetensors, tokenizer.json).
+    prompt: prompts to continue (one batch row each).
+    demo: train the built-in tiny counting model (about a minute on CPU) and use it.
+    drafter: where drafts come from; "none" is plain autoregressive decoding.
+    draft_checkpoint: HF directory of the external draft model (--drafter draft-model).
+    widths: draft tree, children per node at each depth; (1, 1, 1) is a chain of 3.
+    temperature: 0 for greedy.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: nucleus mass (1 = off).
+    max_new_tokens: tokens to generate per prompt.
+    seed: PRNG seed.
+    compare: also run plain decoding in the same engine and print the speedup.
+    demo_steps: training steps of the demo model.
+  """
+  if demo:
+    from specjax import demo as demo_lib
+    print("training the built-in demo model (counting text, 3 MTP heads)...")
+    params, config = demo_lib.train_demo_model(demo_lib.DemoTraining(steps=demo_steps))
+    tokenizer = demo_lib.TOKENIZER
+    prompt = prompt or DEMO_PROMPTS
+  elif checkpoint is not None:
+    from specjax.models.hf import load_hf
+    from specjax.tokenizer import HFTokenizer
+    params, config = load_hf(checkpoint)
+    tokenizer = HFTokenizer.from_dir(checkpoint)
+  else:
+    raise SystemExit("pass --checkpoint DIR or --demo")
+  if not prompt:
+    raise SystemExit("pass at least one --prompt")
+
+  encoded = [tokenizer.encode(p) for p in prompt]
+  width = max(len(e) for e in encoded)
+  tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
+  for i, e in enumerate(encoded):
+    tokens[i, :len(e)] = e
+  lengths = np.array([len(e) for e in encoded], np.int32)
+  sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+  draft, draft_params = _drafter(drafter, draft_checkpoint)
+  tree = DraftTree.from_widths(widths) if draft is not None else None
+  key = jax.random.key(seed)
+  run = lambda d, t: generate(params, config, jnp.asarray(tokens), jnp.asarray(lengths), key,
+                              max_new_tokens=max_new_tokens, sampling=sampling, drafter=d,
+                              tree=t, eos_id=tokenizer.eos_id, drafter_params=draft_params)
+
+  spec, spec_s = _timed(lambda: run(draft, tree))
+  for p, row, n in zip(prompt, np.asarray(spec.tokens), np.asarray(spec.lengths)):
+    print(f"{p!r} -> {tokenizer.decode(row[:n].tolist())!r}")
+  generated = int(np.asarray(spec.lengths).sum())
+  stats = spec.stats
+  print(f"drafter {drafter}, tree widths {widths if tree else ()}: {generated} tokens in "
+        f"{spec_s:.3f}s ({generated / spec_s:.0f} tok/s), {int(stats.rounds)} rounds, "
+        f"{float(stats.tokens_per_round):.2f} tokens per row-round, acceptance per depth "
+        f"{np.round(np.asarray(stats.accepted_per_depth), 2).tolist()}")
+  if compare and draft is not None:
+    plain, plain_s = _timed(lambda: run(None, None))
+    plain_tokens = int(np.asarray(plain.lengths).sum())
+    print(f"plain decoding, same engine: {plain_tokens} tokens in {plain_s:.3f}s "
+          f"({plain_tokens / plain_s:.0f} tok/s); speculative / plain throughput = "
+          f"{(generated / spec_s) / (plain_tokens / plain_s):.2f}x")
+
+
+def main() -> None:
+  tyro.extras.subcommand_cli_from_dict({"generate": generate_command})
+
+
+if __name__ == "__main__":
+  main()

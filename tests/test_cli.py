@@ -1,0 +1,18 @@
+"""The `specjax` command runs end to end on the built-in demo model."""
+
+import pytest
+
+from specjax.cli import generate_command
+
+
+def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
+  generate_command(demo=True, demo_steps=30, max_new_tokens=8, widths=(2, 1))
+  out = capsys.readouterr().out
+  assert "'7,10,13,' -> '" in out
+  assert "acceptance per depth" in out
+  assert "speculative / plain throughput" in out
+
+
+def test_generate_without_a_model_explains_what_to_pass():
+  with pytest.raises(SystemExit, match="--checkpoint DIR or --demo"):
+    generate_command()
