@@ -52,38 +52,61 @@ def shifted_cross_entropy(logits: jax.Array, tokens: jax.Array, loss_mask: jax.A
   return (ce * mask).sum() / denom, accuracy
 
 
+def draft_head_loss(params: Params, config: ModelConfig, hidden: jax.Array, tokens: jax.Array,
+                    loss_mask: jax.Array, mtp_weight: float = 0.3, medusa_weight: float = 0.3,
+                    detach: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted CE of the MTP modules and Medusa heads on a sequence.
+
+  Args:
+    hidden: `[B, T, D]` the trunk's normalised hidden states over `tokens`.
+    tokens, loss_mask: `[B, T]`.
+    detach: stop gradients into the trunk (hidden) and into the shared embedding and output
+      head, so the loss moves only head-owned weights (online drafter training).
+
+  Returns:
+    (mtp_weight * mean_k CE_k + medusa_weight * mean_k CE_k, {"mtp_ce", "medusa_ce"} [K]).
+  """
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  if detach:
+    hidden = jax.lax.stop_gradient(hidden)
+    params = {**params, "embed": jax.lax.stop_gradient(params["embed"])}
+    if "unembed" in params:
+      params["unembed"] = jax.lax.stop_gradient(params["unembed"])
+  loss = jnp.zeros((), jnp.float32)
+  metrics = {}
+  if config.num_mtp_modules:
+    logits = mtp_logits_all(params, config, hidden, tokens, positions)
+    metrics["mtp_ce"] = jnp.stack([shifted_cross_entropy(lg, tokens, loss_mask, k + 2)[0]
+                                   for k, lg in enumerate(logits)])
+    loss = loss + mtp_weight * jnp.mean(metrics["mtp_ce"])
+  if config.num_medusa_heads:
+    logits = medusa_logits(params, config, hidden)
+    metrics["medusa_ce"] = jnp.stack([shifted_cross_entropy(logits[k], tokens, loss_mask,
+                                                            k + 2)[0]
+                                      for k in range(config.num_medusa_heads)])
+    loss = loss + medusa_weight * jnp.mean(metrics["medusa_ce"])
+  return loss, metrics
+
+
 def lm_loss(params: Params, config: ModelConfig, tokens: jax.Array, loss_mask: jax.Array,
             mtp_weight: float = 0.3, medusa_weight: float = 0.3,
-            detach_heads: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Total supervised loss and its parts (see module docstring). tokens, loss_mask: `[B, T]`."""
+            detach_heads: bool = False,
+            head_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Total supervised loss and its parts (see module docstring). tokens, loss_mask: `[B, T]`.
+
+  `head_mask` (default `loss_mask`) selects the targets of the draft heads, which may differ
+  (e.g. heads trained on prompts too while the trunk learns only answers).
+  """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))
   out = forward(params, config, tokens, positions)
   ce, acc = shifted_cross_entropy(out.logits, tokens, loss_mask, 1)
-  metrics = {"ce": ce, "accuracy": acc}
-  loss = ce
-  hidden = jax.lax.stop_gradient(out.hidden) if detach_heads else out.hidden
-  head_params = params
-  if detach_heads:
-    # The heads share the embedding and output head with the trunk; detach those too so the
-    # head loss moves only head-owned weights.
-    head_params = {**params, "embed": jax.lax.stop_gradient(params["embed"])}
-    if "unembed" in params:
-      head_params["unembed"] = jax.lax.stop_gradient(params["unembed"])
-  if config.num_mtp_modules:
-    mtp_ces = [shifted_cross_entropy(lg, tokens, loss_mask, k + 2)[0]
-               for k, lg in enumerate(mtp_logits_all(head_params, config, hidden, tokens,
-                                                     positions))]
-    metrics["mtp_ce"] = jnp.stack(mtp_ces)
-    loss = loss + mtp_weight * jnp.mean(metrics["mtp_ce"])
-  if config.num_medusa_heads:
-    all_logits = medusa_logits(head_params, config, hidden)
-    medusa_ces = [shifted_cross_entropy(all_logits[k], tokens, loss_mask, k + 2)[0]
-                  for k in range(config.num_medusa_heads)]
-    metrics["medusa_ce"] = jnp.stack(medusa_ces)
-    loss = loss + medusa_weight * jnp.mean(metrics["medusa_ce"])
-  metrics["loss"] = loss
-  return loss, metrics
+  head_loss, metrics = draft_head_loss(
+      params, config, out.hidden, tokens, loss_mask if head_mask is None else head_mask,
+      mtp_weight, medusa_weight, detach_heads)
+  metrics |= {"ce": ce, "accuracy": acc, "loss": ce + head_loss}
+  return ce + head_loss, metrics
 
 
 def init_supervised_state(params: Params, optimizer: optax.GradientTransformation
@@ -97,14 +120,16 @@ def make_supervised_step(config: ModelConfig, optimizer: optax.GradientTransform
                          detach_heads: bool = False, jit: bool = True
                          ) -> Callable[[SupervisedState, jax.Array, jax.Array],
                                        tuple[SupervisedState, dict[str, jax.Array]]]:
-  """A training step `(state, tokens [B, T], loss_mask [B, T]) -> (state, metrics)`.
+  """A training step `(state, tokens [B, T], loss_mask [B, T][, head_mask]) -> (state, metrics)`.
 
   The state is donated: parameters and optimizer moments are updated in place.
   """
 
-  def step(state: SupervisedState, tokens: jax.Array, loss_mask: jax.Array):
+  def step(state: SupervisedState, tokens: jax.Array, loss_mask: jax.Array,
+           head_mask: jax.Array | None = None):
     grads, metrics = jax.grad(lm_loss, has_aux=True)(
-        state.params, config, tokens, loss_mask, mtp_weight, medusa_weight, detach_heads)
+        state.params, config, tokens, loss_mask, mtp_weight, medusa_weight, detach_heads,
+        head_mask)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.global_norm(grads)

@@ -1,0 +1,22 @@
+"""RL post-training: tasks and rewards, prompt datasets (TFDS / ArrayRecord), GRPO losses."""
+
+from specjax.rl.data import (ArithmeticPrompts, GSM8KPrompts, PromptBatch, PromptReader,
+                             TaskPrompts, prepare_prompts, prompt_builder)
+from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
+                               aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
+                               token_entropy)
+from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, ArithmeticTask, CustomTask, Example,
+                              GSM8KTask, PythonReward, RewardError, Task, TaskError,
+                              answers_match, arithmetic_reward, decode_completions,
+                              encode_prompt, extract_answer, format_number, parse_number,
+                              read_gsm8k_jsonl)
+
+__all__ = [
+    "AGGREGATIONS", "ARITHMETIC_ALPHABET", "ArithmeticPrompts", "ArithmeticTask", "CustomTask",
+    "Example", "GRPOConfig", "GRPOMetrics", "GSM8KPrompts", "GSM8KTask", "KL_ESTIMATORS",
+    "PromptBatch", "PromptReader", "PythonReward", "RewardError", "SPLITS", "Task",
+    "TaskError", "TaskPrompts", "aggregate_tokens", "answers_match", "arithmetic_reward",
+    "decode_completions", "encode_prompt", "extract_answer", "format_number",
+    "group_advantages", "grpo_loss", "kl_estimate", "parse_number", "prepare_prompts",
+    "prompt_builder", "read_gsm8k_jsonl", "token_entropy",
+]

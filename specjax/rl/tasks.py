@@ -1,0 +1,551 @@
+"""Tasks: prompts, references and rewards.
+
+A task gives examples per split ("train", "test") and a reward. Two kinds of reward exist:
+
+- In JAX (`reward_in_jax = True`): `reward(tokens [B, N], lengths [B], answers [B]) -> [B]`
+  traces inside the compiled train step (the built-in `ArithmeticTask`).
+- In Python (`reward_in_jax = False`): `reward(completions, references) -> [B]` on the host,
+  so the step runs split: rollout in one compiled program, the reward between, the update in
+  a second (`GSM8KTask`, `CustomTask`). `decode_completions` turns a `GenerationResult`'s
+  tokens into the completions it takes.
+
+Glossary: B batch, N generated tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import ConfigError
+from specjax.tokenizer import CharTokenizer, Tokenizer
+
+SPLITS = ("train", "test")
+ARITHMETIC_ALPHABET = "0123456789+-*="
+ARITHMETIC_OPERATORS = "+-*"
+# The JAX reward parses answers into int32; nine digits always fit, ten may not.
+_MAX_ANSWER_DIGITS = 9
+
+
+class TaskError(ValueError):
+  """Task data that cannot be used (a malformed JSONL line, ...); the message locates it."""
+
+
+class RewardError(RuntimeError):
+  """A Python reward function raised or returned a non-finite value; names task and sample."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One prompt with its reference.
+
+  Attributes:
+    prompt: the prompt text (without special tokens).
+    reference: the reference answer as text (what a Python reward compares against).
+    answer: the reference as a number (what a JAX reward compares against); NaN when the
+      task has no numeric answer.
+  """
+
+  prompt: str
+  reference: str
+  answer: int | float = math.nan
+
+
+@runtime_checkable
+class Task(Protocol):
+  """What the data pipeline and the train step need of a task."""
+
+  @property
+  def name(self) -> str:
+    """Short identifier (used in dataset names and error messages)."""
+    ...
+
+  @property
+  def tokenizer(self) -> Tokenizer:
+    """Tokenizer of the prompts and of the policy's outputs."""
+    ...
+
+  @property
+  def reward_in_jax(self) -> bool:
+    """True: `reward(tokens, lengths, answers)` is jit-able; False: a host-side reward
+    `reward(completions, references)`."""
+    ...
+
+  def examples(self, split: str) -> Sequence[Example]:
+    """The examples of `split` (one of `SPLITS`), in a fixed order."""
+    ...
+
+  def reward(self, *args):
+    """Rewards `[B]`; the arguments depend on `reward_in_jax` (see the module docstring)."""
+    ...
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+  """Prompt ids as the policy sees them: BOS (when the tokenizer has one), then the text."""
+  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+  return bos + tokenizer.encode(text)
+
+
+def decode_completions(tokenizer: Tokenizer, tokens, lengths) -> list[str]:
+  """Texts of generated rows, each cut at its length (special tokens dropped).
+
+  Args:
+    tokenizer: the policy's tokenizer.
+    tokens: `[B, N]` generated ids.
+    lengths: `[B]` generated tokens per row.
+  """
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  return [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
+
+
+def _check_split(split: str) -> None:
+  if split not in SPLITS:
+    raise ValueError(f"split={split!r} is invalid: allowed {SPLITS}")
+
+
+def _in_test_split(seed: int, text: str, fraction: float) -> bool:
+  """Stable assignment of a prompt to the held-out split (independent of Python's hash)."""
+  digest = hashlib.blake2b(f"{seed}:{text}".encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") / 2.0**64 < fraction
+
+
+# ---------------------------------------------------------------------------------------------
+# Arithmetic
+
+
+def _evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
+  """Value of `o0 op1 o1 op2 o2 ...` with `*` binding tighter than `+` and `-`."""
+  terms, signs = [operands[0]], [1]
+  for op, x in zip(operators, operands[1:]):
+    if op == "*":
+      terms[-1] *= x
+    else:
+      terms.append(x)
+      signs.append(1 if op == "+" else -1)
+  return sum(s * t for s, t in zip(signs, terms))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """Integer arithmetic such as "12+7=" -> "19", with a reward computed in JAX.
+
+  Problems are drawn from `numpy.random.default_rng(seed)`: each operand uniform in
+  `0 .. 10**max_digits - 1`, each operator uniform in `operators` (`*` binds tighter than
+  `+`, `-`; answers may be negative). Each distinct prompt belongs to one split, chosen by a
+  stable hash, so held-out prompts never occur in training; small problem spaces repeat
+  prompts within a split.
+
+  The policy must answer with the canonical decimal of the answer (optional "-", no leading
+  zeros) and then EOS. Reward: 1.0 when it does; `format_reward` when the response up to EOS
+  is `-?[0-9]+` and EOS was generated, but the value (or its canonical form) is wrong; else 0.
+
+  Attributes:
+    max_digits: digits per operand, >= 1.
+    num_operands: operands per problem, >= 2.
+    operators: a non-empty subset of "+-*".
+    num_train: training examples.
+    num_test: held-out examples.
+    test_fraction: share of the problem space reserved for the held-out split, in (0, 1).
+    seed: seeds problem generation and the split.
+    format_reward: reward of a well-formed but wrong answer, in [0, 1).
+  """
+
+  max_digits: int = 2
+  num_operands: int = 2
+  operators: str = "+-"
+  num_train: int = 10_000
+  num_test: int = 500
+  test_fraction: float = 0.1
+  seed: int = 0
+  format_reward: float = 0.0
+
+  name = "arithmetic"
+  reward_in_jax = True
+
+  def __post_init__(self):
+    def require(ok: bool, field: str, allowed: str):
+      if not ok:
+        raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
+
+    def positive_int(field: str, minimum: int):
+      value = getattr(self, field)
+      require(isinstance(value, int) and value >= minimum, field, f"must be an int >= {minimum}")
+
+    positive_int("max_digits", 1)
+    positive_int("num_operands", 2)
+    positive_int("num_train", 1)
+    positive_int("num_test", 1)
+    require(isinstance(self.seed, int), "seed", "must be an int")
+    require(isinstance(self.operators, str) and len(self.operators) > 0
+            and set(self.operators) <= set(ARITHMETIC_OPERATORS)
+            and len(set(self.operators)) == len(self.operators), "operators",
+            f"must be a non-empty subset of {ARITHMETIC_OPERATORS!r} without repeats")
+    require(0 < self.test_fraction < 1, "test_fraction", "must be in (0, 1)")
+    require(0 <= self.format_reward < 1, "format_reward", "must be in [0, 1)")
+    digits = len(str(self.max_abs_answer))
+    require(digits <= _MAX_ANSWER_DIGITS, "max_digits",
+            f"with num_operands={self.num_operands} and operators={self.operators!r} answers "
+            f"reach {self.max_abs_answer} ({digits} digits), more than the "
+            f"{_MAX_ANSWER_DIGITS} the int32 reward parses; lower max_digits or num_operands")
+
+  @property
+  def max_abs_answer(self) -> int:
+    """Largest |answer| the configuration can produce."""
+    top = 10**self.max_digits - 1
+    return top**self.num_operands if "*" in self.operators else self.num_operands * top
+
+  @property
+  def max_answer_tokens(self) -> int:
+    """Tokens of the longest correct response: sign, digits, EOS (a bound for max_new_tokens)."""
+    return len(str(self.max_abs_answer)) + ("-" in self.operators) + 1
+
+  @property
+  def tokenizer(self) -> CharTokenizer:
+    return CharTokenizer(ARITHMETIC_ALPHABET)
+
+  @functools.cached_property
+  def _splits(self) -> dict[str, tuple[Example, ...]]:
+    rng = np.random.default_rng(self.seed)
+    wanted = {"train": self.num_train, "test": self.num_test}
+    out = {"train": [], "test": []}
+    # Each draw lands in the split its hash picks; give up when one split is so rare in the
+    # problem space that filling it would take far longer than expected.
+    budget = 100 * (self.num_train + self.num_test) + int(100 / self.test_fraction)
+    batch = 1024
+    for _ in range(0, budget, batch):
+      operands = rng.integers(0, 10**self.max_digits, (batch, self.num_operands))
+      ops = rng.integers(0, len(self.operators), (batch, self.num_operands - 1))
+      for xs, os_ in zip(operands.tolist(), ops.tolist()):
+        symbols = [self.operators[i] for i in os_]
+        prompt = str(xs[0]) + "".join(o + str(x) for o, x in zip(symbols, xs[1:])) + "="
+        split = "test" if _in_test_split(self.seed, prompt, self.test_fraction) else "train"
+        if len(out[split]) < wanted[split]:
+          answer = _evaluate(xs, symbols)
+          out[split].append(Example(prompt=prompt, reference=str(answer), answer=answer))
+      if all(len(out[s]) == wanted[s] for s in SPLITS):
+        return {s: tuple(v) for s, v in out.items()}
+    raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid for this problem "
+                      f"space: after {budget} draws train has {len(out['train'])}/"
+                      f"{self.num_train} and test {len(out['test'])}/{self.num_test} "
+                      "examples; raise max_digits or num_operands, or change test_fraction")
+
+  def examples(self, split: str) -> tuple[Example, ...]:
+    _check_split(split)
+    return self._splits[split]
+
+  def reward(self, tokens: jax.Array, lengths: jax.Array, answers: jax.Array) -> jax.Array:
+    """Rewards of generated answers, computed on device (jit-able, static shapes).
+
+    Args:
+      tokens: `[B, N]` generated ids (the `CharTokenizer` of this task).
+      lengths: `[B]` generated tokens per row (EOS included when generated).
+      answers: `[B]` integer answers.
+
+    Returns:
+      `[B]` float32: 1.0 correct, `format_reward` well-formed but wrong, 0.0 otherwise.
+    """
+    return arithmetic_reward(tokens, lengths, answers, format_reward=self.format_reward)
+
+
+def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array, *,
+                      format_reward: float = 0.0) -> jax.Array:
+  """`ArithmeticTask`'s reward for ids of `CharTokenizer(ARITHMETIC_ALPHABET)`.
+
+  The response is the tokens before the first EOS. It is well-formed when EOS was generated
+  (within `lengths`) and the response is `-?[0-9]+`; correct when also canonical (no leading
+  zero unless it is "0", no "-0"), at most nine digits, and equal to the answer.
+
+  Args:
+    tokens: `[B, N]` generated ids.
+    lengths: `[B]` generated tokens per row.
+    answers: `[B]` integer answers (|answer| < 10**9).
+    format_reward: reward of a well-formed but wrong response.
+
+  Returns:
+    `[B]` float32 rewards.
+  """
+  tok = CharTokenizer(ARITHMETIC_ALPHABET)
+  zero_id, minus_id = tok.encode("0")[0], tok.encode("-")[0]
+  tokens = jnp.asarray(tokens, jnp.int32)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  answers = jnp.asarray(answers, jnp.int32)
+  n = tokens.shape[1]
+  pos = jnp.arange(n)[None, :]                                        # [1, N]
+
+  is_eos = (tokens == tok.eos_id) & (pos < lengths[:, None])
+  has_eos = is_eos.any(axis=1)
+  end = jnp.where(has_eos, jnp.argmax(is_eos, axis=1), lengths)     # [B] response length
+  negative = (tokens[:, 0] == minus_id) & (end > 0)
+  start = negative.astype(jnp.int32)                                 # [B] first digit index
+  digit = tokens - zero_id                                           # "0".."9" are consecutive
+  is_digit = (digit >= 0) & (digit <= 9)
+  in_number = (pos >= start[:, None]) & (pos < end[:, None])
+  num_digits = end - start
+  well_formed = has_eos & (num_digits >= 1) & jnp.all(is_digit | ~in_number, axis=1)
+
+  # Place value 10**(end - 1 - pos); exponents past nine would overflow int32, and numbers
+  # that long are rejected by `num_digits` below anyway.
+  exponent = end[:, None] - 1 - pos
+  powers = jnp.asarray([10**k for k in range(_MAX_ANSWER_DIGITS)], jnp.int32)
+  place = powers[jnp.clip(exponent, 0, _MAX_ANSWER_DIGITS - 1)]
+  take = in_number & (exponent < _MAX_ANSWER_DIGITS)
+  magnitude = jnp.sum(jnp.where(take, jnp.clip(digit, 0, 9) * place, 0), axis=1)
+  value = jnp.where(negative, -magnitude, magnitude)
+
+  first_digit = jnp.take_along_axis(digit, start[:, None], axis=1)[:, 0]
+  canonical = ~((num_digits > 1) & (first_digit == 0)) & ~(negative & (magnitude == 0))
+  correct = (well_formed & canonical & (num_digits <= _MAX_ANSWER_DIGITS)
+             & (value == answers))
+  return jnp.where(correct, 1.0, jnp.where(well_formed, format_reward, 0.0)).astype(
+      jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python rewards
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PythonReward:
+  """A user reward function `fn(completion, reference) -> float`, checked sample by sample.
+
+  Calling it scores a batch; if `fn` raises, or returns something that is not a finite real
+  number, a `RewardError` names the task, the sample index, the completion and the reference.
+
+  Attributes:
+    fn: the user's function.
+    task_name: named in errors.
+  """
+
+  fn: Callable[[str, str], float]
+  task_name: str
+
+  def __call__(self, completions: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """`[B]` completions and references -> `[B]` float32 rewards."""
+    if len(completions) != len(references):
+      raise ValueError(f"task {self.task_name!r}: {len(completions)} completions but "
+                       f"{len(references)} references")
+    out = np.empty(len(completions), np.float32)
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+      where = (f"reward function of task {self.task_name!r} on sample {i} "
+               f"(completion={completion!r}, reference={reference!r})")
+      try:
+        value = self.fn(completion, reference)
+      except Exception as e:
+        raise RewardError(f"{where} raised {type(e).__name__}: {e}") from e
+      try:
+        value = float(value)
+      except (TypeError, ValueError):
+        raise RewardError(f"{where} returned {value!r}, which is not a real number") from None
+      if not math.isfinite(value):
+        raise RewardError(f"{where} returned {value!r}; rewards must be finite")
+      out[i] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CustomTask:
+  """A user task: given examples and a Python reward function (split-mode train step).
+
+  Attributes:
+    name: the task's name.
+    tokenizer: the policy's tokenizer.
+    train: training examples.
+    test: held-out examples.
+    reward_fn: `fn(completion, reference) -> float`, wrapped in `PythonReward`.
+  """
+
+  name: str
+  tokenizer: Tokenizer
+  train: Sequence[Example]
+  test: Sequence[Example]
+  reward_fn: Callable[[str, str], float]
+
+  reward_in_jax = False
+
+  def __post_init__(self):
+    if not (isinstance(self.name, str) and self.name):
+      raise ConfigError(f"name={self.name!r} is invalid: must be a non-empty str")
+    for split in SPLITS:
+      bad = [i for i, e in enumerate(getattr(self, split)) if not isinstance(e, Example)]
+      if bad:
+        raise ConfigError(f"{split}[{bad[0]}] of task {self.name!r} is invalid: must be an "
+                          "Example")
+    object.__setattr__(self, "train", tuple(self.train))
+    object.__setattr__(self, "test", tuple(self.test))
+
+  def examples(self, split: str) -> tuple[Example, ...]:
+    _check_split(split)
+    return getattr(self, split)
+
+  def reward(self, completions: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """`[B]` completions and references -> `[B]` float32 rewards."""
+    return PythonReward(self.reward_fn, self.name)(completions, references)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSM8K
+
+# A number: optional sign (not a hyphen inside a word or range such as "3-4"), optional "$",
+# then digits with thousands commas, plain digits, or a bare decimal such as ".5".
+_NUMBER = re.compile(r"(?:(?<![\w)])(?P<sign>-))?\$?(?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?"
+                     r"|\d+(?:\.\d+)?|\.\d+)")
+_UNICODE_MINUS = ("\u2212", "\u2013")
+
+
+def parse_number(text: str) -> float | None:
+  """The first number in `text`, or None.
+
+  Handles thousands commas ("1,234"), a "$" ("$-5", "-$5"), signs, decimals, and trailing
+  punctuation ("42."). A hyphen between two numbers ("3-4") is not a sign.
+  """
+  for minus in _UNICODE_MINUS:
+    text = text.replace(minus, "-")
+  text = text.replace("$-", "-$")
+  match = _NUMBER.search(text)
+  return None if match is None else _match_value(match)
+
+
+def _match_value(match: re.Match) -> float:
+  value = float(match["digits"].replace(",", ""))
+  return -value if match["sign"] else value
+
+
+def extract_answer(text: str) -> float | None:
+  """A model's final answer: the first number after the last "####" when there is one,
+  else the last number in the text; None when there is no number."""
+  if "####" in text:
+    return parse_number(text.rsplit("####", 1)[1])
+  for minus in _UNICODE_MINUS:
+    text = text.replace(minus, "-")
+  matches = list(_NUMBER.finditer(text.replace("$-", "-$")))
+  return _match_value(matches[-1]) if matches else None
+
+
+def format_number(value: float) -> str:
+  """Canonical text of a number: "18", "-3", "0.5" (integers without a decimal point)."""
+  return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def answers_match(predicted: float | None, reference: float) -> bool:
+  """Numeric equality up to a relative 1e-6 (decimals such as 0.1 + 0.2)."""
+  return predicted is not None and abs(predicted - reference) <= 1e-6 * max(1.0, abs(reference))
+
+
+def read_gsm8k_jsonl(path: str | os.PathLike) -> list[tuple[str, float]]:
+  """`(question, numeric answer)` pairs of a GSM8K-format JSONL file.
+
+  Each non-blank line is an object with string fields "question" and "answer"; the answer's
+  number follows its last "####". A line that breaks this raises `TaskError` naming the file
+  and the line number.
+  """
+  path = Path(path)
+  if not path.is_file():
+    raise TaskError(f"{path}: no such file")
+  rows = []
+  with path.open(encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise TaskError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(row, dict):
+        raise TaskError(f"{where}: expected a JSON object with 'question' and 'answer', got "
+                        f"{type(row).__name__}")
+      for key in ("question", "answer"):
+        if not isinstance(row.get(key), str):
+          raise TaskError(f"{where}: field {key!r} is missing or not a string")
+      if "####" not in row["answer"]:
+        raise TaskError(f"{where}: 'answer' has no '#### <number>' final answer")
+      value = parse_number(row["answer"].rsplit("####", 1)[1])
+      if value is None:
+        raise TaskError(f"{where}: no number after '####' in 'answer'")
+      rows.append((row["question"], value))
+  return rows
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GSM8KTask:
+  """Grade-school math from local GSM8K-format JSONL files, rewarded in Python.
+
+  Reward: 1.0 when the completion's final answer (`extract_answer`) equals the reference
+  number (`answers_match`); `format_reward` when it has a number but the wrong one; else 0.
+
+  Attributes:
+    train_file: JSONL with "question" and "answer" ("... #### 18").
+    tokenizer: the policy's tokenizer.
+    test_file: JSONL of the held-out split; when None, `test_fraction` of the training
+      questions (chosen by a stable hash of the question) are held out instead.
+    test_fraction: in [0, 1); only used without `test_file`.
+    template: prompt text, with "{question}" replaced by the question.
+    seed: seeds the hashed split.
+    format_reward: reward of a wrong numeric answer, in [0, 1).
+    name: the task's name.
+  """
+
+  train_file: str | os.PathLike
+  tokenizer: Tokenizer
+  test_file: str | os.PathLike | None = None
+  test_fraction: float = 0.0
+  template: str = "Question: {question}\nAnswer:"
+  seed: int = 0
+  format_reward: float = 0.0
+  name: str = "gsm8k"
+
+  reward_in_jax = False
+
+  def __post_init__(self):
+    if not 0 <= self.test_fraction < 1:
+      raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid: must be in [0, 1)")
+    if self.test_file is not None and self.test_fraction:
+      raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid with test_file: "
+                        "leave it 0 when the held-out split has its own file")
+    if "{question}" not in self.template:
+      raise ConfigError(f"template={self.template!r} is invalid: must contain '{{question}}'")
+    if not 0 <= self.format_reward < 1:
+      raise ConfigError(f"format_reward={self.format_reward!r} is invalid: must be in [0, 1)")
+
+  def _example(self, question: str, value: float) -> Example:
+    return Example(prompt=self.template.replace("{question}", question),
+                   reference=format_number(value), answer=value)
+
+  @functools.cached_property
+  def _splits(self) -> dict[str, tuple[Example, ...]]:
+    train = read_gsm8k_jsonl(self.train_file)
+    if self.test_file is not None:
+      test = read_gsm8k_jsonl(self.test_file)
+    else:
+      held = [_in_test_split(self.seed, q, self.test_fraction) for q, _ in train]
+      test = [row for row, h in zip(train, held) if h]
+      train = [row for row, h in zip(train, held) if not h]
+    return {"train": tuple(self._example(q, v) for q, v in train),
+            "test": tuple(self._example(q, v) for q, v in test)}
+
+  def examples(self, split: str) -> tuple[Example, ...]:
+    _check_split(split)
+    return self._splits[split]
+
+  def _score(self, completion: str, reference: str) -> float:
+    predicted = extract_answer(completion)
+    if answers_match(predicted, float(reference)):
+      return 1.0
+    return self.format_reward if predicted is not None else 0.0
+
+  def reward(self, completions: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """`[B]` completions and reference numbers (text) -> `[B]` float32 rewards."""
+    return PythonReward(self._score, self.name)(completions, references)
+
