@@ -1,11 +1,16 @@
 """The `specjax` command.
 
+  specjax train --config configs/arithmetic_tiny.py [--steps 300 --grpo.group-size 8 ...]
   specjax generate --demo                      # train the built-in tiny model, then decode
   specjax generate --checkpoint DIR --prompt "Hello" --drafter mtp --widths 2 1
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import runpy
+import sys
 import time
 from typing import Literal
 
@@ -125,8 +130,38 @@ def generate_command(
           f"{(generated / spec_s) / (plain_tokens / plain_s):.2f}x")
 
 
-def main() -> None:
-  tyro.extras.subcommand_cli_from_dict({"generate": generate_command})
+def load_experiment(path: str):
+  """`get_config()` of a config file (a small Python file, see configs/)."""
+  namespace = runpy.run_path(path)
+  if "get_config" not in namespace:
+    raise SystemExit(f"{path} defines no get_config(); see configs/arithmetic_tiny.py")
+  return namespace["get_config"]()
+
+
+def train_command(argv: list[str]) -> dict:
+  """`specjax train --config FILE [--field value ...]`: any config field can be overridden."""
+  from specjax.rl.experiment import ExperimentConfig, run
+  parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
+  parser.add_argument("--config", required=True, help="a config file, e.g. configs/arithmetic_tiny.py")
+  known, rest = parser.parse_known_args(argv)
+  config = tyro.cli(ExperimentConfig, default=load_experiment(known.config), args=rest,
+                    prog=f"specjax train --config {known.config}")
+  summary = run(config)
+  print(json.dumps(summary, indent=2))
+  print(f"held-out accuracy: {summary['accuracy_before']:.3f} before RL -> "
+        f"{summary['accuracy_after']:.3f} after RL; rollout speedup (speculative / plain, same "
+        f"run): {summary['speedup']:.2f}x at acceptance length "
+        f"{summary['acceptance_length']:.2f}")
+  return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] == "train":
+    train_command(argv[1:])
+    return
+  tyro.extras.subcommand_cli_from_dict({"generate": generate_command}, args=argv,
+                                       description="specjax train --config FILE | generate")
 
 
 if __name__ == "__main__":

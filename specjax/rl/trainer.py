@@ -1,0 +1,373 @@
+"""The GRPO train step: rollout -> reward -> advantages -> update -> drafter update, fused.
+
+`make_train_step` returns one `jax.jit`-compiled function
+`(train_state, prompt_batch) -> (train_state, metrics)`. Inside it the policy generates G
+responses per prompt with the speculative engine, the task's JAX reward scores them, group
+advantages are formed, and `num_epochs x num_minibatches` optax updates run under `lax.scan`.
+The same minibatch forward also trains the MTP / Medusa heads on the rollouts with the trunk
+detached, so the drafter follows the policy without its loss reaching the policy gradient.
+
+Modes:
+- sync: the update uses the batch generated in the same step by the current parameters.
+- async (one-step off-policy): the step generates batch t + 1 with the current parameters and
+  updates on batch t, generated one step earlier (`TrainState.pending`). The truncated
+  importance weight `min(pi_old / pi_behaviour, tis_cap)` corrects for the lag.
+- split: for Python rewards, `make_rollout_fn` and `make_update_fn` are two programs with the
+  reward computed on the host in between.
+
+Rows are prompt-major: the G samples of prompt b are rows b * G .. b * G + G - 1.
+Glossary: B prompts, G group size, R = B * G rows, P prompt buffer, N max new tokens,
+S = P + N sequence length, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from specjax.decoding import generate
+from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
+from specjax.models.config import ConfigError, ModelConfig
+from specjax.models.transformer import forward
+from specjax.rl.losses import GRPOConfig, group_advantages, grpo_loss
+from specjax.supervised import draft_head_loss
+
+Params = dict[str, Any]
+RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How rollouts are generated.
+
+  Attributes:
+    max_new_tokens: N, response tokens per row at most.
+    sampling: the policy's sampling distribution (temperature 1 for on-policy RL).
+    drafter: a drafter, or None for plain autoregressive rollouts.
+    tree: the draft tree (None with no drafter).
+    eos_id: end-of-response token.
+  """
+
+  max_new_tokens: int
+  eos_id: int
+  sampling: SamplingConfig = SamplingConfig(1.0)
+  drafter: Drafter | None = None
+  tree: DraftTree | None = None
+
+  def __post_init__(self):
+    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+      raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an "
+                        "int >= 1")
+    if (self.drafter is None) != (self.tree is None or not self.tree.num_nodes):
+      raise ConfigError("drafter and tree go together: pass both, or neither for plain "
+                        "rollouts")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Static configuration of the train step.
+
+  Attributes:
+    model: the policy's architecture.
+    grpo: GRPO hyper-parameters.
+    rollout: rollout generation.
+    drafter_loss_weight: weight of the detached MTP / Medusa loss on the rollouts (0: the
+      draft heads are not trained online).
+    async_mode: one-step off-policy (see module docstring).
+  """
+
+  model: ModelConfig
+  grpo: GRPOConfig
+  rollout: RolloutConfig
+  drafter_loss_weight: float = 1.0
+  async_mode: bool = False
+
+  def __post_init__(self):
+    if self.drafter_loss_weight < 0:
+      raise ConfigError(f"drafter_loss_weight={self.drafter_loss_weight!r} is invalid: must "
+                        "be >= 0")
+    if self.async_mode and self.grpo.tis_cap is None:
+      raise ConfigError("async_mode=True needs grpo.tis_cap (the importance correction "
+                        "against the one-step-old behaviour policy); set e.g. tis_cap=2.0")
+
+
+@struct.dataclass
+class Rollout:
+  """A scored batch of responses, laid out as full sequences.
+
+  Attributes:
+    tokens: `[R, S]` prompt then response then padding.
+    response_mask: `[R, S]` 1 on response tokens (EOS included).
+    valid_mask: `[R, S]` 1 on prompt and response tokens.
+    behaviour_logprobs: `[R, S]` engine log-probabilities of the response tokens (0 elsewhere).
+    rewards: `[R]`.
+    advantages: `[R]`.
+    lengths: `[R]` response lengths.
+    tokens_per_round: scalar mean acceptance length of the rollout.
+    accepted_per_depth: `[D]` acceptance rate per draft depth.
+  """
+
+  tokens: jax.Array
+  response_mask: jax.Array
+  valid_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  rewards: jax.Array
+  advantages: jax.Array
+  lengths: jax.Array
+  tokens_per_round: jax.Array
+  accepted_per_depth: jax.Array
+
+
+@struct.dataclass
+class TrainState:
+  """Everything a run needs to continue exactly where it stopped.
+
+  Attributes:
+    params: policy parameters (trunk and draft heads).
+    opt_state: optax state.
+    ref_params: frozen reference parameters (None when beta = 0).
+    step: scalar int32.
+    key: raw PRNG key data (uint32 `[2]`), checkpointable.
+    pending: async mode's rollout awaiting its update (None in sync mode).
+  """
+
+  params: Params
+  opt_state: optax.OptState
+  ref_params: Params | None
+  step: jax.Array
+  key: jax.Array
+  pending: Rollout | None = None
+
+
+def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
+                     seed: int) -> TrainState:
+  """A fresh state; the reference is a copy of `params` when the KL penalty is on."""
+  ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
+  return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref,
+                    step=jnp.zeros((), jnp.int32),
+                    key=jax.random.key_data(jax.random.key(seed)))
+
+
+def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad_id):
+  """Right-padded prompts `[R, P]` + responses `[R, N]` -> sequences `[R, P + N]` and masks."""
+  r, p = prompts.shape
+  s = p + response.shape[1]
+  j = jnp.arange(s)[None, :]
+  rel = j - prompt_lengths[:, None]
+  in_prompt = j < prompt_lengths[:, None]
+  in_response = (rel >= 0) & (rel < response_lengths[:, None])
+  rel_idx = jnp.clip(rel, 0, response.shape[1] - 1)
+  prompt_tok = jnp.take_along_axis(jnp.pad(prompts, ((0, 0), (0, s - p))),
+                                   jnp.broadcast_to(j, (r, s)), axis=1)
+  tokens = jnp.where(in_prompt, prompt_tok,
+                     jnp.where(in_response, jnp.take_along_axis(response, rel_idx, 1), pad_id))
+  behaviour = jnp.where(in_response, jnp.take_along_axis(logprobs, rel_idx, 1), 0.0)
+  return tokens, in_response.astype(jnp.float32), (in_prompt | in_response).astype(
+      jnp.float32), behaviour
+
+
+def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_lengths: jax.Array,
+            key: jax.Array, pad_id: int = 0) -> tuple[Rollout, jax.Array, jax.Array]:
+  """Generate G responses per prompt. Returns the (unscored) rollout, responses, lengths.
+
+  Rewards and advantages are left at zero; `score` fills them in.
+  """
+  g = config.grpo.group_size
+  rc = config.rollout
+  prompts = jnp.repeat(prompts, g, axis=0)
+  prompt_lengths = jnp.repeat(prompt_lengths, g, axis=0)
+  out = generate(params, config.model, prompts, prompt_lengths, key,
+                 max_new_tokens=rc.max_new_tokens, sampling=rc.sampling, drafter=rc.drafter,
+                 tree=rc.tree, eos_id=rc.eos_id, pad_id=pad_id)
+  tokens, response_mask, valid_mask, behaviour = _assemble(
+      prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
+  zeros = jnp.zeros(prompts.shape[:1], jnp.float32)
+  roll = Rollout(tokens=tokens, response_mask=response_mask, valid_mask=valid_mask,
+                 behaviour_logprobs=behaviour, rewards=zeros, advantages=zeros,
+                 lengths=out.lengths, tokens_per_round=out.stats.tokens_per_round,
+                 accepted_per_depth=out.stats.accepted_per_depth)
+  return roll, out.tokens, out.lengths
+
+
+def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
+  """Attach rewards `[R]` and their group advantages."""
+  rewards = jnp.asarray(rewards, jnp.float32)
+  adv = group_advantages(rewards, config.grpo.group_size,
+                         normalize_std=config.grpo.normalize_std, eps=config.grpo.adv_eps)
+  return roll.replace(rewards=rewards, advantages=adv)
+
+
+def sequence_logprobs(params: Params, model: ModelConfig, tokens: jax.Array,
+                      temperature: float):
+  """Log-probabilities `[R, S]` of each token given its prefix (0 at position 0), under
+  softmax(logits / temperature); also returns the forward output."""
+  r, s = tokens.shape
+  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(s), (r, s)))
+  logp = jax.nn.log_softmax(out.logits[:, :-1] / temperature, axis=-1)
+  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(picked, ((0, 0), (1, 0))), out
+
+
+def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
+  temperature = config.rollout.sampling.logprob_temperature
+  logp, out = sequence_logprobs(params, config.model, mb["tokens"], temperature)
+  old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(logp)
+  loss, gm = grpo_loss(
+      config.grpo, logp[:, 1:], old[:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
+      ref_logprobs=mb["ref_logprobs"][:, 1:] if "ref_logprobs" in mb else None,
+      rollout_logprobs=mb["behaviour_logprobs"][:, 1:],
+      logits=jax.lax.stop_gradient(out.logits[:, :-1]) / temperature)
+  metrics = {k: v for k, v in dataclasses.asdict(gm).items() if v is not None}
+  if config.drafter_loss_weight and (config.model.num_mtp_modules
+                                     or config.model.num_medusa_heads):
+    head_loss, hm = draft_head_loss(params, config.model, out.hidden, mb["tokens"],
+                                    mb["valid_mask"], 1.0, 1.0, detach=True)
+    loss = loss + config.drafter_loss_weight * head_loss
+    metrics |= hm
+  return loss, metrics
+
+
+def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTransformation,
+           roll: Rollout, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+  """`num_epochs x num_minibatches` GRPO updates on a scored rollout."""
+  gc = config.grpo
+  temperature = config.rollout.sampling.logprob_temperature
+  data = {"tokens": roll.tokens, "response_mask": roll.response_mask,
+          "valid_mask": roll.valid_mask, "behaviour_logprobs": roll.behaviour_logprobs,
+          "advantages": roll.advantages}
+  if gc.num_epochs > 1 or gc.num_minibatches > 1:
+    # pi_old is the policy at the start of the update, fixed across epochs and minibatches.
+    data["old_logprobs"] = jax.lax.stop_gradient(
+        sequence_logprobs(state.params, config.model, roll.tokens, temperature)[0])
+  if gc.beta > 0:
+    data["ref_logprobs"] = jax.lax.stop_gradient(
+        sequence_logprobs(state.ref_params, config.model, roll.tokens, temperature)[0])
+  rows = roll.tokens.shape[0]
+  if rows % gc.num_minibatches:
+    raise ConfigError(f"num_minibatches={gc.num_minibatches} must divide the rollout rows "
+                      f"{rows} (prompts x group_size)")
+  mb_rows = rows // gc.num_minibatches
+
+  def epoch_batches(k):
+    perm = jax.random.permutation(k, rows) if gc.num_minibatches > 1 else jnp.arange(rows)
+    return jax.tree.map(lambda x: x[perm].reshape((gc.num_minibatches, mb_rows) + x.shape[1:]),
+                        data)
+
+  batches = jax.vmap(epoch_batches)(jax.random.split(key, gc.num_epochs))
+  batches = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
+
+  def one(carry, mb):
+    params, opt_state = carry
+    grads, metrics = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return (optax.apply_updates(params, updates), opt_state), metrics
+
+  (params, opt_state), metrics = jax.lax.scan(one, (state.params, state.opt_state), batches)
+  metrics = jax.tree.map(lambda x: x.mean(0), metrics)
+  return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
+  n = config.rollout.max_new_tokens
+  lengths = roll.lengths.astype(jnp.float32)
+  last = jnp.take_along_axis(roll.tokens, (jnp.argmax(roll.response_mask.cumsum(1), 1))[:, None],
+                             axis=1)[:, 0]
+  clipped = (roll.lengths >= n) & (last != config.rollout.eos_id)
+  return {
+      "reward_mean": roll.rewards.mean(), "reward_std": roll.rewards.std(),
+      "accuracy": (roll.rewards >= 1.0).mean(),
+      "response_length_mean": lengths.mean(), "response_length_max": lengths.max(),
+      "response_clip_frac": clipped.mean(),
+      "acceptance_length": roll.tokens_per_round,
+      "accepted_per_depth": roll.accepted_per_depth,
+      "rollout_tokens": roll.lengths.sum(),
+  }
+
+
+def make_train_step(config: TrainConfig, reward_fn: RewardFn,
+                    optimizer: optax.GradientTransformation, *, pad_id: int = 0,
+                    jit: bool = True, state_sharding: Any = None, batch_sharding: Any = None
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+  """The fused step `(state, batch) -> (state, metrics)`; batch has tokens, lengths, answers.
+
+  `reward_fn(responses [R, N], lengths [R], answers [R]) -> [R]` must be JAX. In async mode the
+  state must hold a pending rollout first (`make_prime_fn`).
+  """
+
+  def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+    roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths,
+                                       k_roll, pad_id)
+    answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
+    roll = score(config, roll, reward_fn(responses, lengths, answers))
+    train_on = state.pending if config.async_mode else roll
+    new_state, metrics = update(state, config, optimizer, train_on, k_update)
+    metrics |= rollout_metrics(config, train_on)
+    new_state = new_state.replace(key=jax.random.key_data(key),
+                                  pending=roll if config.async_mode else None)
+    return new_state, metrics
+
+  if not jit:
+    return step
+  # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
+  kwargs = {}
+  if state_sharding is not None:
+    kwargs = dict(in_shardings=(state_sharding, batch_sharding),
+                  out_shardings=(state_sharding, None))
+  return jax.jit(step, donate_argnums=0, **kwargs)
+
+
+def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
+  """Async mode: `(state, batch) -> state` with the first pending rollout generated."""
+
+  def prime(state: TrainState, batch) -> TrainState:
+    key, k_roll = jax.random.split(jax.random.wrap_key_data(state.key))
+    roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths,
+                                       k_roll, pad_id)
+    answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
+    roll = score(config, roll, reward_fn(responses, lengths, answers))
+    return state.replace(key=jax.random.key_data(key), pending=roll)
+
+  return jax.jit(prime)
+
+
+def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
+                    optimizer: optax.GradientTransformation, *, pad_id: int = 0):
+  """Split mode for host-side (Python) rewards: two compiled programs, the reward between.
+
+  Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [R, N] numpy,
+  lengths [R] numpy, batch) -> [R]` runs on the host (e.g. decode the responses and call a
+  `PythonReward` with `reader.references(np.repeat(batch.index, G))`). Sync mode only.
+  """
+  if config.async_mode:
+    raise ConfigError("split mode (host-side reward) supports async_mode=False only")
+
+  @jax.jit
+  def rollout_fn(params, tokens, lengths, key):
+    return rollout(params, config, tokens, lengths, key, pad_id)
+
+  # The state is donated: parameters and optimizer moments are replaced by the update.
+  @functools.partial(jax.jit, donate_argnums=0)
+  def update_fn(state, roll, rewards, key, next_key):
+    roll = score(config, roll, rewards)
+    state, metrics = update(state, config, optimizer, roll, key)
+    return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
+
+  def step(state: TrainState, batch):
+    key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+    roll, responses, lengths = rollout_fn(state.params, batch.tokens, batch.lengths, k_roll)
+    rewards = np.asarray(reward_fn(np.asarray(responses), np.asarray(lengths), batch),
+                         np.float32)
+    return update_fn(state, roll, rewards, k_update, jax.random.key_data(key))
+
+  return step

@@ -1,0 +1,211 @@
+"""The fused GRPO step: equivalences, compilation, sharding, async and split modes, resume."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from specjax import sharding
+from specjax.checkpoint import Checkpointer, CheckpointError
+from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
+from specjax.models import ModelConfig, init_params
+from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
+from specjax.rl.tasks import decode_completions
+from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
+                                make_split_step, make_train_step)
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
+TOK = TASK.tokenizer
+MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                    head_dim=16, mlp_dim=64, num_mtp_modules=2, max_position=32)
+
+
+def _reader(batch_size=4):
+  records = [{"prompt": encode_prompt(TOK, e.prompt), "reference": e.reference,
+              "answer": e.answer} for e in TASK.examples("train")]
+  return PromptReader(records, batch_size=batch_size, pad_id=TOK.pad_id)
+
+
+def _config(sampling=SamplingConfig(1.0), speculative=True, **kwargs):
+  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                          sampling=sampling, drafter=MTPDrafter() if speculative else None,
+                          tree=DraftTree.chain(2) if speculative else None)
+  grpo = kwargs.pop("grpo", GRPOConfig(group_size=4, beta=0.05, num_minibatches=2))
+  return TrainConfig(model=MODEL, grpo=grpo, rollout=rollout, **kwargs)
+
+
+def _run(config, steps, step_fn=None, state=None, params_seed=0):
+  optimizer = optax.adam(1e-3)
+  if state is None:
+    state = init_train_state(config, init_params(MODEL, jax.random.key(params_seed)),
+                             optimizer, seed=1)
+  step_fn = step_fn or make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id)
+  reader, history = _reader(), []
+  for i in range(steps):
+    state, metrics = step_fn(state, reader.batch_at(4 * i))
+    history.append(jax.tree.map(np.asarray, metrics))
+  return state, history, step_fn
+
+
+def test_greedy_rollouts_with_and_without_speculation_train_identically():
+  greedy = SamplingConfig(0.0)
+  spec_state, spec_hist, _ = _run(_config(greedy, speculative=True), 3)
+  plain_state, plain_hist, _ = _run(_config(greedy, speculative=False), 3)
+  for s, p in zip(spec_hist, plain_hist):
+    for key in ("reward_mean", "response_length_mean", "loss", "kl", "mtp_ce"):
+      np.testing.assert_allclose(s[key], p[key], rtol=1e-6, atol=1e-7, err_msg=key)
+  assert float(spec_hist[-1]["acceptance_length"]) > 1.0  # speculation really ran
+  for a, b in zip(jax.tree.leaves(spec_state.params), jax.tree.leaves(plain_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_train_step_compiles_once_and_updates_the_policy_and_drafter():
+  config = _config()
+  state0 = init_train_state(config, init_params(MODEL, jax.random.key(0)), optax.adam(1e-3), 1)
+  embed0 = np.asarray(state0.params["embed"])
+  mtp0 = np.asarray(state0.params["mtp"][0]["proj"])
+  state, history, step = _run(config, 4)
+  assert step._cache_size() == 1
+  assert int(state.step) == 4
+  assert not np.allclose(state.params["embed"], embed0)
+  assert not np.allclose(state.params["mtp"][0]["proj"], mtp0)
+  for key in ("reward_mean", "accuracy", "response_length_max", "response_clip_frac", "kl",
+              "clip_frac_low", "clip_frac_high", "entropy", "grad_norm", "acceptance_length",
+              "accepted_per_depth", "mtp_ce", "rollout_tokens"):
+    assert key in history[-1], key
+    assert np.all(np.isfinite(history[-1][key])), key
+
+
+def test_async_step_updates_on_the_rollout_generated_one_step_earlier():
+  config = _config(async_mode=True)
+  optimizer = optax.adam(1e-3)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
+  reader = _reader()
+  state = make_prime_fn(config, TASK.reward, pad_id=TOK.pad_id)(state, reader.batch_at(0))
+  step = make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id)
+  for i in range(3):
+    pending_reward = float(state.pending.rewards.mean())
+    pending_tokens = int(state.pending.lengths.sum())
+    state, metrics = step(state, reader.batch_at(4 * (i + 1)))
+    assert float(metrics["reward_mean"]) == pytest.approx(pending_reward)
+    assert int(metrics["rollout_tokens"]) == pending_tokens
+  assert step._cache_size() == 1
+
+
+def test_split_mode_with_a_python_reward_matches_the_fused_step():
+  config = _config()
+
+  def python_reward(responses, lengths, batch):
+    refs = np.repeat([str(a) for a in batch.answers], config.grpo.group_size)
+    texts = decode_completions(TOK, responses, lengths)
+    ended = [int(responses[i, n - 1]) == TOK.eos_id if n else False
+             for i, n in enumerate(lengths)]
+    return [float(t == r and e) for t, r, e in zip(texts, refs, ended)]
+
+  optimizer = optax.adam(1e-3)
+  fused_state, fused, _ = _run(config, 3)
+  split_state, split, _ = _run(config, 3, make_split_step(config, python_reward, optimizer,
+                                                          pad_id=TOK.pad_id))
+  for f, s in zip(fused, split):
+    for key in ("reward_mean", "loss", "mtp_ce", "response_length_mean"):
+      np.testing.assert_allclose(f[key], s[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(fused_state.params), jax.tree.leaves(split_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fused_step_on_8_devices_gives_the_single_device_metrics():
+  config = _config(grpo=GRPOConfig(group_size=4, beta=0.05))
+  optimizer = optax.adam(1e-3)
+  single_state, single, _ = _run(config, 2)
+
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  params = init_params(MODEL, jax.random.key(0))
+  state = init_train_state(config, params, optimizer, seed=1)
+  p_shard = sharding.param_shardings(MODEL, mesh)
+  state_shard = state.replace(
+      params=p_shard, ref_params=p_shard,
+      opt_state=sharding.opt_state_shardings(state.opt_state, params, p_shard),
+      step=sharding.replicated(mesh), key=sharding.replicated(mesh))
+  state = jax.device_put(state, state_shard)
+  batch = _reader().batch_at(0)
+  batch_shard = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
+  step = make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id,
+                         state_sharding=state_shard, batch_sharding=batch_shard)
+  sharded_state, sharded, _ = _run(config, 2, step, state)
+  assert sharded_state.params["layers"][0]["wq"].sharding == p_shard["layers"][0]["wq"]
+  for a, b in zip(single, sharded):
+    for key in ("reward_mean", "loss", "kl", "mtp_ce", "entropy", "response_length_mean"):
+      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_corrupt_checkpoint_is_reported_and_nothing_is_deleted(tmp_path):
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  state = {"w": jnp.arange(4.0)}
+  ckpt.save(3, state, {"step": 3})
+  ckpt.close()
+  files = sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+  for f in files:  # scribble over every data file
+    f.write_bytes(b"not a checkpoint")
+  with pytest.raises(CheckpointError, match="step 3 .* cannot be restored"):
+    Checkpointer(tmp_path / "ckpt").restore(state)
+  assert sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == files
+
+
+TRAIN_ARGS = ["--steps", "6", "--checkpoint-every", "2", "--sft-steps", "5", "--sft-batch", "8",
+              "--prompts-per-step", "4", "--grpo.group-size", "4", "--eval-prompts", "8",
+              "--speedup-repeats", "1", "--model.d-model", "32", "--model.mlp-dim", "64",
+              "--model.n-layers", "1", "--model.head-dim", "16", "--model.n-heads", "2",
+              "--model.n-kv-heads", "2"]
+
+
+def _train(run_dir, extra=(), **popen):
+  cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
+         str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir),
+         *TRAIN_ARGS, *extra]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _metrics(run_dir):
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  drop = ("step_time_s", "rollout_tokens_per_s")
+  return [{k: v for k, v in r.items() if k not in drop} for r in rows]
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+  full = _train(tmp_path / "full")
+  killed = _train(tmp_path / "killed")
+  metrics = tmp_path / "killed" / "metrics.jsonl"
+  deadline = time.time() + 300
+  # Kill once step 3 is logged: checkpoint 2 is complete, step 4's is not yet written.
+  while time.time() < deadline:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      break
+    assert killed.poll() is None, killed.stdout.read()
+    time.sleep(0.05)
+  killed.send_signal(signal.SIGKILL)
+  killed.wait()
+  steps = Checkpointer(tmp_path / "killed" / "checkpoints").all_steps()
+  assert 2 in steps and 6 not in steps, steps
+  resumed = _train(tmp_path / "killed")
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, out
+  assert "resumed from" in out
+  full_out, _ = full.communicate(timeout=600)
+  assert full.returncode == 0, full_out
+  assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")
