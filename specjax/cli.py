@@ -148,10 +148,15 @@ def train_command(argv: list[str]) -> dict:
                     prog=f"specjax train --config {known.config}")
   summary = run(config)
   print(json.dumps(summary, indent=2))
-  print(f"held-out accuracy: {summary['accuracy_before']:.3f} before RL -> "
-        f"{summary['accuracy_after']:.3f} after RL; rollout speedup (speculative / plain, same "
-        f"run): {summary['speedup']:.2f}x at acceptance length "
-        f"{summary['acceptance_length']:.2f}")
+  print(f"held-out accuracy, greedy: {summary['accuracy_before']:.3f} before RL -> "
+        f"{summary['accuracy_after']:.3f} after; at the rollout temperature (8 samples per "
+        f"prompt): {summary['sampled_accuracy_before']:.3f} -> "
+        f"{summary['sampled_accuracy_after']:.3f}")
+  print(f"drafter acceptance length on a fixed 16-token probe: "
+        f"{summary['probe_acceptance_before']:.2f} before RL -> "
+        f"{summary['probe_acceptance_after']:.2f} after (online drafter training)")
+  print(f"rollout speedup, speculative / plain in the same engine and run: "
+        f"{summary['speedup']:.2f}x at acceptance length {summary['acceptance_length']:.2f}")
   return summary
 
 

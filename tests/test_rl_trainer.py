@@ -209,3 +209,18 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path):
   full_out, _ = full.communicate(timeout=600)
   assert full.returncode == 0, full_out
   assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")
+
+
+def test_grpo_raises_the_reward_of_a_simple_preference():
+  """Sign and alignment check of the whole step: reward 1 when the response starts with '7'."""
+  seven = TOK.encode("7")[0]
+  reward = lambda tokens, lengths, answers: (tokens[:, 0] == seven).astype(jnp.float32)
+  config = _config(grpo=GRPOConfig(group_size=8))
+  optimizer = optax.adam(1e-2)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
+  step = make_train_step(config, reward, optimizer, pad_id=TOK.pad_id)
+  reader, rewards = _reader(), []
+  for i in range(25):
+    state, metrics = step(state, reader.batch_at(4 * i))
+    rewards.append(float(metrics["reward_mean"]))
+  assert np.mean(rewards[:3]) < 0.3 and np.mean(rewards[-3:]) > 0.8, rewards

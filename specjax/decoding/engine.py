@@ -43,7 +43,8 @@ class GenerationStats:
   Attributes:
     rounds: loop iterations (verify passes after the prefill).
     row_rounds: `[B]` rounds in which each row was still generating.
-    accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted.
+    accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted
+      and emitted (drafts accepted beyond EOS or max_new_tokens are not counted).
     tokens_per_round: mean tokens emitted per row-round (mean acceptance length; 1 = plain).
   """
 
@@ -315,7 +316,9 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
     drafter_state = drafter.update(params, config, s.drafter_state, result)
 
   active = ~s.done
-  depth_hits = (a[:, None] > jnp.arange(max(d, 1))[None, :]) & active[:, None]
+  # Count accepted drafts that were emitted: EOS or max_new_tokens may cut an accepted run.
+  emitted_drafts = jnp.minimum(a, count)
+  depth_hits = (emitted_drafts[:, None] > jnp.arange(max(d, 1))[None, :]) & active[:, None]
   return DecodeState(
       seq=seq, seq_len=seq_len, logp=logp, generated=s.generated + count, done=done,
       cache=cache, last_hidden=last_hidden, drafter_state=drafter_state, key=key,

@@ -60,6 +60,10 @@ class ExperimentConfig:
     sft_steps: supervised warm-start steps (0: start RL from random weights).
     sft_batch: warm-start batch size.
     sft_learning_rate: warm-start learning rate.
+    sft_eos_fraction: fraction of warm-start examples whose answer ends with EOS; the others
+      run on into the next problem, as text concatenated without separators does. Below 1
+      the warm-started policy often fails to stop, which the reward (answer, then EOS)
+      penalises and GRPO fixes.
     checkpoint_every: steps between checkpoints.
     max_checkpoints: checkpoints kept.
     eval_prompts: held-out prompts evaluated (greedy) before and after RL.
@@ -87,6 +91,7 @@ class ExperimentConfig:
   sft_steps: int = 200
   sft_batch: int = 64
   sft_learning_rate: float = 3e-3
+  sft_eos_fraction: float = 1.0
   checkpoint_every: int = 25
   max_checkpoints: int = 2
   eval_prompts: int = 500
@@ -101,6 +106,9 @@ class ExperimentConfig:
                  "max_new_tokens", "speedup_repeats"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be >= 1")
+    if not 0 <= self.sft_eos_fraction <= 1:
+      raise ConfigError(f"sft_eos_fraction={self.sft_eos_fraction!r} is invalid: must be in "
+                        "[0, 1]")
 
   def train_config(self, drafter: str | None = None) -> TrainConfig:
     drafter = self.drafter if drafter is None else drafter
@@ -127,11 +135,19 @@ def _records(task: ArithmeticTask, split: str) -> list[dict]:
 
 def warm_start(config: ExperimentConfig, log=print):
   """Supervised training on prompt + answer + EOS: the trunk learns answers (loss on answer
-  tokens), the MTP / Medusa heads learn every token. Returns parameters."""
+  tokens), the MTP / Medusa heads learn every token. Returns parameters.
+
+  A fraction `1 - sft_eos_fraction` of the examples continue with another problem instead
+  of EOS (see `ExperimentConfig.sft_eos_fraction`).
+  """
   tok = config.task.tokenizer
   examples = config.task.examples("train")
-  seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.reference) + [tok.eos_id]
-          for e in examples]
+  rng = np.random.default_rng(config.seed)
+  run_on = rng.random(len(examples)) >= config.sft_eos_fraction
+  nxt = rng.integers(0, len(examples), len(examples))
+  seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.reference)
+          + (tok.encode(examples[j].prompt + examples[j].reference) if r else [tok.eos_id])
+          for e, r, j in zip(examples, run_on, nxt)]
   prompt_lens = [len(encode_prompt(tok, e.prompt)) for e in examples]
   width = max(len(s) for s in seqs)
   tokens = np.full((len(seqs), width), tok.pad_id, np.int32)
@@ -145,7 +161,6 @@ def warm_start(config: ExperimentConfig, log=print):
   state = init_supervised_state(init_params(config.model, jax.random.key(config.seed)),
                                 optimizer)
   step = make_supervised_step(config.model, optimizer)
-  rng = np.random.default_rng(config.seed)
   for i in range(config.sft_steps):
     idx = rng.integers(0, len(seqs), config.sft_batch)
     state, metrics = step(state, tokens[idx], answer_mask[idx], head_mask[idx])
@@ -169,6 +184,23 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
                  pad_id=tok.pad_id)
   rewards = config.task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
   return float((rewards >= 1.0).mean())
+
+
+def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
+                     tokens: int = 16) -> float:
+  """Mean acceptance length of the speculative rollout on held-out prompts, generating a
+  fixed `tokens` per row (no EOS): it compares drafters on equal work even when the
+  policy's response lengths change during training."""
+  rc = config.train_config().rollout
+  if rc.drafter is None:
+    return 1.0
+  tok = config.task.tokenizer
+  batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
+                       shuffle=False).batch_at(0)
+  out = generate(params, config.model, batch.tokens, batch.lengths,
+                 jax.random.key(config.seed + 2), max_new_tokens=tokens,
+                 sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, pad_id=tok.pad_id)
+  return float(out.stats.tokens_per_round)
 
 
 def rollout_speedup(params, config: ExperimentConfig, batch) -> dict[str, float]:
@@ -243,7 +275,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
     meta = {"step": 0, "position": position,
             "accuracy_before": evaluate(state.params, config, test_records),
             "sampled_accuracy_before": evaluate(state.params, config, test_records,
-                                                sampled=True)}
+                                                sampled=True),
+            "probe_acceptance_before": probe_acceptance(state.params, config, test_records)}
     ckpt.save(0, state, meta)
     metrics_file.write_text("")
   else:
@@ -287,7 +320,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
              "accuracy_after": evaluate(state.params, config, test_records),
              "sampled_accuracy_before": meta["sampled_accuracy_before"],
              "sampled_accuracy_after": evaluate(state.params, config, test_records,
-                                                sampled=True)}
+                                                sampled=True),
+             "probe_acceptance_before": meta["probe_acceptance_before"],
+             "probe_acceptance_after": probe_acceptance(state.params, config, test_records)}
   summary |= rollout_speedup(state.params, config, reader.batch_at(0))
   history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
   summary["acceptance_first"] = float(np.mean([h["acceptance_length"] for h in history[:5]]))
