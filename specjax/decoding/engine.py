@@ -309,11 +309,13 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
   seq_len = s.seq_len + count
   new_ctx = DraftContext(seq=seq, seq_len=seq_len, last_hidden=last_hidden, done=done)
   drafter_state = s.drafter_state
+  if proposal.drafter_state is not None:
+    drafter_state = proposal.drafter_state
   if drafter is not None and tree.num_nodes:
     result = RoundResult(path_tokens=path_tokens, next_tokens=next_tokens,
                          path_hidden=path_hidden, start=root_pos, count=committed,
                          new_ctx=new_ctx)
-    drafter_state = drafter.update(params, config, s.drafter_state, result)
+    drafter_state = drafter.update(params, config, drafter_state, result)
 
   active = ~s.done
   # Count accepted drafts that were emitted: EOS or max_new_tokens may cut an accepted run.

@@ -58,10 +58,13 @@ class Proposal:
     logprobs: `[B, N + 1, V]` log q at each node of [root] + nodes — the distribution that
       node's children were sampled from (without replacement) — or None when the drafts are
       deterministic (argmax / top-w / lookup), which selects matching verification.
+    drafter_state: the drafter's state after proposing, when proposing changed it (e.g. a
+      cache it committed to on the way); None keeps the state it was given.
   """
 
   tokens: jax.Array
   logprobs: jax.Array | None = None
+  drafter_state: Any = None
 
 
 @struct.dataclass

@@ -6,13 +6,18 @@ token k + 1 ahead, so with the root at position r, module k can be *committed* (
 cache made final) exactly through position r - k - 1. The drafter keeps each used module at
 that frontier, plus its output stream at its last committed position.
 
+After a verification each module must advance by the accepted count: its *window* of
+a + 1 positions reads the same new tokens (accepted drafts, then the new root) for every
+module, and the state inputs of module k are module k - 1's window outputs shifted by one.
 Drafting depth d + 1 (module d) from a node x at depth d needs module d at positions
 r - d .. r - 1, whose token inputs are x's ancestors at depths 1..d (x last) and whose state
-inputs are module d - 1's outputs for x's parent — computed one level earlier. Each node's
-chain runs as one forward with a block-diagonal causal mask over the committed cache, and
-nothing is committed. After verification each module is advanced by the accepted count:
-its window of a + 1 positions reads the same new tokens (accepted drafts, then the new root)
-for every module, and the state inputs of module k are module k - 1's window shifted by one.
+inputs are module d - 1's outputs for x's parent — computed one level earlier.
+
+Both happen in one pass per round: `update` only records the window, and `propose` runs each
+module once over [its window ; one chain per node of its depth], committing the window's
+valid prefix. The mask lets a chain see the committed cache, the window's valid prefix and its
+own earlier entries; one forward per module per round instead of two halves the weight reads
+of the drafter, which is what a memory-bound decode step pays for.
 
 Glossary: B batch, r root position, D tree depth, M_d nodes at depth d, Dm d_model.
 """
@@ -59,7 +64,7 @@ class MTPDrafter:
 
   def init(self, params, config, drafter_params, ctx, tree, max_len, prompt_hidden):
     """Teacher-force the used modules over the prompt (ragged) and commit their frontiers."""
-    b, p, _ = prompt_hidden.shape
+    b, p, dm = prompt_hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
     seq = jnp.pad(ctx.seq, ((0, 0), (0, config.num_mtp_modules + 1)))
@@ -74,47 +79,90 @@ class MTPDrafter:
       last.append(jnp.take_along_axis(out.hidden, jnp.maximum(commit - 1, 0)[:, None, None],
                                       axis=1)[:, 0])
       state_in = out.hidden
-    return {"caches": tuple(caches), "last": tuple(last)}
+    width = tree.depth + 1
+    # An empty pending window: nothing to commit before the first proposal.
+    window = {"tokens": jnp.zeros((b, width), jnp.int32),
+              "hidden": jnp.zeros((b, width, dm), prompt_hidden.dtype),
+              "start": r, "count": jnp.zeros((b,), jnp.int32)}
+    return {"caches": tuple(caches), "last": tuple(last), "window": window}
 
   def propose(self, params, config: ModelConfig, state, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> Proposal:
     b = ctx.seq.shape[0]
     draw = self.sampled and not sampling.greedy
     r = ctx.seq_len - 1
+    win = state["window"]
+    width = win["tokens"].shape[1]
+    count = win["count"]
     tokens = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
     node_logprobs = jnp.zeros((b, tree.num_nodes + 1, config.vocab_size), jnp.float32)
-    # chain_out: module (d - 1)'s outputs along each depth-(d - 1) node's chain [B, M, d - 1, Dm].
-    chain_out = None
+    caches, last = list(state["caches"]), list(state["last"])
+    window_in = win["hidden"]  # module 0's state inputs: the trunk along the accepted path
+    chain_out = None  # module d - 1's chain outputs for each depth-(d - 1) node [B, M, d - 1, Dm]
     for d in range(tree.depth):
       parents = tree.nodes_at_depth(d)
       m = len(parents)
-      if d == 0:
-        logits = mtp_head_logits(params, config, 0, state["last"][0])[:, None]  # [B, 1, V]
-      else:
-        # For each depth-d node x: positions r - d .. r - 1; tokens = x's ancestors at depths
-        # 1..d; states = [module d-1's last committed output, module d-1's chain for parent].
+      if d > 0:
+        window_in = jnp.concatenate([state["last"][d - 1][:, None], window_out[:, :-1]], 1)
+      # The chain of each depth-d node x: positions r - d .. r - 1, tokens = x's ancestors at
+      # depths 1..d, states = [module d-1's newest committed output, module d-1's chain of x's
+      # parent].
+      if d > 0:
         anc = np.stack([self._ancestors(tree, int(x), d) for x in parents])  # [M, d]
-        chain_tokens = tokens[:, anc]  # [B, M, d]
         parent_slot = np.array([self._slot(tree, d - 1, int(tree.parent_array[x]))
                                 for x in parents])
-        first = jnp.broadcast_to(state["last"][d - 1][:, None, None],
-                                 (b, m, 1, config.d_model))
+        first = jnp.broadcast_to(last[d - 1][:, None, None], (b, m, 1, config.d_model))
         rest = chain_out[:, parent_slot, :d - 1] if d > 1 else first[:, :, :0]
-        states = jnp.concatenate([first, rest], axis=2)  # [B, M, d, Dm]
-        pos = (r - d)[:, None, None] + jnp.arange(d)[None, None, :]
-        pos = jnp.broadcast_to(pos, (b, m, d)).reshape(b, m * d)
-        out = mtp_forward(params, config, d, states.reshape(b, m * d, -1),
-                          chain_tokens.reshape(b, m * d), pos, state["caches"][d],
-                          new_mask=jnp.asarray(_chain_mask(m, d)), advance=0,
-                          compute_logits=False)
-        chain_out = out.hidden.reshape(b, m, d, -1)
+        chain_states = jnp.concatenate([first, rest], axis=2).reshape(b, m * d, -1)
+        chain_tokens = tokens[:, anc].reshape(b, m * d)
+        chain_pos = ((r - d)[:, None, None] + jnp.arange(d)[None, None, :])
+        chain_pos = jnp.broadcast_to(chain_pos, (b, m, d)).reshape(b, m * d)
+      else:
+        chain_states = jnp.zeros((b, 0, config.d_model), window_in.dtype)
+        chain_tokens = jnp.zeros((b, 0), jnp.int32)
+        chain_pos = jnp.zeros((b, 0), jnp.int32)
+      window_pos = (win["start"] - d)[:, None] + jnp.arange(width)[None, :]
+      out = mtp_forward(
+          params, config, d, jnp.concatenate([window_in, chain_states], 1),
+          jnp.concatenate([win["tokens"], chain_tokens], 1),
+          jnp.concatenate([window_pos, chain_pos], 1), caches[d],
+          new_mask=self._mask(count, width, m * d, d), advance=count, compute_logits=False)
+      caches[d] = out.cache
+      window_out = out.hidden[:, :width]
+      newest = jnp.take_along_axis(window_out, jnp.maximum(count - 1, 0)[:, None, None],
+                                   axis=1)[:, 0]
+      last[d] = jnp.where((count > 0)[:, None], newest, last[d])
+      if d == 0:
+        logits = mtp_head_logits(params, config, 0, last[0])[:, None]  # [B, 1, V]
+      else:
+        chain_out = out.hidden[:, width:].reshape(b, m, d, -1)
         logits = mtp_head_logits(params, config, d, chain_out[:, :, -1])  # [B, M, V]
       lp = processed_logprobs(logits, sampling)
       node_logprobs = node_logprobs.at[:, parents].set(lp)
       children, toks = draft_children(tree, parents, lp,
                                       jax.random.fold_in(key, d) if draw else None)
       tokens = tokens.at[:, children].set(toks)
-    return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs if draw else None)
+    # The window is committed; the proposal carries the new drafter state (see `update`).
+    new_state = {"caches": tuple(caches), "last": tuple(last),
+                 "window": {**win, "count": jnp.zeros_like(count)}}
+    return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs if draw else None,
+                    drafter_state=new_state)
+
+  @staticmethod
+  def _mask(count: jax.Array, width: int, chain_len: int, d: int) -> jax.Array:
+    """`[B, W + C, W + C]` visibility: the window is causal; each chain of length d sees the
+    window's first `count` entries (the committed ones) and its own earlier entries."""
+    t = width + chain_len
+    mask = np.zeros((t, t), bool)
+    mask[:width, :width] = np.tril(np.ones((width, width), bool))
+    if chain_len:
+      mask[width:, width:] = _chain_mask(chain_len // d, d)
+    mask = jnp.broadcast_to(jnp.asarray(mask), (count.shape[0], t, t))
+    committed = jnp.arange(width)[None, None, :] < count[:, None, None]  # [B, 1, W]
+    chain_rows = (jnp.arange(t) >= width)[None, :, None]
+    sees_window = jnp.zeros((count.shape[0], t, t), bool).at[:, :, :width].set(
+        chain_rows & committed)
+    return mask | sees_window
 
   @staticmethod
   def _ancestors(tree: DraftTree, node: int, d: int) -> np.ndarray:
@@ -130,18 +178,7 @@ class MTPDrafter:
     return int(np.nonzero(tree.nodes_at_depth(d) == node)[0][0])
 
   def update(self, params, config, state, result):
-    b, width = result.next_tokens.shape
-    caches, last = [], []
-    prev_window = result.path_hidden  # module 0's state inputs: the trunk along the path
-    for k, cache in enumerate(state["caches"]):
-      if k > 0:
-        prev_window = jnp.concatenate([state["last"][k - 1][:, None], prev_window[:, :-1]], 1)
-      positions = (result.start - k)[:, None] + jnp.arange(width)[None, :]
-      out = mtp_forward(params, config, k, prev_window, result.next_tokens, positions, cache,
-                        advance=result.count, compute_logits=False)
-      caches.append(out.cache)
-      newest = jnp.take_along_axis(out.hidden, jnp.maximum(result.count - 1, 0)[:, None, None],
-                                   axis=1)[:, 0]
-      last.append(jnp.where((result.count > 0)[:, None], newest, state["last"][k]))
-      prev_window = out.hidden
-    return {"caches": tuple(caches), "last": tuple(last)}
+    """Record the accepted window; `propose` commits it in the same pass that drafts."""
+    window = {"tokens": result.next_tokens, "hidden": result.path_hidden,
+              "start": result.start, "count": result.count}
+    return {**state, "window": window}
