@@ -142,7 +142,8 @@ def train_command(argv: list[str]) -> dict:
   """`specjax train --config FILE [--field value ...]`: any config field can be overridden."""
   from specjax.rl.experiment import ExperimentConfig, run
   parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
-  parser.add_argument("--config", required=True, help="a config file, e.g. configs/arithmetic_tiny.py")
+  parser.add_argument("--config", required=True,
+                      help="a config file, e.g. configs/arithmetic_tiny.py")
   known, rest = parser.parse_known_args(argv)
   config = tyro.cli(ExperimentConfig, default=load_experiment(known.config), args=rest,
                     prog=f"specjax train --config {known.config}")

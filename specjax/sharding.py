@@ -57,7 +57,7 @@ DEFAULT_RULES: Rules = (
     ("head_dim", None),
 )
 
-_CACHE_AXES = P("batch", None, "kv_heads", "head_dim")  # [B, S, K, H]
+_CACHE_AXES = P("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
@@ -204,7 +204,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def kv_cache_shardings(cache: KVCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> KVCache:
   """A `KVCache` of shardings for `cache` (arrays or `jax.ShapeDtypeStruct`s).
 
-  Buffers `[B, S, K, H]` split B over the "batch" axes and K over the "kv_heads" axes (the
+  Buffers `[B, K, S, H]` split B over the "batch" axes and K over the "kv_heads" axes (the
   same split as the wk/wv columns that produce them, so writes need no communication);
   `lengths [B]` splits over the "batch" axes.
   """

@@ -73,7 +73,8 @@ def test_eos_inside_an_accepted_run_truncates_exactly_like_plain_decoding(progre
   spec = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
                   max_new_tokens=20, sampling=GREEDY, drafter=MTPDrafter(),
                   tree=DraftTree.chain(3), eos_id=eos)
-  assert int(plain_eos.lengths[0]) <= 6 and int(plain_eos.tokens[0, plain_eos.lengths[0] - 1]) == eos
+  n = int(plain_eos.lengths[0])
+  assert n <= 6 and int(plain_eos.tokens[0, n - 1]) == eos
   assert float(spec.stats.tokens_per_round) > 2.5  # runs longer than the EOS offset
   np.testing.assert_array_equal(spec.tokens, plain_eos.tokens)
   np.testing.assert_array_equal(spec.lengths, plain_eos.lengths)

@@ -7,8 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from specjax.models import (ConfigError, KVCache, Llama3RopeScaling, ModelConfig, forward,
+from specjax.models import (ConfigError, KVCache, Llama3RopeScaling, ModelConfig,
                             init_params, medusa_logits, mtp_forward, mtp_logits_all)
+from specjax.models import forward as _forward
+
+# Compiled once per shape: op-by-op dispatch of these tiny models dominates test time.
+forward = jax.jit(_forward, static_argnums=1, static_argnames=("hidden_layers",
+                                                               "compute_logits"))
 from specjax.supervised import init_supervised_state, make_supervised_step
 
 CONFIGS = {
@@ -50,7 +55,7 @@ def test_cached_token_by_token_decoding_equals_teacher_forced_forward(model):
   tokens = jax.random.randint(jax.random.key(2), (b, t), 0, config.vocab_size)
   full = forward(params, config, tokens, _arange_positions(b, t)).logits
   cache = KVCache.create(config, b, 16)
-  step = jax.jit(lambda c, tok, pos: forward(params, config, tok, pos, c), donate_argnums=0)
+  step = jax.jit(lambda c, tok, pos: _forward(params, config, tok, pos, c), donate_argnums=0)
   outs = []
   for i in range(t):
     out = step(cache, tokens[:, i:i + 1], _arange_positions(b, 1, i))

@@ -198,7 +198,7 @@ def test_sharded_kv_cache_decode_equals_unsharded(mesh, tokens):
   param_sh = sharding.param_shardings(CONFIG, mesh)
   cache = KVCache.create(CONFIG, B, max_len)
   cache_sh = sharding.kv_cache_shardings(cache, mesh)
-  assert cache_sh.keys[0].spec == P(("data", "fsdp"), None, "tensor", None)
+  assert cache_sh.keys[0].spec == P(("data", "fsdp"), "tensor", None, None)
   batch = sharding.batch_sharding(mesh, 2)
   # Donate the cache: the previous buffers are dead once the new entries are written.
   sharded_step = jax.jit(step, in_shardings=(param_sh, batch, batch, cache_sh),

@@ -78,9 +78,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _write(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-  """Scatter `new [B, T, K, H]` into `buf [B, S, K, H]` at `slots [B, T]` (in place if donated)."""
+  """Scatter `new [B, T, K, H]` into `buf [B, K, S, H]` at `slots [B, T]` (in place if donated)."""
+  b, t = slots.shape
+  new = new.astype(buf.dtype)
+  if b * t == 1:
+    # A one-element scatter is rewritten by XLA into a dynamic-update-slice, which XLA:CPU
+    # then duplicates into the attention's operand, copying the whole buffer several times.
+    # A second, out-of-range (dropped) index keeps it a scatter that updates in place.
+    slots = jnp.concatenate([slots, jnp.full_like(slots, buf.shape[2])], axis=1)
+    new = jnp.concatenate([new, new], axis=1)
   rows = jnp.arange(buf.shape[0])[:, None]
-  return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
+  return buf.at[rows, :, slots].set(new, mode="drop")
 
 
 def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
@@ -93,7 +101,7 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
     x: `[B, T, D]` residual stream.
     positions: `[B, T]` absolute positions (for RoPE).
     mask: `[B, T, S]` visibility (S = T without a cache).
-    kv: this layer's `(keys, values)` buffers `[B, S, K, H]`, or None.
+    kv: this layer's `(keys, values)` buffers `[B, K, S, H]`, or None.
     slots: `[B, T]` slots the new keys/values are written to (with `kv`).
     inv_freq: `[H/2]` RoPE inverse frequencies.
 
@@ -122,15 +130,28 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
     keys, values = _write(kv[0], k, slots), _write(kv[1], v, slots)
     new_kv = (keys, values)
 
+  # Batched matmuls in their natural operand order (batch B, K leading; the cache read in
+  # its stored [B, K, S, H] layout): only the small q and attention output are transposed.
   q = q.reshape(b, t, config.n_kv_heads, config.group_size, config.head_dim)
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys.astype(dt),
+  q = q.transpose(0, 2, 3, 1, 4).reshape(b, config.n_kv_heads, config.group_size * t,
+                                         config.head_dim)
+  if kv is None:
+    keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+  scores = jnp.einsum("BKQH,BKSH->BKQS", q, keys.astype(dt),
                       preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, config.n_kv_heads, config.group_size, t, -1)
   scores = scores / math.sqrt(config.head_dim)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values.astype(dt))
-  attn = attn.reshape(b, t, config.n_heads, config.head_dim)
-  x = x + jnp.einsum("BTNH,NHD->BTD", attn, w("wo"))
+  probs = probs.reshape(b, config.n_kv_heads, config.group_size * t, -1)
+  attn = jnp.einsum("BKQS,BKSH->BKQH", probs, values.astype(dt))
+  attn = attn.reshape(b, config.n_kv_heads, config.group_size, t, config.head_dim)
+  attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
+  # Contract over the flattened (N*H) axis: with two contracting dims XLA:CPU transposes
+  # the whole wo weight every step to match the attention output's layout.
+  attn = attn.reshape(b, t, config.n_heads * config.head_dim)
+  wo = w("wo").reshape(config.n_heads * config.head_dim, config.d_model)
+  x = x + jnp.einsum("BTE,ED->BTD", attn, wo)
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
   gate = jnp.einsum("BTD,DF->BTF", h, w("w_gate"))
