@@ -299,7 +299,9 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
 
   # Move the accepted path's keys/values (root + a drafts) to contiguous slots.
   base = s.cache.lengths
-  cache = out.cache.gather_slots(base[:, None] + ver.path, base[:, None] + j)
+  cache = out.cache
+  if not tree.is_chain():  # in a chain the accepted path is already contiguous
+    cache = cache.gather_slots(base[:, None] + ver.path, base[:, None] + j)
   committed = jnp.where(s.done, 0, a + 1)
   cache = cache.advance(committed)
 

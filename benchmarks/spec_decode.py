@@ -1,0 +1,286 @@
+"""Speculative vs plain decoding at temperature 1, side by side in one engine and one run.
+
+    python benchmarks/spec_decode.py                  # full run: ~9 min on 2 quiet cores, plus
+                                                      # ~5-10 min of training on first use
+    python benchmarks/spec_decode.py --quick          # smoke: batch 1/4, 5 variants, 32 tokens
+    python benchmarks/spec_decode.py --batches 16 --repeats 7 --json out.json
+
+Models (see `_spec_models.py`): a float32 Llama-style GQA target whose trunk alone has > 25M
+parameters, with 3 MTP modules and 3 Medusa heads, and a 2-layer draft model sharing its
+vocabulary. Both are trained here, on this CPU, on the procedural phrase language whose
+held-out documents the benchmark then decodes; the parameters are cached (`--cache-dir`,
+default `benchmarks/.cache/`, which ignores itself in git) so reruns skip training.
+
+For every batch size and every drafter/tree, `specjax.decoding.generate` runs from the same
+prompts (ragged lengths) with the same `max_new_tokens` and keys as the plain baseline. All
+programs are compiled first; then the repeats are interleaved round-robin over the variants,
+so a burst of load from other processes hits every column alike. Reported per row:
+
+- `plain tok/s`, `spec tok/s`: generated tokens (sum of `result.lengths`) / median wall time.
+- `ratio`: spec tok/s / plain tok/s. `spread` is the (max - min) / median of the per-repeat
+  spec/plain time ratios, to show how noisy the machine was.
+- `acc len`: mean acceptance length, `stats.tokens_per_round` (tokens emitted per row-round;
+  1 for plain decoding), and `acc@d`, the fraction of row-rounds whose depth-d draft was kept.
+- `eff`: engine efficiency = ratio / acc len. It factors exactly into `tail` x 1 / `cost`:
+  - `rounds`: loop iterations of the speculative run (the plain run takes max_new - 1);
+    `tail` = mean rounds a row needed / `rounds`. Rows accept different numbers of tokens and
+    the loop runs until the slowest row is done, so large batches pay for their stragglers.
+  - `cost`: wall time per speculative round / wall time per plain round (one decode step):
+    what a round of drafting + verifying + committing costs in plain steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _spec_models as M  # noqa: E402
+from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter,  # noqa: E402
+                              MTPDrafter, NGramDrafter, SamplingConfig, generate)
+from specjax.models import forward  # noqa: E402
+
+PROMPT_LEN = 32          # prompt buffer; each row's prompt length is drawn in [16, 32]
+EVAL_SEED = 10_000       # held-out documents (training uses seeds < 100)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  drafter_name: str
+  tree_name: str
+  drafter: Any
+  tree: DraftTree
+  draft_params: bool = False
+
+
+def variants(sampled: bool, quick: bool) -> list[Variant]:
+  mtp, medusa = MTPDrafter(sampled=sampled), MedusaDrafter(sampled=sampled)
+  draft = DraftModelDrafter(M.DRAFT, sampled=sampled)
+  out = [
+      Variant("plain", "-", None, DraftTree.empty()),
+      Variant("mtp", "chain1", mtp, DraftTree.chain(1)),
+      Variant("mtp", "chain2", mtp, DraftTree.chain(2)),
+      Variant("mtp", "chain3", mtp, DraftTree.chain(3)),
+      Variant("mtp", "tree(3,1,1)", mtp, DraftTree.from_widths((3, 1, 1))),
+      Variant("medusa", "chain3", medusa, DraftTree.chain(3)),
+      Variant("draft model", "chain3", draft, DraftTree.chain(3), draft_params=True),
+      Variant("n-gram", "chain3", NGramDrafter(max_ngram=3), DraftTree.chain(3)),
+  ]
+  if quick:
+    keep = {("plain", "-"), ("mtp", "chain3"), ("medusa", "chain3"), ("draft model", "chain3"),
+            ("n-gram", "chain3")}
+    out = [v for v in out if (v.drafter_name, v.tree_name) in keep]
+  return out
+
+
+def eval_prompts(lang: M.PhraseLanguage, batch: int) -> tuple[np.ndarray, np.ndarray]:
+  """`[batch, PROMPT_LEN]` held-out document prefixes (right-padded) and ragged lengths."""
+  rng = np.random.default_rng(EVAL_SEED)
+  docs, _ = lang.batch(rng, batch, PROMPT_LEN)
+  lengths = rng.integers(PROMPT_LEN // 2, PROMPT_LEN + 1, batch).astype(np.int32)
+  docs = np.where(np.arange(PROMPT_LEN)[None, :] < lengths[:, None], docs, M.PAD)
+  return docs.astype(np.int32), lengths
+
+
+def model_quality(lang: M.PhraseLanguage, target, draft) -> dict[str, float]:
+  """Held-out cross-entropy of target and draft model vs the language's process entropy."""
+  rng = np.random.default_rng(EVAL_SEED + 1)
+  toks, ent = lang.batch(rng, 32, 128)
+  out = {"process_entropy": float(ent[:, 1:].mean())}
+  pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+  for name, params, cfg in (("target", target, M.TARGET), ("draft", draft, M.DRAFT)):
+    logits = jax.jit(lambda p, t: forward(p, cfg, t, pos).logits)(params, jnp.asarray(toks))
+    logp = jax.nn.log_softmax(logits[:, :-1], -1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(toks)[:, 1:, None], -1)[..., 0]
+    out[f"{name}_ce"] = float(nll.mean())
+    out[f"{name}_top1"] = float((jnp.argmax(logits[:, :-1], -1) == toks[:, 1:]).mean())
+  return out
+
+
+@dataclasses.dataclass
+class Row:
+  drafter: str
+  tree: str
+  batch: int
+  plain_tps: float
+  spec_tps: float
+  ratio: float
+  spread: float
+  acc_len: float
+  eff: float
+  acc_depth: list[float]
+  compile_s: float
+  spec_ms: float
+  plain_ms: float
+  rounds: float
+  tail: float
+  cost: float
+
+
+def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: int,
+                repeats: int, sampling: SamplingConfig, log) -> list[Row]:
+  prompts, lengths = eval_prompts(lang, batch)
+  prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+
+  def runner(v: Variant):
+    kw = dict(max_new_tokens=max_new, sampling=sampling)
+    if v.drafter is not None:
+      kw |= dict(drafter=v.drafter, tree=v.tree)
+    if v.draft_params:
+      kw["drafter_params"] = draft
+    return lambda key: generate(target, M.TARGET, prompts, lengths, key, **kw)
+
+  runs = [runner(v) for v in vs]
+  compile_s = []
+  for v, run in zip(vs, runs):
+    t = time.perf_counter()
+    jax.block_until_ready(run(jax.random.key(0)))
+    compile_s.append(time.perf_counter() - t)
+  times = [[] for _ in vs]
+  tokens = [[] for _ in vs]
+  tpr = [[] for _ in vs]
+  depth = [[] for _ in vs]
+  rounds = [[] for _ in vs]
+  row_rounds = [[] for _ in vs]
+  for r in range(repeats):
+    key = jax.random.key(1 + r)
+    for i, run in enumerate(runs):
+      t = time.perf_counter()
+      res = jax.block_until_ready(run(key))
+      times[i].append(time.perf_counter() - t)
+      tokens[i].append(int(res.lengths.sum()))
+      tpr[i].append(float(res.stats.tokens_per_round))
+      depth[i].append(np.asarray(res.stats.accepted_per_depth))
+      rounds[i].append(int(res.stats.rounds))
+      row_rounds[i].append(float(np.mean(res.stats.row_rounds)))
+  plain_tps = statistics.median(n / t for n, t in zip(tokens[0], times[0]))
+  rows = []
+  for i, v in enumerate(vs):
+    tps = statistics.median(n / t for n, t in zip(tokens[i], times[i]))
+    per_rep = [(n / t) / (n0 / t0) for n, t, n0, t0 in zip(tokens[i], times[i], tokens[0],
+                                                            times[0])]
+    ratio = tps / plain_tps
+    acc_len = float(np.mean(tpr[i]))
+    spread = (max(per_rep) - min(per_rep)) / statistics.median(per_rep)
+    n_rounds = float(np.mean(rounds[i]))
+    tail = float(np.mean(row_rounds[i])) / n_rounds
+    per_round = statistics.median(times[i]) / n_rounds
+    per_step = statistics.median(times[0]) / float(np.mean(rounds[0]))
+    rows.append(Row(drafter=v.drafter_name, tree=v.tree_name, batch=batch, plain_tps=plain_tps,
+                    spec_tps=tps, ratio=ratio, spread=spread, acc_len=acc_len,
+                    eff=ratio / acc_len, acc_depth=[float(x) for x in np.mean(depth[i], 0)],
+                    compile_s=compile_s[i], spec_ms=1e3 * statistics.median(times[i]),
+                    plain_ms=1e3 * statistics.median(times[0]), rounds=n_rounds, tail=tail,
+                    cost=per_round / per_step))
+    log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
+        f"acc len {acc_len:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
+        f"{per_round / per_step:4.2f} (compile {compile_s[i]:.1f}s)")
+  return rows
+
+
+def print_table(rows: list[Row]) -> None:
+  head = (f"{'drafter':12s} {'tree':12s} {'batch':>5s} {'plain tok/s':>11s} "
+          f"{'spec tok/s':>10s} {'ratio':>6s} {'spread':>6s} {'acc len':>7s} {'eff':>5s} "
+          f"{'rounds':>6s} {'tail':>5s} {'cost':>5s}  "
+          f"acc@d")
+  print(head)
+  print("-" * len(head) + "-" * 16)
+  for r in rows:
+    if r.drafter == "plain":
+      continue
+    print(f"{r.drafter:12s} {r.tree:12s} {r.batch:5d} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
+          f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.eff:5.2f} {r.rounds:6.1f} "
+          f"{r.tail:5.2f} {r.cost:5.2f}  "
+          + " ".join(f"{a:.2f}" for a in r.acc_depth))
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke mode: batch 1 and 4, 5 variants, 32 new tokens, 2 repeats")
+  ap.add_argument("--batches", default=None, help="comma-separated batch sizes (1,4,16,64)")
+  ap.add_argument("--repeats", type=int, default=None, help="timed runs per variant (5)")
+  ap.add_argument("--max-new", type=int, default=None, help="max_new_tokens (96)")
+  ap.add_argument("--cache-dir", default=str(Path(__file__).resolve().parent / ".cache"))
+  ap.add_argument("--retrain", action="store_true", help="ignore cached parameters")
+  ap.add_argument("--argmax-drafts", action="store_true",
+                  help="deterministic top-w drafts + matching verification instead of sampled "
+                       "drafts + rejection verification")
+  ap.add_argument("--json", default=None, help="also write the rows to this file")
+  args = ap.parse_args(argv)
+  batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,16,64")).split(",")]
+  repeats = args.repeats or (2 if args.quick else 5)
+  max_new = args.max_new or (32 if args.quick else 96)
+  log = lambda s: print(s, flush=True)
+  t_start = time.perf_counter()
+  log(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs), "
+      f"load average {os.getloadavg()[0]:.1f}")
+
+  lang_spec = M.LanguageSpec()
+  lang = M.PhraseLanguage(lang_spec)
+  train_spec = M.TrainSpec()
+  cache = Path(args.cache_dir)
+  if args.quick and not args.retrain and not M.is_cached(cache, lang_spec, train_spec):
+    train_spec = M.QUICK_TRAIN
+    log("--quick without cached models: training the short QUICK_TRAIN schedule")
+  target, draft, info = M.load_or_train(cache, lang_spec, train_spec, retrain=args.retrain,
+                                        log=log)
+  counts = M.param_counts(target)
+  log(f"target: {counts['total']:,} parameters (trunk {counts['trunk']:,}, MTP "
+      f"{counts['mtp']:,}, Medusa {counts['medusa']:,}), float32; draft model "
+      f"{M.count_params(draft):,}")
+  if info.get("cached"):
+    log(f"parameters from cache {info['cached']} (trained in {info['train_s']:.0f}s)")
+  else:
+    log(f"trained in {info['train_s']:.0f}s: target {info['target_phase1_s']:.0f}s, draft "
+        f"{info['draft_phase1_s']:.0f}s, sampling {info['sample_s']:.0f}s, distillation "
+        f"{info['distill_s']:.0f}s")
+  quality = model_quality(lang, target, draft)
+  log(f"held-out CE (nats/token): target {quality['target_ce']:.3f} (top-1 "
+      f"{quality['target_top1']:.2f}), draft {quality['draft_ce']:.3f} (top-1 "
+      f"{quality['draft_top1']:.2f}); process entropy of the language "
+      f"{quality['process_entropy']:.3f}")
+
+  sampling = SamplingConfig(temperature=1.0)
+  vs = variants(sampled=not args.argmax_drafts, quick=args.quick)
+  log(f"temperature 1.0, prompts {PROMPT_LEN // 2}-{PROMPT_LEN} tokens, max_new_tokens "
+      f"{max_new}, {repeats} repeats, drafts "
+      f"{'argmax (matching)' if args.argmax_drafts else 'sampled (rejection)'}")
+  rows: list[Row] = []
+  for b in batches:
+    rows += bench_batch(target, draft, lang, b, vs, max_new=max_new, repeats=repeats,
+                        sampling=sampling, log=log)
+  print()
+  print_table(rows)
+  by_batch = {}
+  for r in rows:
+    if r.drafter != "plain" and (r.batch not in by_batch or r.ratio > by_batch[r.batch].ratio):
+      by_batch[r.batch] = r
+  print()
+  for b, r in by_batch.items():
+    print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {r.ratio:.2f}, acc len "
+          f"{r.acc_len:.2f}, eff {r.eff:.2f}")
+  print(f"load average at the end {os.getloadavg()[0]:.1f}; total "
+        f"{time.perf_counter() - t_start:.0f}s")
+  if args.json:
+    Path(args.json).write_text(json.dumps(
+        {"rows": [dataclasses.asdict(r) for r in rows], "quality": quality,
+         "params": counts, "train": info, "max_new_tokens": max_new, "repeats": repeats},
+        indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
