@@ -282,14 +282,14 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
   shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
   next_tokens = jnp.where(j == a[:, None], ver.next_token[:, None], shifted)
   count = a + 1
-  if eos_id is not None:
+  if eos_id is not None:  # cut after the first EOS among the emitted tokens
     is_eos = (next_tokens == eos_id) & (j < count[:, None])
     count = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, count)
-  count = jnp.minimum(count, max_new_tokens - s.generated)
-  count = jnp.where(s.done, 0, count)
+  count = jnp.where(s.done, 0, jnp.minimum(count, max_new_tokens - s.generated))
   finished = s.generated + count >= max_new_tokens
-  if eos_id is not None:
-    finished |= jnp.any((next_tokens == eos_id) & (j < count[:, None]), 1)
+  if eos_id is not None:  # the last emitted token is EOS exactly when the row ended on it
+    last_emitted = jnp.take_along_axis(next_tokens, jnp.maximum(count - 1, 0)[:, None], 1)
+    finished |= (count > 0) & (last_emitted[:, 0] == eos_id)
   done = s.done | finished
 
   path_logits = jnp.take_along_axis(out.logits, ver.path[:, :, None], axis=1)
@@ -306,17 +306,14 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
   cache = cache.advance(committed)
 
   path_hidden = jnp.take_along_axis(out.hidden, ver.path[:, :, None], axis=1)
-  last_hidden = jnp.take_along_axis(out.hidden, (ver.path[:, -1])[:, None, None], axis=1)[:, 0]
-  last_hidden = jnp.where(s.done[:, None], s.last_hidden, last_hidden)
-  seq_len = s.seq_len + count
-  new_ctx = DraftContext(seq=seq, seq_len=seq_len, last_hidden=last_hidden, done=done)
+  # The path repeats its last accepted node, so its last entry produced the next token.
+  last_hidden = jnp.where(s.done[:, None], s.last_hidden, path_hidden[:, -1])
   drafter_state = s.drafter_state
   if proposal.drafter_state is not None:
     drafter_state = proposal.drafter_state
   if drafter is not None and tree.num_nodes:
     result = RoundResult(path_tokens=path_tokens, next_tokens=next_tokens,
-                         path_hidden=path_hidden, start=root_pos, count=committed,
-                         new_ctx=new_ctx)
+                         path_hidden=path_hidden, start=root_pos, count=committed)
     drafter_state = drafter.update(params, config, drafter_state, result)
 
   active = ~s.done
@@ -324,7 +321,7 @@ def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter,
   emitted_drafts = jnp.minimum(a, count)
   depth_hits = (emitted_drafts[:, None] > jnp.arange(max(d, 1))[None, :]) & active[:, None]
   return DecodeState(
-      seq=seq, seq_len=seq_len, logp=logp, generated=s.generated + count, done=done,
+      seq=seq, seq_len=s.seq_len + count, logp=logp, generated=s.generated + count, done=done,
       cache=cache, last_hidden=last_hidden, drafter_state=drafter_state, key=key,
       rounds=s.rounds + 1, row_rounds=s.row_rounds + active,
       accepted_at_depth=s.accepted_at_depth + depth_hits.sum(0),

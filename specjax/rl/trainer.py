@@ -280,9 +280,8 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
 def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   n = config.rollout.max_new_tokens
   lengths = roll.lengths.astype(jnp.float32)
-  last = jnp.take_along_axis(roll.tokens, (jnp.argmax(roll.response_mask.cumsum(1), 1))[:, None],
-                             axis=1)[:, 0]
-  clipped = (roll.lengths >= n) & (last != config.rollout.eos_id)
+  ended = jnp.any((roll.tokens == config.rollout.eos_id) & (roll.response_mask > 0), axis=1)
+  clipped = (roll.lengths >= n) & ~ended
   return {
       "reward_mean": roll.rewards.mean(), "reward_std": roll.rewards.std(),
       "accuracy": (roll.rewards >= 1.0).mean(),
@@ -292,6 +291,14 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
       "accepted_per_depth": roll.accepted_per_depth,
       "rollout_tokens": roll.lengths.sum(),
   }
+
+
+def _scored_rollout(params: Params, config: TrainConfig, batch, key: jax.Array,
+                    reward_fn: RewardFn, pad_id: int) -> Rollout:
+  """Rollout of `batch` (tokens, lengths, answers) scored by a JAX reward."""
+  roll, responses, lengths = rollout(params, config, batch.tokens, batch.lengths, key, pad_id)
+  answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
+  return score(config, roll, reward_fn(responses, lengths, answers))
 
 
 def make_train_step(config: TrainConfig, reward_fn: RewardFn,
@@ -306,10 +313,7 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths,
-                                       k_roll, pad_id)
-    answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
-    roll = score(config, roll, reward_fn(responses, lengths, answers))
+    roll = _scored_rollout(state.params, config, batch, k_roll, reward_fn, pad_id)
     train_on = state.pending if config.async_mode else roll
     new_state, metrics = update(state, config, optimizer, train_on, k_update)
     metrics |= rollout_metrics(config, train_on)
@@ -332,10 +336,7 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 
   def prime(state: TrainState, batch) -> TrainState:
     key, k_roll = jax.random.split(jax.random.wrap_key_data(state.key))
-    roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths,
-                                       k_roll, pad_id)
-    answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
-    roll = score(config, roll, reward_fn(responses, lengths, answers))
+    roll = _scored_rollout(state.params, config, batch, k_roll, reward_fn, pad_id)
     return state.replace(key=jax.random.key_data(key), pending=roll)
 
   return jax.jit(prime)

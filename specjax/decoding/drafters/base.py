@@ -78,7 +78,6 @@ class RoundResult:
     path_hidden: `[B, D + 1, Dm]` target final hidden at each path entry.
     start: `[B]` position of the old root (position of path entry 0).
     count: `[B]` valid path entries, accepted + 1 (0 for rows that were already done).
-    new_ctx: the context of the next round.
   """
 
   path_tokens: jax.Array
@@ -86,7 +85,6 @@ class RoundResult:
   path_hidden: jax.Array
   start: jax.Array
   count: jax.Array
-  new_ctx: DraftContext
 
 
 class Drafter(Protocol):
