@@ -14,9 +14,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-
-class CheckpointError(RuntimeError):
-  """A checkpoint directory that cannot be used; the message names it and what to do."""
+from specjax.errors import CheckpointError
 
 
 class Checkpointer:

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import progression_batch
-from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
-                              NGramDrafter, SamplingConfig, generate)
-from specjax.decoding import engine
+from specjax.decoding import (DecodeLoop, DraftModelDrafter, DraftTree, MedusaDrafter,
+                              MTPDrafter, NGramDrafter, SamplingConfig, generate)
 from specjax.decoding.drafters.ngram import lookup
 from specjax.models import ConfigError, forward
 
@@ -105,14 +104,13 @@ def test_each_configuration_compiles_once_and_the_loop_never_calls_the_host(
   kwargs = dict(max_new_tokens=8, sampling=SamplingConfig(1.0), drafter=MTPDrafter(),
                 tree=DraftTree.chain(2))
   generate(m["params"], m["config"], prompts, lengths, jax.random.key(0), **kwargs)
-  before = engine._generate._cache_size()
+  before = DecodeLoop.__call__._cache_size()
   for seed in range(3):
     generate(m["params"], m["config"], prompts, lengths, jax.random.key(seed), **kwargs)
-  assert engine._generate._cache_size() == before
-  hlo = engine._generate.lower(
-      m["params"], prompts, lengths, jax.random.key(0), None, config=m["config"],
-      max_new_tokens=8, sampling=kwargs["sampling"], drafter=kwargs["drafter"],
-      tree=kwargs["tree"], eos_id=None, max_len=32, pad_id=0).as_text()
+  assert DecodeLoop.__call__._cache_size() == before
+  loop = DecodeLoop(config=m["config"], max_len=32, **kwargs)
+  hlo = DecodeLoop.__call__.lower(loop, m["params"], prompts, lengths,
+                                  jax.random.key(0)).as_text()
   assert "while" in hlo
   for marker in ("callback", "outfeed", "infeed", "send", "recv"):
     assert marker not in hlo.lower(), marker

@@ -1,16 +1,22 @@
 """Speculative decoding: sampling, draft trees, drafters, lossless verification, `generate`."""
 
-from specjax.decoding.drafters import (DraftContext, Drafter, DraftModelDrafter, MedusaDrafter,
-                                       MTPDrafter, NGramDrafter, Proposal, RoundResult)
-from specjax.decoding.engine import GenerationResult, GenerationStats, generate
+from specjax.decoding import verify
+from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, DraftModelDrafter,
+                                       DraftModelState, MedusaDrafter, MTPDrafter, MTPState,
+                                       NGramDrafter, NoState, Proposal, RoundResult,
+                                       TargetFeatures, draft_level_by_level)
+from specjax.decoding.engine import (DecodeLoop, DecodeState, GenerationResult, GenerationStats,
+                                     generate)
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, reported_logprobs
 from specjax.decoding.tree import DraftTree
-from specjax.decoding import verify
-from specjax.decoding.verify import VerifyResult, verify_matching, verify_sampled
+from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, verify_matching,
+                                     verify_sampled)
 
 __all__ = [
-    "DraftContext", "DraftModelDrafter", "DraftTree", "Drafter", "GenerationResult",
-    "GenerationStats", "MTPDrafter", "MedusaDrafter", "NGramDrafter", "Proposal", "RoundResult",
-    "SamplingConfig", "VerifyResult", "generate", "processed_logprobs", "reported_logprobs",
+    "AcceptedWindow", "DecodeLoop", "DecodeState", "DraftContext", "DraftModelDrafter",
+    "DraftModelState", "DraftTree", "Drafter", "GenerationResult", "GenerationStats",
+    "LosslessVerifier", "MTPDrafter", "MTPState", "MedusaDrafter", "NGramDrafter", "NoState",
+    "Proposal", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "VerifyResult",
+    "draft_level_by_level", "generate", "processed_logprobs", "reported_logprobs", "verify",
     "verify_matching", "verify_sampled",
 ]

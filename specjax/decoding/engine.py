@@ -6,16 +6,22 @@ measure only what speculation changes.
 
 Per round, for every row: the drafter proposes a tree, one target forward scores the root and
 every node (tree attention mask, positions = root position + depth), verification picks the
-accepted path and the next token, the keys/values of the accepted path are moved into
-contiguous cache slots, and the emitted tokens (accepted drafts + next token) are appended.
-Rows accept different numbers of tokens; EOS and `max_new_tokens` are applied per row.
+accepted path and the next token, the emitted tokens (accepted drafts + next token) are
+appended, the keys/values of the accepted path are moved into contiguous cache slots, and the
+drafter sees what was accepted. Rows accept different numbers of tokens; EOS and
+`max_new_tokens` are applied per row.
 
-Glossary: B batch, P prompt buffer, L = P + max_new sequence buffer, N draft nodes, D depth,
-V vocab, Dm d_model.
+`DecodeLoop` holds everything static about a call (model and sampling configuration,
+drafter, tree, stopping rules, verifier) and is itself the static argument of the compiled
+loop, as gemma's sampler is; `generate` is the function most callers want.
+
+Shape letters: see `specjax` (B batch, P prompt buffer, L = P + max_new sequence buffer,
+N draft nodes, D depth, V vocab, E d_model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -24,14 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.decoding import verify as verify_lib
-from specjax.decoding.drafters.base import DraftContext, Drafter, Proposal, RoundResult
+from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
+                                            TargetFeatures)
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
                                        sample_tokens)
 from specjax.decoding.tree import DraftTree
+from specjax.decoding.verify import LosslessVerifier, Verifier, VerifyResult
+from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
-from specjax.models.config import ConfigError, ModelConfig
-from specjax.models.transformer import forward
+from specjax.models.config import ModelConfig
+from specjax.models.transformer import ForwardOutput, forward
 
 Params = dict[str, Any]
 
@@ -85,12 +93,12 @@ class DecodeState:
     generated: `[B]` tokens generated so far.
     done: `[B]`.
     cache: target `KVCache` holding `seq_len - 1` committed entries per row.
-    last_hidden: `[B, Dm]` target hidden at position `seq_len - 2`.
-    drafter_state: the drafter's pytree.
+    last_hidden: `[B, E]` target hidden at position `seq_len - 2`.
+    drafter_state: the drafter's state (`Drafter.init`), None without a drafter.
     key: PRNG key for the next round.
     rounds: scalar round counter.
     row_rounds: `[B]`.
-    accepted_at_depth: `[D]` accepted-draft counts per depth, summed over row-rounds.
+    accepted_at_depth: `[max(D, 1)]` accepted-draft counts per depth, summed over row-rounds.
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
   """
 
@@ -108,6 +116,28 @@ class DecodeState:
   accepted_at_depth: jax.Array
   emitted: jax.Array
 
+  @property
+  def context(self) -> DraftContext:
+    return DraftContext(seq=self.seq, seq_len=self.seq_len, last_hidden=self.last_hidden,
+                        done=self.done)
+
+
+@struct.dataclass
+class Emission:
+  """The tokens one round appends to each row.
+
+  Attributes:
+    tokens: `[B, D + 1]` accepted drafts, then the next token; entry j is valid for j < count.
+    logprobs: `[B, D + 1]` their reported log-probabilities.
+    count: `[B]` tokens appended (0 for rows already done; cut at EOS and max_new_tokens).
+    done: `[B]` rows that are done after this round.
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  count: jax.Array
+  done: jax.Array
+
 
 def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array,
                   count: jax.Array) -> jax.Array:
@@ -118,42 +148,251 @@ def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array,
                                                            mode="drop")
 
 
-def _check_inputs(config: ModelConfig, prompt_tokens, prompt_lengths, max_new_tokens: int,
-                  tree: DraftTree, drafter: Drafter | None, max_len: int) -> None:
-  if prompt_tokens.ndim != 2:
-    raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape "
-                     f"{prompt_tokens.shape}")
-  if prompt_lengths.shape != prompt_tokens.shape[:1]:
-    raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, got "
-                     f"{prompt_lengths.shape}")
-  if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-    raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
-  if tree.num_nodes and drafter is None:
-    raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
-  if drafter is not None:
-    drafter.validate(config, tree)
-  if not isinstance(prompt_lengths, jax.core.Tracer):
-    lengths = np.asarray(prompt_lengths)
-    shortest = 1 if drafter is None else drafter.min_prompt_length(tree)
-    if lengths.min() < shortest or lengths.max() > prompt_tokens.shape[1]:
-      raise ValueError(f"prompt_lengths must be in [{shortest}, {prompt_tokens.shape[1]}] "
-                       f"(the shortest prompt this drafter and tree can start from is "
-                       f"{shortest}), got min {lengths.min()} max {lengths.max()}")
-  needed = prompt_tokens.shape[1] + max_new_tokens + tree.num_nodes + 1
-  if needed > max_len:
-    raise ConfigError(
-        f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {max_new_tokens} + draft "
-        f"tree nodes {tree.num_nodes} + 1 = {needed} does not fit the cache of {max_len} "
-        f"slots (config.max_position={config.max_position}); shorten the prompt or "
-        f"max_new_tokens, or raise max_position")
+def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:
+  """`x[b, path[b, j]]` for x `[B, N + 1, ...]` and path `[B, D + 1]`."""
+  return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+  """Everything static about a generation call; calling it runs the compiled loop.
+
+  Attributes:
+    config: target configuration.
+    max_new_tokens: exact upper bound of generated tokens per row.
+    max_len: target cache slots (must hold prompt buffer + max_new_tokens + N + 1).
+    sampling: temperature / top-k / top-p (temperature 0 = greedy).
+    drafter: a `Drafter`, or None for plain decoding.
+    tree: the draft tree (empty: plain decoding).
+    eos_id: stop a row after it emits this token (None: run to max_new_tokens).
+    pad_id: filler of `GenerationResult.tokens` after each row's end.
+    verifier: how a tree is verified; `LosslessVerifier` keeps the target distribution.
+  """
+
+  config: ModelConfig
+  max_new_tokens: int
+  max_len: int
+  sampling: SamplingConfig = SamplingConfig()
+  drafter: Drafter | None = None
+  tree: DraftTree = DraftTree.empty()
+  eos_id: int | None = None
+  pad_id: int = 0
+  verifier: Verifier = LosslessVerifier()
+
+  def __post_init__(self):
+    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+      raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
+                        ">= 1")
+    if self.tree.num_nodes and self.drafter is None:
+      raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
+    if self.drafter is not None and not isinstance(self.drafter, Drafter):
+      raise ConfigError(f"drafter={self.drafter!r} is invalid: must be a "
+                        "specjax.decoding.Drafter (MTPDrafter(), NGramDrafter(), ...)")
+    if self.drafter is not None:
+      self.drafter.validate(self.config, self.tree)
+    vocab = self.config.vocab_size
+    if self.eos_id is not None and not (isinstance(self.eos_id, (int, np.integer))
+                                        and 0 <= self.eos_id < vocab):
+      raise ConfigError(f"eos_id={self.eos_id!r} is invalid: must be None or a token id in "
+                        f"[0, {vocab})")
+    if not isinstance(self.pad_id, (int, np.integer)):
+      raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int")
+
+  @property
+  def speculative(self) -> bool:
+    return self.drafter is not None and self.tree.num_nodes > 0
+
+  @property
+  def hidden_layers(self) -> tuple[int, ...]:
+    """Target layers whose activations the drafter reads."""
+    return self.drafter.hidden_layers(self.config) if self.speculative else ()
+
+  def check_prompts(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> None:
+    """Raise a clear error unless the prompts fit this loop (shapes, lengths, cache)."""
+    if prompt_tokens.ndim != 2:
+      raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape "
+                       f"{prompt_tokens.shape}")
+    if prompt_lengths.shape != prompt_tokens.shape[:1]:
+      raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, "
+                       f"got {prompt_lengths.shape}")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+      lengths = np.asarray(prompt_lengths)
+      shortest = self.drafter.min_prompt_length(self.tree) if self.speculative else 1
+      if lengths.min() < shortest or lengths.max() > prompt_tokens.shape[1]:
+        raise ValueError(f"prompt_lengths must be in [{shortest}, {prompt_tokens.shape[1]}] "
+                         f"(the shortest prompt this drafter and tree can start from is "
+                         f"{shortest}), got min {lengths.min()} max {lengths.max()}")
+    needed = prompt_tokens.shape[1] + self.max_new_tokens + self.tree.num_nodes + 1
+    if needed > self.max_len:
+      raise ConfigError(
+          f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {self.max_new_tokens} + "
+          f"draft tree nodes {self.tree.num_nodes} + 1 = {needed} does not fit the cache of "
+          f"{self.max_len} slots (config.max_position={self.config.max_position}); shorten "
+          f"the prompt or max_new_tokens, or raise max_position")
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def __call__(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+               key: jax.Array, drafter_params: Any = None) -> GenerationResult:
+    """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`)."""
+    state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
+
+    def cond(s: DecodeState):
+      return jnp.any(~s.done) & (s.rounds < self.max_new_tokens)
+
+    state = jax.lax.while_loop(cond, functools.partial(self.round, params), state)
+    return self._result(state, prompt_lengths)
+
+  # The prefill ----------------------------------------------------------------------------
+
+  def prefill(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+              key: jax.Array, drafter_params: Any) -> DecodeState:
+    """Run the prompt, sample the first token, and initialise the drafter."""
+    b, p = prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
+    cache = KVCache.create(self.config, b, self.max_len)
+    out = forward(params, self.config, prompt_tokens, positions, cache, advance=prompt_lengths,
+                  hidden_layers=self.hidden_layers)
+    last = (prompt_lengths - 1)[:, None]
+    logits = _take_path(out.logits, last)[:, 0]
+    last_hidden = _take_path(out.hidden, last)[:, 0]
+    key, k_first = jax.random.split(key)
+    first = sample_tokens(k_first, processed_logprobs(logits, self.sampling), self.sampling)
+    rows = jnp.arange(b)
+    seq = jnp.zeros((b, p + self.max_new_tokens), jnp.int32).at[:, :p].set(prompt_tokens)
+    seq = seq.at[rows, prompt_lengths].set(first)
+    logp = jnp.zeros(seq.shape, jnp.float32).at[rows, prompt_lengths].set(
+        reported_logprobs(logits, first, self.sampling))
+    done = jnp.full((b,), self.max_new_tokens <= 1)
+    if self.eos_id is not None:
+      done |= first == self.eos_id
+    state = DecodeState(
+        seq=seq, seq_len=prompt_lengths + 1, logp=logp, generated=jnp.ones((b,), jnp.int32),
+        done=done, cache=out.cache, last_hidden=last_hidden, drafter_state=None, key=key,
+        rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
+        accepted_at_depth=jnp.zeros((max(self.tree.depth, 1),), jnp.int32),
+        emitted=jnp.zeros((), jnp.int32))
+    if self.speculative:
+      prompt = TargetFeatures(hidden=out.hidden, layers=out.intermediates)
+      state = state.replace(drafter_state=self.drafter.init(
+          params, self.config, drafter_params, state.context, self.tree, self.max_len, prompt))
+    return state
+
+  # One round ------------------------------------------------------------------------------
+
+  def round(self, params: Params, s: DecodeState) -> DecodeState:
+    """One draft -> verify -> emit -> commit round."""
+    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    proposal, drafter_state = self._draft(params, s, k_draft)
+    node_tokens = jnp.concatenate([s.context.root[:, None], proposal.tokens], 1)
+    out, ver = self._verify(params, s, node_tokens, proposal, k_verify)
+    emission = self._emit(s, node_tokens, out, ver)
+    cache = self._commit(s, out.cache, ver)
+    drafter_state = self._update_drafter(params, s, drafter_state, node_tokens, out, ver,
+                                         emission)
+    last_hidden = jnp.where(s.done[:, None], s.last_hidden,
+                            _take_path(out.hidden, ver.path[:, -1:])[:, 0])
+    return self._count(s, ver, emission).replace(
+        seq=_scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
+        logp=_scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
+        seq_len=s.seq_len + emission.count, generated=s.generated + emission.count,
+        done=emission.done, cache=cache, last_hidden=last_hidden, drafter_state=drafter_state,
+        key=key)
+
+  def _draft(self, params: Params, s: DecodeState, key: jax.Array) -> tuple[Proposal, Any]:
+    if not self.speculative:
+      return Proposal(tokens=jnp.zeros((s.seq.shape[0], 0), jnp.int32)), s.drafter_state
+    proposal, state = self.drafter.propose(params, self.config, s.drafter_state, s.context,
+                                           self.tree, self.sampling, key)
+    if self.drafter.draws(self.sampling) != (proposal.logprobs is not None):
+      raise ConfigError(
+          f"{type(self.drafter).__name__}.propose returned "
+          f"{'no' if proposal.logprobs is None else ''} draft logprobs while draws() is "
+          f"{self.drafter.draws(self.sampling)}: sampled drafts must carry the distribution "
+          "they were drawn from, deterministic drafts must not")
+    return proposal.replace(tokens=proposal.tokens.astype(jnp.int32)), state
+
+  def _verify(self, params: Params, s: DecodeState, node_tokens: jax.Array,
+              proposal: Proposal, key: jax.Array) -> tuple[ForwardOutput, VerifyResult]:
+    """One target pass over [root] + nodes; nothing is committed until the path is known."""
+    positions = (s.seq_len - 1)[:, None] + jnp.asarray(self.tree.depths)[None, :]
+    out = forward(params, self.config, node_tokens, positions, s.cache,
+                  new_mask=jnp.asarray(self.tree.ancestor_mask), advance=0,
+                  hidden_layers=self.hidden_layers)
+    return out, self.verifier(self.tree, node_tokens, out.logits, proposal.logprobs,
+                              self.sampling, key)
+
+  def _emit(self, s: DecodeState, node_tokens: jax.Array, out: ForwardOutput,
+            ver: VerifyResult) -> Emission:
+    """Accepted drafts then the next token, cut after EOS and at max_new_tokens."""
+    b, eos = s.seq.shape[0], self.eos_id
+    j = jnp.arange(self.tree.depth + 1)[None, :]
+    a = ver.num_accepted
+    path_tokens = _take_path(node_tokens, ver.path)
+    shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+    tokens = jnp.where(j == a[:, None], ver.next_token[:, None], shifted)
+    count = a + 1
+    if eos is not None:  # cut after the first EOS among the emitted tokens
+      is_eos = (tokens == eos) & (j < count[:, None])
+      count = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, count)
+    count = jnp.where(s.done, 0, jnp.minimum(count, self.max_new_tokens - s.generated))
+    finished = s.generated + count >= self.max_new_tokens
+    if eos is not None:  # the last emitted token is EOS exactly when the row ended on it
+      last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
+      finished |= (count > 0) & (last == eos)
+    logprobs = reported_logprobs(_take_path(out.logits, ver.path), tokens, self.sampling)
+    return Emission(tokens=tokens, logprobs=logprobs, count=count, done=s.done | finished)
+
+  def _commit(self, s: DecodeState, cache: KVCache, ver: VerifyResult) -> KVCache:
+    """Move the accepted path's keys/values (root + a drafts) to contiguous slots."""
+    base = s.cache.lengths[:, None]
+    if not self.tree.is_chain():  # in a chain the accepted path is already contiguous
+      cache = cache.gather_slots(base + ver.path, base + jnp.arange(self.tree.depth + 1))
+    return cache.advance(jnp.where(s.done, 0, ver.num_accepted + 1))
+
+  def _update_drafter(self, params: Params, s: DecodeState, drafter_state: Any,
+                      node_tokens: jax.Array, out: ForwardOutput, ver: VerifyResult,
+                      emission: Emission) -> Any:
+    if not self.speculative:
+      return drafter_state
+    # The path repeats its last accepted node, so features past `count` are harmless.
+    features = TargetFeatures(hidden=_take_path(out.hidden, ver.path),
+                              layers=tuple(_take_path(x, ver.path) for x in out.intermediates))
+    result = RoundResult(path_tokens=_take_path(node_tokens, ver.path),
+                         next_tokens=emission.tokens, features=features,
+                         start=s.seq_len - 1,
+                         count=jnp.where(s.done, 0, ver.num_accepted + 1))
+    return self.drafter.update(params, self.config, drafter_state, result)
+
+  def _count(self, s: DecodeState, ver: VerifyResult, emission: Emission) -> DecodeState:
+    """Round statistics: drafts cut by EOS or max_new_tokens are not counted as accepted."""
+    active = ~s.done
+    emitted_drafts = jnp.minimum(ver.num_accepted, emission.count)
+    depth_hits = (emitted_drafts[:, None] > jnp.arange(s.accepted_at_depth.shape[0])[None, :])
+    return s.replace(rounds=s.rounds + 1, row_rounds=s.row_rounds + active,
+                     accepted_at_depth=s.accepted_at_depth + (depth_hits & active[:, None]).sum(0),
+                     emitted=s.emitted + emission.count.sum())
+
+  def _result(self, s: DecodeState, prompt_lengths: jax.Array) -> GenerationResult:
+    j = jnp.arange(self.max_new_tokens)[None, :]
+    idx = jnp.minimum(prompt_lengths[:, None] + j, s.seq.shape[1] - 1)
+    valid = j < s.generated[:, None]
+    denom = jnp.maximum(s.row_rounds.sum(), 1).astype(jnp.float32)
+    stats = GenerationStats(
+        rounds=s.rounds, row_rounds=s.row_rounds,
+        accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
+        tokens_per_round=s.emitted.astype(jnp.float32) / denom)
+    return GenerationResult(
+        tokens=jnp.where(valid, jnp.take_along_axis(s.seq, idx, axis=1), self.pad_id),
+        lengths=s.generated, logprobs=jnp.where(valid, jnp.take_along_axis(s.logp, idx, 1), 0.0),
+        done=s.done, stats=stats)
 
 
 def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
              tree: DraftTree | None = None, eos_id: int | None = None,
-             drafter_params: Any = None, max_len: int | None = None,
-             pad_id: int = 0) -> GenerationResult:
+             drafter_params: Any = None, max_len: int | None = None, pad_id: int = 0,
+             verifier: Verifier = LosslessVerifier()) -> GenerationResult:
   """Generate up to `max_new_tokens` per row, speculatively when a drafter is given.
 
   Args:
@@ -167,162 +406,22 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     drafter: a drafter (`specjax.decoding.drafters`), or None for plain decoding.
     tree: the draft tree (default: empty, i.e. plain decoding).
     eos_id: stop a row after it emits this token.
-    drafter_params: parameters owned by the drafter (e.g. an external draft model's).
+    drafter_params: parameters owned by the drafter (a draft model's, an EAGLE-3 head's).
     max_len: cache slots (default: just enough: P + max_new_tokens + N + 1).
     pad_id: filler of `tokens` after each row's end.
+    verifier: the verification rule (default lossless; tests inject others).
 
   Returns:
-    A `GenerationResult`. One compiled program per (shapes, config, sampling, drafter, tree).
+    A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
   """
   tree = DraftTree.empty() if tree is None else tree
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
-  if max_len is None:
-    max_len = min(prompt_tokens.shape[1] + max_new_tokens + tree.num_nodes + 1,
-                  config.max_position)
-  _check_inputs(config, prompt_tokens, prompt_lengths, max_new_tokens, tree, drafter, max_len)
-  return _generate(params, prompt_tokens, prompt_lengths, key, drafter_params, config=config,
-                   max_new_tokens=max_new_tokens, sampling=sampling, drafter=drafter,
-                   tree=tree, eos_id=eos_id, max_len=max_len, pad_id=pad_id)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "drafter",
-                                             "tree", "eos_id", "max_len", "pad_id"))
-def _generate(params, prompt_tokens, prompt_lengths, key, drafter_params, *, config,
-              max_new_tokens, sampling, drafter, tree, eos_id, max_len, pad_id):
-  b, p = prompt_tokens.shape
-  total = p + max_new_tokens
-  state = _prefill(params, config, prompt_tokens, prompt_lengths, key, drafter_params,
-                   max_new_tokens=max_new_tokens, sampling=sampling, drafter=drafter,
-                   tree=tree, eos_id=eos_id, max_len=max_len)
-
-  def cond(s: DecodeState):
-    return jnp.any(~s.done) & (s.rounds < max_new_tokens)
-
-  body = functools.partial(_round, params, config, max_new_tokens=max_new_tokens,
-                           sampling=sampling, drafter=drafter, tree=tree, eos_id=eos_id)
-  state = jax.lax.while_loop(cond, body, state)
-
-  j = jnp.arange(max_new_tokens)[None, :]
-  idx = jnp.minimum(prompt_lengths[:, None] + j, total - 1)
-  valid = j < state.generated[:, None]
-  tokens = jnp.where(valid, jnp.take_along_axis(state.seq, idx, axis=1), pad_id)
-  logprobs = jnp.where(valid, jnp.take_along_axis(state.logp, idx, axis=1), 0.0)
-  row_rounds = state.row_rounds
-  denom = jnp.maximum(row_rounds.sum(), 1).astype(jnp.float32)
-  stats = GenerationStats(
-      rounds=state.rounds, row_rounds=row_rounds,
-      accepted_per_depth=state.accepted_at_depth.astype(jnp.float32) / denom,
-      tokens_per_round=state.emitted.astype(jnp.float32) / denom)
-  return GenerationResult(tokens=tokens, lengths=state.generated, logprobs=logprobs,
-                          done=state.done, stats=stats)
-
-
-def _prefill(params, config, prompt_tokens, prompt_lengths, key, drafter_params, *,
-             max_new_tokens, sampling, drafter, tree, eos_id, max_len) -> DecodeState:
-  """Run the prompt, sample the first token, and initialise the drafter."""
-  b, p = prompt_tokens.shape
-  total = p + max_new_tokens
-  positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-  cache = KVCache.create(config, b, max_len)
-  out = forward(params, config, prompt_tokens, positions, cache, advance=prompt_lengths)
-  last = prompt_lengths - 1
-  logits = jnp.take_along_axis(out.logits, last[:, None, None], axis=1)[:, 0]
-  last_hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
-  key, k_first = jax.random.split(key)
-  first = sample_tokens(k_first, processed_logprobs(logits, sampling), sampling)
-  seq = jnp.zeros((b, total), jnp.int32).at[:, :p].set(prompt_tokens)
-  seq = seq.at[jnp.arange(b), prompt_lengths].set(first)
-  logp = jnp.zeros((b, total), jnp.float32).at[jnp.arange(b), prompt_lengths].set(
-      reported_logprobs(logits, first, sampling))
-  done = jnp.full((b,), max_new_tokens <= 1)
-  if eos_id is not None:
-    done |= first == eos_id
-  seq_len = prompt_lengths + 1
-  ctx = DraftContext(seq=seq, seq_len=seq_len, last_hidden=last_hidden, done=done)
-  drafter_state = None
-  if drafter is not None:
-    drafter_state = drafter.init(params, config, drafter_params, ctx, tree, max_len, out.hidden)
-  return DecodeState(
-      seq=seq, seq_len=seq_len, logp=logp, generated=jnp.ones((b,), jnp.int32), done=done,
-      cache=out.cache, last_hidden=last_hidden, drafter_state=drafter_state, key=key,
-      rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
-      accepted_at_depth=jnp.zeros((max(tree.depth, 1),), jnp.int32),
-      emitted=jnp.zeros((), jnp.int32))
-
-
-def _round(params, config, s: DecodeState, *, max_new_tokens, sampling, drafter, tree,
-           eos_id) -> DecodeState:
-  """One draft -> verify -> commit round."""
-  b = s.seq.shape[0]
-  d = tree.depth
-  key, k_draft, k_verify = jax.random.split(s.key, 3)
-  ctx = DraftContext(seq=s.seq, seq_len=s.seq_len, last_hidden=s.last_hidden, done=s.done)
-  if drafter is None or not tree.num_nodes:
-    proposal = Proposal(tokens=jnp.zeros((b, 0), jnp.int32))
-  else:
-    proposal = drafter.propose(params, config, s.drafter_state, ctx, tree, sampling, k_draft)
-
-  # One target pass over [root] + nodes; nothing is committed until the path is known.
-  root_pos = s.seq_len - 1
-  node_tokens = jnp.concatenate([ctx.root[:, None], proposal.tokens.astype(jnp.int32)], 1)
-  positions = root_pos[:, None] + jnp.asarray(tree.depths)[None, :]
-  out = forward(params, config, node_tokens, positions, s.cache,
-                new_mask=jnp.asarray(tree.ancestor_mask), advance=0)
-  if sampling.greedy or proposal.logprobs is None:
-    ver = verify_lib.verify_matching(tree, node_tokens, out.logits, sampling, k_verify)
-  else:
-    ver = verify_lib.verify_sampled(tree, node_tokens, out.logits, proposal.logprobs,
-                                    sampling, k_verify)
-  a = ver.num_accepted
-
-  # Tokens emitted this round: accepted drafts, then the next token at index a.
-  j = jnp.arange(d + 1)[None, :]
-  path_tokens = jnp.take_along_axis(node_tokens, ver.path, axis=1)  # [B, D + 1]
-  shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
-  next_tokens = jnp.where(j == a[:, None], ver.next_token[:, None], shifted)
-  count = a + 1
-  if eos_id is not None:  # cut after the first EOS among the emitted tokens
-    is_eos = (next_tokens == eos_id) & (j < count[:, None])
-    count = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, count)
-  count = jnp.where(s.done, 0, jnp.minimum(count, max_new_tokens - s.generated))
-  finished = s.generated + count >= max_new_tokens
-  if eos_id is not None:  # the last emitted token is EOS exactly when the row ended on it
-    last_emitted = jnp.take_along_axis(next_tokens, jnp.maximum(count - 1, 0)[:, None], 1)
-    finished |= (count > 0) & (last_emitted[:, 0] == eos_id)
-  done = s.done | finished
-
-  path_logits = jnp.take_along_axis(out.logits, ver.path[:, :, None], axis=1)
-  emitted_logp = reported_logprobs(path_logits, next_tokens, sampling)
-  seq = _scatter_rows(s.seq, s.seq_len, next_tokens, count)
-  logp = _scatter_rows(s.logp, s.seq_len, emitted_logp, count)
-
-  # Move the accepted path's keys/values (root + a drafts) to contiguous slots.
-  base = s.cache.lengths
-  cache = out.cache
-  if not tree.is_chain():  # in a chain the accepted path is already contiguous
-    cache = cache.gather_slots(base[:, None] + ver.path, base[:, None] + j)
-  committed = jnp.where(s.done, 0, a + 1)
-  cache = cache.advance(committed)
-
-  path_hidden = jnp.take_along_axis(out.hidden, ver.path[:, :, None], axis=1)
-  # The path repeats its last accepted node, so its last entry produced the next token.
-  last_hidden = jnp.where(s.done[:, None], s.last_hidden, path_hidden[:, -1])
-  drafter_state = s.drafter_state
-  if proposal.drafter_state is not None:
-    drafter_state = proposal.drafter_state
-  if drafter is not None and tree.num_nodes:
-    result = RoundResult(path_tokens=path_tokens, next_tokens=next_tokens,
-                         path_hidden=path_hidden, start=root_pos, count=committed)
-    drafter_state = drafter.update(params, config, drafter_state, result)
-
-  active = ~s.done
-  # Count accepted drafts that were emitted: EOS or max_new_tokens may cut an accepted run.
-  emitted_drafts = jnp.minimum(a, count)
-  depth_hits = (emitted_drafts[:, None] > jnp.arange(max(d, 1))[None, :]) & active[:, None]
-  return DecodeState(
-      seq=seq, seq_len=s.seq_len + count, logp=logp, generated=s.generated + count, done=done,
-      cache=cache, last_hidden=last_hidden, drafter_state=drafter_state, key=key,
-      rounds=s.rounds + 1, row_rounds=s.row_rounds + active,
-      accepted_at_depth=s.accepted_at_depth + depth_hits.sum(0),
-      emitted=s.emitted + count.sum())
+  if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop
+    new = max_new_tokens if isinstance(max_new_tokens, int) else 0
+    max_len = min(prompt_tokens.shape[1] + new + tree.num_nodes + 1, config.max_position)
+  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
+                    sampling=sampling, drafter=drafter, tree=tree, eos_id=eos_id,
+                    pad_id=pad_id, verifier=verifier)
+  loop.check_prompts(prompt_tokens, prompt_lengths)
+  return loop(params, prompt_tokens, prompt_lengths, key, drafter_params)

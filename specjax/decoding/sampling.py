@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.models.config import ConfigError
+from specjax.errors import ConfigError
 
 _NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specjax.models.config import ConfigError
+from specjax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,40 @@ class DraftTree:
   def nodes_at_depth(self, d: int) -> np.ndarray:
     """Indices of the nodes at depth d, in order."""
     return np.nonzero(self.depths == d)[0].astype(np.int32)
+
+  @functools.cached_property
+  def level_slot(self) -> np.ndarray:
+    """`[N + 1]` index of each node among the nodes of its depth (`nodes_at_depth`)."""
+    slot = np.zeros(self.num_nodes + 1, np.int32)
+    for d in range(self.depth + 1):
+      nodes = self.nodes_at_depth(d)
+      slot[nodes] = np.arange(len(nodes))
+    return slot
+
+  def path_to(self, node: int) -> np.ndarray:
+    """`[depth(node)]` the nodes from depth 1 down to `node` (`node` last; empty for the root)."""
+    path = []
+    while node > 0:
+      path.append(node)
+      node = int(self.parent_array[node])
+    return np.array(path[::-1], np.int32)
+
+  def children_of(self, parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The children of the nodes `parents [M]`, for filling them from per-parent candidates.
+
+    Returns:
+      `(children [J], owner [J], rank [J])`: child node indices in parent order, the index
+      into `parents` of each child's parent, and the child's rank among its siblings (its
+      candidate index: rank 0 takes the parent's best or first-drawn token).
+    """
+    position = {int(p): m for m, p in enumerate(parents)}
+    children = np.array([c for p in parents for c in self.children[p] if c >= 0], np.int32)
+    owner = np.array([position[int(self.parent_array[c])] for c in children], np.int32)
+    return children, owner, self.rank[children]
+
+  def max_children_of(self, parents: np.ndarray) -> int:
+    """Largest number of children among `parents` (at least 1)."""
+    return max(int((self.children[parents] >= 0).sum(1).max()), 1)
 
   def is_chain(self) -> bool:
     return self.parents == tuple(range(self.num_nodes))

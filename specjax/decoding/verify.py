@@ -13,10 +13,16 @@ Three exact procedures, each returning the accepted path and the next token:
   renormalised and p_{i+1} = norm(max(p_i - q_i, 0)); if every child is rejected, emit a sample
   of the final residual. With one child this is the Leviathan / Chen chain rule.
 
-Glossary: B batch, N draft nodes (N + 1 with the root), D depth, C children, V vocab.
+`LosslessVerifier` dispatches between the last two and is what `generate` uses; the loop
+takes any `Verifier`, which is how tests inject a broken one as a negative control.
+
+Shape letters: see `specjax` (B batch, N draft nodes, D depth, C children, V vocab).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +147,33 @@ def verify_sampled(tree: DraftTree, node_tokens: jax.Array, target_logits: jax.A
   next_token = jax.random.categorical(jax.random.fold_in(key, 1 << 20), logits, axis=-1)
   return VerifyResult(path=jnp.stack(path, 1), num_accepted=accepted, next_token=next_token)
 
+
+class Verifier(Protocol):
+  """Chooses the accepted path and the next token from one target forward over a tree.
+
+  Args:
+    tree: the draft tree (static).
+    node_tokens: `[B, N + 1]` tokens of [root] + nodes.
+    target_logits: `[B, N + 1, V]` target logits at every node.
+    draft_logprobs: `[B, N + 1, V]` log q of sampled drafts, or None for deterministic ones.
+    sampling: the target's sampling configuration.
+    key: PRNG key.
+  """
+
+  def __call__(self, tree: DraftTree, node_tokens: jax.Array, target_logits: jax.Array,
+               draft_logprobs: jax.Array | None, sampling: SamplingConfig,
+               key: jax.Array) -> VerifyResult:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LosslessVerifier:
+  """Matching verification for greedy or deterministic drafts, recursive rejection for
+  sampled ones: both keep the target distribution exactly."""
+
+  def __call__(self, tree: DraftTree, node_tokens: jax.Array, target_logits: jax.Array,
+               draft_logprobs: jax.Array | None, sampling: SamplingConfig,
+               key: jax.Array) -> VerifyResult:
+    if sampling.greedy or draft_logprobs is None:
+      return verify_matching(tree, node_tokens, target_logits, sampling, key)
+    return verify_sampled(tree, node_tokens, target_logits, draft_logprobs, sampling, key)

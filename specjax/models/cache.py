@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 
 
 @struct.dataclass

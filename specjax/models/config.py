@@ -11,12 +11,10 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from specjax.errors import ConfigError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-  """A configuration value that cannot work; the message names the field and what is allowed."""
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:

@@ -37,7 +37,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from specjax.models.config import DTYPES, ConfigError, Llama3RopeScaling, ModelConfig
+from specjax.errors import CheckpointError, ConfigError
+from specjax.models.config import DTYPES, Llama3RopeScaling, ModelConfig
 
 Params = dict[str, Any]
 
@@ -54,11 +55,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 # Tensors some checkpoints carry that the model recomputes rather than reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be read as the configured model: a missing file, a missing or
-  unexpected tensor, or a tensor of the wrong shape. The message names the file or tensor."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""RL post-training: tasks and rewards, prompt datasets (TFDS / ArrayRecord), GRPO losses."""
+"""RL post-training: tasks and rewards, prompt datasets (TFDS / ArrayRecord), GRPO losses, the
+fused train step and the experiment loop."""
 
 from specjax.rl.data import (ArithmeticPrompts, GSM8KPrompts, PromptBatch, PromptReader,
                              TaskPrompts, prepare_prompts, prompt_builder)
@@ -10,13 +11,18 @@ from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, ArithmeticTask, Custo
                               answers_match, arithmetic_reward, decode_completions,
                               encode_prompt, extract_answer, format_number, parse_number,
                               read_gsm8k_jsonl)
+from specjax.rl.trainer import (Rollout, RolloutConfig, TrainConfig, TrainState,
+                                init_train_state, make_prime_fn, make_split_step,
+                                make_train_step, rollout, sequence_logprobs)
 
 __all__ = [
     "AGGREGATIONS", "ARITHMETIC_ALPHABET", "ArithmeticPrompts", "ArithmeticTask", "CustomTask",
     "Example", "GRPOConfig", "GRPOMetrics", "GSM8KPrompts", "GSM8KTask", "KL_ESTIMATORS",
-    "PromptBatch", "PromptReader", "PythonReward", "RewardError", "SPLITS", "Task",
-    "TaskError", "TaskPrompts", "aggregate_tokens", "answers_match", "arithmetic_reward",
-    "decode_completions", "encode_prompt", "extract_answer", "format_number",
-    "group_advantages", "grpo_loss", "kl_estimate", "parse_number", "prepare_prompts",
-    "prompt_builder", "read_gsm8k_jsonl", "token_entropy",
+    "PromptBatch", "PromptReader", "PythonReward", "RewardError", "Rollout", "RolloutConfig",
+    "SPLITS", "Task", "TaskError", "TaskPrompts", "TrainConfig", "TrainState",
+    "aggregate_tokens", "answers_match", "arithmetic_reward", "decode_completions",
+    "encode_prompt", "extract_answer", "format_number", "group_advantages", "grpo_loss",
+    "init_train_state", "kl_estimate", "make_prime_fn", "make_split_step", "make_train_step",
+    "parse_number", "prepare_prompts", "prompt_builder", "read_gsm8k_jsonl", "rollout",
+    "sequence_logprobs", "token_entropy",
 ]

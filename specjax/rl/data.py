@@ -33,7 +33,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 from flax import struct
 
-from specjax.models.config import ConfigError
+from specjax.errors import ConfigError
 from specjax.rl.tasks import SPLITS, ArithmeticTask, GSM8KTask, Task, encode_prompt
 
 _RECORD_FORMAT = "1"  # bump when the record layout changes, so old datasets are not reused

@@ -26,7 +26,8 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import (DraftTree, MedusaDrafter, MTPDrafter, SamplingConfig, generate)
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.losses import GRPOConfig

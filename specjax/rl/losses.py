@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.config import ConfigError
+from specjax.errors import ConfigError
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_length")
 KL_ESTIMATORS = ("k1", "k3")

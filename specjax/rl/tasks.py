@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.config import ConfigError
+from specjax.errors import ConfigError
 from specjax.tokenizer import CharTokenizer, Tokenizer
 
 SPLITS = ("train", "test")

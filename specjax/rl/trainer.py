@@ -36,7 +36,8 @@ from specjax.decoding import generate
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 from specjax.models.transformer import forward
 from specjax.rl.losses import GRPOConfig, group_advantages, grpo_loss
 from specjax.supervised import draft_head_loss

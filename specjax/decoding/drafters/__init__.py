@@ -1,10 +1,12 @@
-"""Drafters: the protocol and its implementations."""
+"""Drafters: the protocol (`Drafter`) and its implementations."""
 
-from specjax.decoding.drafters.base import DraftContext, Drafter, Proposal, RoundResult
-from specjax.decoding.drafters.draft_model import DraftModelDrafter
+from specjax.decoding.drafters.base import (DraftContext, Drafter, NoState, Proposal,
+                                            RoundResult, TargetFeatures, draft_level_by_level)
+from specjax.decoding.drafters.draft_model import DraftModelDrafter, DraftModelState
 from specjax.decoding.drafters.medusa import MedusaDrafter
-from specjax.decoding.drafters.mtp import MTPDrafter
+from specjax.decoding.drafters.mtp import AcceptedWindow, MTPDrafter, MTPState
 from specjax.decoding.drafters.ngram import NGramDrafter
 
-__all__ = ["DraftContext", "DraftModelDrafter", "Drafter", "MTPDrafter", "MedusaDrafter",
-           "NGramDrafter", "Proposal", "RoundResult"]
+__all__ = ["AcceptedWindow", "DraftContext", "DraftModelDrafter", "DraftModelState", "Drafter",
+           "MTPDrafter", "MTPState", "MedusaDrafter", "NGramDrafter", "NoState", "Proposal",
+           "RoundResult", "TargetFeatures", "draft_level_by_level"]

@@ -1,31 +1,64 @@
 """The drafter protocol: what the generation loop gives a drafter and what it gets back.
 
 A drafter is a small frozen (hashable) dataclass — a static argument of the compiled loop —
-plus a pytree state it owns (its caches, its own parameters). Each round the loop calls
-`propose` for a tree of draft tokens, verifies them with one target forward, and calls
-`update` with what was accepted. Everything a drafter computes stays on device.
+plus a state it owns (its caches, its own parameters), a `flax.struct` dataclass. The loop
+talks to it through four calls, and state changes flow through their return values only:
+
+    state = drafter.init(params, config, drafter_params, ctx, tree, max_len, prompt)
+    loop:  proposal, state = drafter.propose(params, config, state, ctx, tree, sampling, key)
+           (one target forward verifies the proposal)
+           state = drafter.update(params, config, state, result)
+
+A drafter that reads the target's intermediate activations (EAGLE-3) names the layers in
+`hidden_layers(config)`; the loop requests them from the prefill and from every verify
+forward and hands them over as `TargetFeatures`, so no drafter needs a target pass of its own.
 
 Position convention: the sequence so far is `seq[b, :seq_len[b]]`; its last token, the
 *root*, is at position `r = seq_len - 1` and is not yet in the target's KV cache.
 `last_hidden` is the target's final hidden state at position r - 1, the one whose logits
 produced the root. Drafts are tokens for positions r + 1, r + 2, ...
 
-Glossary: B batch, L sequence buffer, N draft nodes, D depth, V vocab, Dm d_model.
+Shape letters: see `specjax` (B batch, P prompt buffer, L sequence buffer, N draft nodes,
+D tree depth, M nodes at one depth, E d_model, V vocab).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import abc
+from typing import Any, Callable, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.decoding.sampling import SamplingConfig, top_w
+from specjax.decoding.sampling import SamplingConfig, processed_logprobs, top_w
 from specjax.decoding.tree import DraftTree
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
+State = TypeVar("State")
+Carry = TypeVar("Carry")
+
+
+@struct.dataclass
+class NoState:
+  """The state of a drafter that keeps none (Medusa, n-gram lookup)."""
+
+
+@struct.dataclass
+class TargetFeatures:
+  """Target activations over some positions, as a drafter sees them.
+
+  Attributes:
+    hidden: `[B, T, E]` final normalised hidden state (the output head's input).
+    layers: residual streams after the layers the drafter asked for
+      (`Drafter.hidden_layers`), in that order, each `[B, T, E]`.
+  """
+
+  hidden: jax.Array
+  layers: tuple[jax.Array, ...] = ()
 
 
 @struct.dataclass
@@ -35,7 +68,7 @@ class DraftContext:
   Attributes:
     seq: `[B, L]` prompt + generated tokens (valid prefix of length seq_len).
     seq_len: `[B]` valid tokens; the root is `seq[b, seq_len[b] - 1]`.
-    last_hidden: `[B, Dm]` target final hidden at position seq_len - 2.
+    last_hidden: `[B, E]` target final hidden at position seq_len - 2.
     done: `[B]` rows that have finished (their proposals are ignored).
   """
 
@@ -46,7 +79,8 @@ class DraftContext:
 
   @property
   def root(self) -> jax.Array:
-    return jax.numpy.take_along_axis(self.seq, (self.seq_len - 1)[:, None], axis=1)[:, 0]
+    """`[B]` the root token of each row."""
+    return jnp.take_along_axis(self.seq, (self.seq_len - 1)[:, None], axis=1)[:, 0]
 
 
 @struct.dataclass
@@ -56,15 +90,13 @@ class Proposal:
   Attributes:
     tokens: `[B, N]` token of each draft node 1..N.
     logprobs: `[B, N + 1, V]` log q at each node of [root] + nodes — the distribution that
-      node's children were sampled from (without replacement) — or None when the drafts are
-      deterministic (argmax / top-w / lookup), which selects matching verification.
-    drafter_state: the drafter's state after proposing, when proposing changed it (e.g. a
-      cache it committed to on the way); None keeps the state it was given.
+      node's children were sampled from (without replacement). Present exactly when the
+      drafter samples (`Drafter.draws`); None for deterministic drafts (argmax / top-w /
+      lookup), which are verified by matching.
   """
 
   tokens: jax.Array
   logprobs: jax.Array | None = None
-  drafter_state: Any = None
 
 
 @struct.dataclass
@@ -75,47 +107,71 @@ class RoundResult:
     path_tokens: `[B, D + 1]` tokens of the accepted path: the root, then accepted drafts.
     next_tokens: `[B, D + 1]` the token following each path entry: accepted drafts, then the
       new root (correction / bonus). Entry j is valid for j < count.
-    path_hidden: `[B, D + 1, Dm]` target final hidden at each path entry.
+    features: the target's activations at each path entry, `[B, D + 1, E]` per array.
     start: `[B]` position of the old root (position of path entry 0).
     count: `[B]` valid path entries, accepted + 1 (0 for rows that were already done).
   """
 
   path_tokens: jax.Array
   next_tokens: jax.Array
-  path_hidden: jax.Array
+  features: TargetFeatures
   start: jax.Array
   count: jax.Array
 
 
-class Drafter(Protocol):
-  """Protocol of every drafter. Implementations are frozen dataclasses (static under jit)."""
+class Drafter(abc.ABC):
+  """Base of every drafter. Subclasses are frozen dataclasses (static arguments under jit).
 
-  sampled: bool
-  """Whether proposals are sampled (return `Proposal.logprobs`) or deterministic."""
+  Only `propose` is required; the defaults describe a stateless drafter that reads nothing
+  but the sequence and the target's last hidden state.
+
+  Attributes:
+    sampled: whether siblings are *sampled* without replacement from the draft distribution
+      (verified by recursive rejection, `Proposal.logprobs` required) rather than taken
+      deterministically (top-w, verified by matching). Greedy decoding never samples.
+  """
+
+  sampled: bool = False
+
+  def draws(self, sampling: SamplingConfig) -> bool:
+    """Whether this call samples its drafts (and so must return `Proposal.logprobs`)."""
+    return self.sampled and not sampling.greedy
+
+  def hidden_layers(self, config: ModelConfig) -> tuple[int, ...]:
+    """Target layers whose output residual streams this drafter reads (`TargetFeatures`)."""
+    del config
+    return ()
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
-    """Raise a clear error if this drafter cannot fill `tree` for `config`."""
+    """Raise a `ConfigError` if this drafter cannot fill `tree` for `config`."""
 
   def min_prompt_length(self, tree: DraftTree) -> int:
     """Shortest prompt this drafter can start from with `tree`."""
+    del tree
+    return 1
 
   def init(self, params: Params, config: ModelConfig, drafter_params: Any, ctx: DraftContext,
-           tree: DraftTree, max_len: int, prompt_hidden: jax.Array) -> Any:
+           tree: DraftTree, max_len: int, prompt: TargetFeatures) -> Any:
     """Initial state after the target's prefill.
 
-    `ctx` holds the prompt and the first generated token (the root); `prompt_hidden` is the
-    target's final hidden over the prompt buffer `[B, P, Dm]` (the prompt occupies the first
+    `ctx` holds the prompt and the first generated token (the root); `prompt` holds the
+    target's activations over the prompt buffer `[B, P, E]` (the prompt occupies the first
     P columns of `ctx.seq`).
     """
+    del params, config, drafter_params, ctx, tree, max_len, prompt
+    return NoState()
 
-  def propose(self, params: Params, config: ModelConfig, state: Any, ctx: DraftContext,
-              tree: DraftTree, sampling: SamplingConfig, key: jax.Array) -> Proposal:
-    """Draft tokens for every node of `tree`."""
+  @abc.abstractmethod
+  def propose(self, params: Params, config: ModelConfig, state: State, ctx: DraftContext,
+              tree: DraftTree, sampling: SamplingConfig,
+              key: jax.Array) -> tuple[Proposal, State]:
+    """Draft a token for every node of `tree`; return the proposal and the new state."""
 
-  def update(self, params: Params, config: ModelConfig, state: Any,
-             result: RoundResult) -> Any:
-    """Refresh the state with the accepted tokens."""
-
+  def update(self, params: Params, config: ModelConfig, state: State,
+             result: RoundResult) -> State:
+    """The state after this round's verification accepted `result`."""
+    del params, config, result
+    return state
 
 
 def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:
@@ -125,24 +181,39 @@ def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:
         f"most {limit} tokens ahead with this configuration")
 
 
-def draft_children(tree: DraftTree, parents: np.ndarray, logprobs: jax.Array,
-                   key: jax.Array | None) -> tuple[np.ndarray, jax.Array]:
-  """Tokens for the children of `parents` from their draft distributions.
+LevelScorer = Callable[[int, np.ndarray, jax.Array, Carry], tuple[jax.Array, Carry]]
+
+
+def draft_level_by_level(tree: DraftTree, sampling: SamplingConfig, key: jax.Array,
+                         draw: bool, root: jax.Array, score: LevelScorer, carry: Carry
+                         ) -> tuple[Proposal, Carry]:
+  """Fill a tree one depth at a time: the drafting loop every model-based drafter shares.
+
+  For each depth d = 0 .. D - 1, `score(d, parents, tokens, carry)` returns the draft logits
+  `[B, M, V]` at the nodes `parents` (the M nodes of depth d, static) given the tokens drafted
+  so far (`tokens [B, N + 1]`, root first; nodes deeper than d hold placeholders), and its
+  updated carry. The children of each parent get its top-w tokens, or, when `draw`, w tokens
+  sampled without replacement (Gumbel top-w, an independent key per depth).
 
   Args:
-    tree: the draft tree.
-    parents: `[M]` static node indices.
-    logprobs: `[B, M, V]` draft log-probabilities at each parent.
-    key: None for deterministic top-w drafts; otherwise siblings are sampled without
-      replacement (Gumbel top-w), independently for each parent.
+    root: `[B]` root tokens (node 0).
+    carry: whatever `score` threads from one depth to the next (caches, hidden states).
 
   Returns:
-    `(children [K], tokens [B, K])`: the static child node indices and their tokens.
+    The `Proposal` (with `logprobs` exactly when `draw`) and the final carry.
   """
-  width = max(int((tree.children[parents] >= 0).sum(1).max()), 1)
-  top = top_w(key, logprobs, width)  # [B, M, width]
-  owner = {int(p): m for m, p in enumerate(parents)}
-  children = np.array([c for p in parents for c in tree.children[p] if c >= 0], np.int32)
-  m_idx = np.array([owner[int(tree.parent_array[c])] for c in children], np.int32)
-  r_idx = tree.rank[children]
-  return children, top[:, m_idx, r_idx]
+  tokens = jnp.zeros((root.shape[0], tree.num_nodes + 1), jnp.int32).at[:, 0].set(root)
+  node_logprobs = None
+  for d in range(tree.depth):
+    parents = tree.nodes_at_depth(d)
+    logits, carry = score(d, parents, tokens, carry)
+    logprobs = processed_logprobs(logits, sampling)
+    if draw:
+      if node_logprobs is None:
+        node_logprobs = jnp.zeros(tokens.shape + logprobs.shape[-1:], jnp.float32)
+      node_logprobs = node_logprobs.at[:, parents].set(logprobs)
+    candidates = top_w(jax.random.fold_in(key, d) if draw else None, logprobs,
+                       tree.max_children_of(parents))  # [B, M, w]
+    children, owner, rank = tree.children_of(parents)
+    tokens = tokens.at[:, children].set(candidates[:, owner, rank])
+  return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs), carry

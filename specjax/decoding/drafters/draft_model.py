@@ -10,20 +10,31 @@ the rollback: rejected drafts were never committed.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from specjax.decoding.drafters.base import Proposal, draft_children
-from specjax.decoding.sampling import SamplingConfig, processed_logprobs
+from specjax.decoding.drafters.base import Drafter, Proposal, draft_level_by_level
+from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.models.config import ModelConfig
 from specjax.models.transformer import forward, unembed
 
 
+@struct.dataclass
+class DraftModelState:
+  """The draft model's parameters and its cache, committed through the root's predecessor."""
+
+  params: Any
+  cache: KVCache
+
+
 @dataclasses.dataclass(frozen=True)
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
   """Drafts with a separate small model; pass its params as `generate(drafter_params=...)`.
 
   Attributes:
@@ -40,43 +51,34 @@ class DraftModelDrafter:
           f"draft model vocab_size={self.config.vocab_size} differs from the target's "
           f"{config.vocab_size}: a draft model must share the target's tokenizer")
 
-  def min_prompt_length(self, tree):
-    return 1
-
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt_hidden):
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt):
     if drafter_params is None:
       raise ConfigError("DraftModelDrafter needs generate(..., drafter_params=<draft params>)")
-    b, prompt_width = prompt_hidden.shape[:2]
+    b, prompt_width = prompt.hidden.shape[:2]
     cache = KVCache.create(self.config, b, max_len)
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (b, prompt_width))
     out = forward(drafter_params, self.config, ctx.seq[:, :prompt_width], positions, cache,
                   advance=ctx.seq_len - 1, compute_logits=False)
-    return {"params": drafter_params, "cache": out.cache}
+    return DraftModelState(params=drafter_params, cache=out.cache)
 
-  def propose(self, params, config, state, ctx, tree: DraftTree, sampling: SamplingConfig,
-              key: jax.Array) -> Proposal:
-    dcfg = self.config
-    b = ctx.seq.shape[0]
-    draw = self.sampled and not sampling.greedy
+  def propose(self, params, config, state: DraftModelState, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, DraftModelState]:
     positions = (ctx.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
     mask = jnp.asarray(tree.ancestor_mask)
-    tokens = jnp.zeros((b, tree.num_nodes + 1), jnp.int32).at[:, 0].set(ctx.root)
-    node_logprobs = jnp.zeros((b, tree.num_nodes + 1, dcfg.vocab_size), jnp.float32)
-    for d in range(tree.depth):
-      # Undrafted nodes hold placeholders; no drafted node can see them (mask = ancestors).
-      out = forward(state["params"], dcfg, tokens, positions, state["cache"], new_mask=mask,
-                    advance=0, compute_logits=False)
-      parents = tree.nodes_at_depth(d)
-      lp = processed_logprobs(unembed(state["params"], dcfg, out.hidden[:, parents]), sampling)
-      node_logprobs = node_logprobs.at[:, parents].set(lp)
-      k = jax.random.fold_in(key, d) if draw else None
-      children, toks = draft_children(tree, parents, lp, k)
-      tokens = tokens.at[:, children].set(toks)
-    return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs if draw else None)
 
-  def update(self, params, config, state, result):
+    def score(d, parents, tokens, carry):
+      # Undrafted nodes hold placeholders; no drafted node can see them (mask = ancestors).
+      out = forward(state.params, self.config, tokens, positions, state.cache, new_mask=mask,
+                    advance=0, compute_logits=False)
+      return unembed(state.params, self.config, out.hidden[:, parents]), carry
+
+    proposal, _ = draft_level_by_level(tree, sampling, key, self.draws(sampling), ctx.root,
+                                       score, None)
+    return proposal, state
+
+  def update(self, params, config, state: DraftModelState, result) -> DraftModelState:
     width = result.path_tokens.shape[1]
     positions = result.start[:, None] + jnp.arange(width)[None, :]
-    out = forward(state["params"], self.config, result.path_tokens, positions, state["cache"],
+    out = forward(state.params, self.config, result.path_tokens, positions, state.cache,
                   advance=result.count, compute_logits=False)
-    return {"params": state["params"], "cache": out.cache}
+    return state.replace(cache=out.cache)

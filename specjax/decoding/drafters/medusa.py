@@ -13,15 +13,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.drafters.base import Proposal, check_depth, draft_children
-from specjax.decoding.sampling import SamplingConfig, processed_logprobs
+from specjax.decoding.drafters.base import (Drafter, NoState, Proposal, check_depth,
+                                            draft_level_by_level)
+from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 from specjax.models.heads import medusa_logits
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
   """Drafts from the target's Medusa heads.
 
   Attributes:
@@ -36,27 +38,15 @@ class MedusaDrafter:
       raise ConfigError("MedusaDrafter needs a model with num_medusa_heads >= 1")
     check_depth(self, tree, config.num_medusa_heads)
 
-  def min_prompt_length(self, tree):
-    return 1
+  def propose(self, params, config: ModelConfig, state: NoState, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, NoState]:
+    heads = medusa_logits(params, config, ctx.last_hidden)  # [heads, B, V]
 
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt_hidden):
-    return None
+    def score(d, parents, tokens, carry):
+      # Every node at depth d has its children drafted by head d, whatever its token.
+      return jnp.broadcast_to(heads[d][:, None], (heads.shape[1], len(parents),
+                                                  heads.shape[2])), carry
 
-  def propose(self, params, config: ModelConfig, state, ctx, tree: DraftTree,
-              sampling: SamplingConfig, key: jax.Array) -> Proposal:
-    b = ctx.seq.shape[0]
-    heads = processed_logprobs(medusa_logits(params, config, ctx.last_hidden), sampling)
-    # Node u's children are drafted by the head of depth(u) + 1, i.e. head index depth(u).
-    head_of_node = jnp.asarray(tree.depths.clip(max=config.num_medusa_heads - 1))
-    node_logprobs = jnp.moveaxis(heads, 0, 1)[:, head_of_node]  # [B, N + 1, V]
-    draw = self.sampled and not sampling.greedy
-    tokens = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
-    for d in range(tree.depth):
-      parents = tree.nodes_at_depth(d)
-      k = jax.random.fold_in(key, d) if draw else None
-      children, toks = draft_children(tree, parents, node_logprobs[:, parents], k)
-      tokens = tokens.at[:, children].set(toks)
-    return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs if draw else None)
-
-  def update(self, params, config, state, result):
-    return None
+    proposal, _ = draft_level_by_level(tree, sampling, key, self.draws(sampling), ctx.root,
+                                       score, None)
+    return proposal, state

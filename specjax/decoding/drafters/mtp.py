@@ -19,7 +19,7 @@ valid prefix. The mask lets a chain see the committed cache, the window's valid 
 own earlier entries; one forward per module per round instead of two halves the weight reads
 of the drafter, which is what a memory-bound decode step pays for.
 
-Glossary: B batch, r root position, D tree depth, M_d nodes at depth d, Dm d_model.
+Shape letters: see `specjax`; r is the root position, W the window width D + 1.
 """
 
 from __future__ import annotations
@@ -29,13 +29,49 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from specjax.decoding.drafters.base import Proposal, check_depth, draft_children
-from specjax.decoding.sampling import SamplingConfig, processed_logprobs
+from specjax.decoding.drafters.base import (Drafter, Proposal, check_depth,
+                                            draft_level_by_level)
+from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.models.config import ModelConfig
 from specjax.models.heads import mtp_forward, mtp_head_logits
+
+
+@struct.dataclass
+class AcceptedWindow:
+  """The last round's accepted path, not yet committed to the drafter's caches.
+
+  Attributes:
+    tokens: `[B, W]` the token following each path entry (accepted drafts, then the root).
+    hidden: `[B, W, E]` the target's final hidden at each path entry.
+    start: `[B]` position of path entry 0.
+    count: `[B]` valid entries (0: nothing to commit).
+  """
+
+  tokens: jax.Array
+  hidden: jax.Array
+  start: jax.Array
+  count: jax.Array
+
+
+@struct.dataclass
+class MTPState:
+  """Per used module: its one-layer cache and its output stream at its newest committed
+  position; plus the accepted window the next `propose` commits.
+
+  Attributes:
+    caches: D one-layer `KVCache`s, module k committed through position r - k - 1.
+    last: D arrays `[B, E]`, module k's output at its newest committed position.
+    window: the pending `AcceptedWindow`.
+  """
+
+  caches: tuple[KVCache, ...]
+  last: tuple[jax.Array, ...]
+  window: AcceptedWindow
 
 
 def _chain_mask(num_chains: int, length: int) -> np.ndarray:
@@ -43,8 +79,25 @@ def _chain_mask(num_chains: int, length: int) -> np.ndarray:
   return np.kron(np.eye(num_chains, dtype=bool), np.tril(np.ones((length, length), bool)))
 
 
+def _window_and_chains_mask(count: jax.Array, width: int, chain_len: int,
+                            d: int) -> jax.Array:
+  """`[B, W + C, W + C]` visibility: the window is causal; each chain of length d sees the
+  window's first `count` entries (the committed ones) and its own earlier entries."""
+  t = width + chain_len
+  mask = np.zeros((t, t), bool)
+  mask[:width, :width] = np.tril(np.ones((width, width), bool))
+  if chain_len:
+    mask[width:, width:] = _chain_mask(chain_len // d, d)
+  mask = jnp.broadcast_to(jnp.asarray(mask), (count.shape[0], t, t))
+  committed = jnp.arange(width)[None, None, :] < count[:, None, None]  # [B, 1, W]
+  chain_rows = (jnp.arange(t) >= width)[None, :, None]
+  sees_window = jnp.zeros((count.shape[0], t, t), bool).at[:, :, :width].set(
+      chain_rows & committed)
+  return mask | sees_window
+
+
 @dataclasses.dataclass(frozen=True)
-class MTPDrafter:
+class MTPDrafter(Drafter):
   """Drafts depth d with MTP module d - 1 (the tree depth is at most num_mtp_modules).
 
   Attributes:
@@ -62,14 +115,14 @@ class MTPDrafter:
     # Module k's committed frontier is r - k - 1 >= 0 at the first round (r = prompt length).
     return max(tree.depth, 1)
 
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt_hidden):
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt) -> MTPState:
     """Teacher-force the used modules over the prompt (ragged) and commit their frontiers."""
-    b, p, dm = prompt_hidden.shape
+    b, p, e = prompt.hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
     seq = jnp.pad(ctx.seq, ((0, 0), (0, config.num_mtp_modules + 1)))
     caches, last = [], []
-    state_in = prompt_hidden
+    state_in = prompt.hidden
     for k in range(tree.depth):  # module k drafts depth k + 1; deeper ones are unused
       cache = KVCache.create(config, b, max_len, n_layers=1)
       commit = jnp.maximum(r - k, 0)
@@ -81,104 +134,71 @@ class MTPDrafter:
       state_in = out.hidden
     width = tree.depth + 1
     # An empty pending window: nothing to commit before the first proposal.
-    window = {"tokens": jnp.zeros((b, width), jnp.int32),
-              "hidden": jnp.zeros((b, width, dm), prompt_hidden.dtype),
-              "start": r, "count": jnp.zeros((b,), jnp.int32)}
-    return {"caches": tuple(caches), "last": tuple(last), "window": window}
+    window = AcceptedWindow(tokens=jnp.zeros((b, width), jnp.int32),
+                            hidden=jnp.zeros((b, width, e), prompt.hidden.dtype),
+                            start=r, count=jnp.zeros((b,), jnp.int32))
+    return MTPState(caches=tuple(caches), last=tuple(last), window=window)
 
-  def propose(self, params, config: ModelConfig, state, ctx, tree: DraftTree,
-              sampling: SamplingConfig, key: jax.Array) -> Proposal:
+  def propose(self, params, config: ModelConfig, state: MTPState, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, MTPState]:
     b = ctx.seq.shape[0]
-    draw = self.sampled and not sampling.greedy
     r = ctx.seq_len - 1
-    win = state["window"]
-    width = win["tokens"].shape[1]
-    count = win["count"]
-    tokens = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
-    node_logprobs = jnp.zeros((b, tree.num_nodes + 1, config.vocab_size), jnp.float32)
-    caches, last = list(state["caches"]), list(state["last"])
-    window_in = win["hidden"]  # module 0's state inputs: the trunk along the accepted path
-    chain_out = None  # module d - 1's chain outputs for each depth-(d - 1) node [B, M, d - 1, Dm]
-    for d in range(tree.depth):
-      parents = tree.nodes_at_depth(d)
+    win = state.window
+    width = win.tokens.shape[1]
+
+    def score(d, parents, tokens, carry):
+      """Run module d over [its window ; one chain per depth-d node], committing the window.
+
+      The chain of a depth-d node x sits at positions r - d .. r - 1: its tokens are x's
+      ancestors at depths 1..d (x last), its states module d-1's newest committed output
+      followed by module d-1's chain for x's parent (computed one depth earlier).
+      """
+      caches, last, window_in, chain_out = carry
       m = len(parents)
       if d > 0:
-        window_in = jnp.concatenate([state["last"][d - 1][:, None], window_out[:, :-1]], 1)
-      # The chain of each depth-d node x: positions r - d .. r - 1, tokens = x's ancestors at
-      # depths 1..d, states = [module d-1's newest committed output, module d-1's chain of x's
-      # parent].
-      if d > 0:
-        anc = np.stack([self._ancestors(tree, int(x), d) for x in parents])  # [M, d]
-        parent_slot = np.array([self._slot(tree, d - 1, int(tree.parent_array[x]))
-                                for x in parents])
+        anc = np.stack([tree.path_to(int(x)) for x in parents])  # [M, d]
+        parent_slot = tree.level_slot[tree.parent_array[parents]]
         first = jnp.broadcast_to(last[d - 1][:, None, None], (b, m, 1, config.d_model))
         rest = chain_out[:, parent_slot, :d - 1] if d > 1 else first[:, :, :0]
         chain_states = jnp.concatenate([first, rest], axis=2).reshape(b, m * d, -1)
         chain_tokens = tokens[:, anc].reshape(b, m * d)
-        chain_pos = ((r - d)[:, None, None] + jnp.arange(d)[None, None, :])
-        chain_pos = jnp.broadcast_to(chain_pos, (b, m, d)).reshape(b, m * d)
+        chain_pos = jnp.broadcast_to((r - d)[:, None, None] + jnp.arange(d)[None, None, :],
+                                     (b, m, d)).reshape(b, m * d)
       else:
         chain_states = jnp.zeros((b, 0, config.d_model), window_in.dtype)
         chain_tokens = jnp.zeros((b, 0), jnp.int32)
         chain_pos = jnp.zeros((b, 0), jnp.int32)
-      window_pos = (win["start"] - d)[:, None] + jnp.arange(width)[None, :]
+      window_pos = (win.start - d)[:, None] + jnp.arange(width)[None, :]
       out = mtp_forward(
           params, config, d, jnp.concatenate([window_in, chain_states], 1),
-          jnp.concatenate([win["tokens"], chain_tokens], 1),
+          jnp.concatenate([win.tokens, chain_tokens], 1),
           jnp.concatenate([window_pos, chain_pos], 1), caches[d],
-          new_mask=self._mask(count, width, m * d, d), advance=count, compute_logits=False)
-      caches[d] = out.cache
+          new_mask=_window_and_chains_mask(win.count, width, m * d, d), advance=win.count,
+          compute_logits=False)
       window_out = out.hidden[:, :width]
-      newest = jnp.take_along_axis(window_out, jnp.maximum(count - 1, 0)[:, None, None],
+      newest = jnp.take_along_axis(window_out, jnp.maximum(win.count - 1, 0)[:, None, None],
                                    axis=1)[:, 0]
-      last[d] = jnp.where((count > 0)[:, None], newest, last[d])
+      caches = caches[:d] + (out.cache,) + caches[d + 1:]
+      last = last[:d] + (jnp.where((win.count > 0)[:, None], newest, last[d]),) + last[d + 1:]
       if d == 0:
         logits = mtp_head_logits(params, config, 0, last[0])[:, None]  # [B, 1, V]
       else:
         chain_out = out.hidden[:, width:].reshape(b, m, d, -1)
         logits = mtp_head_logits(params, config, d, chain_out[:, :, -1])  # [B, M, V]
-      lp = processed_logprobs(logits, sampling)
-      node_logprobs = node_logprobs.at[:, parents].set(lp)
-      children, toks = draft_children(tree, parents, lp,
-                                      jax.random.fold_in(key, d) if draw else None)
-      tokens = tokens.at[:, children].set(toks)
-    # The window is committed; the proposal carries the new drafter state (see `update`).
-    new_state = {"caches": tuple(caches), "last": tuple(last),
-                 "window": {**win, "count": jnp.zeros_like(count)}}
-    return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs if draw else None,
-                    drafter_state=new_state)
+      # Module d + 1's window states: module d's newest output before this round's window,
+      # then its window outputs shifted by one.
+      next_window_in = jnp.concatenate([state.last[d][:, None], window_out[:, :-1]], 1)
+      return logits, (caches, last, next_window_in, chain_out)
 
-  @staticmethod
-  def _mask(count: jax.Array, width: int, chain_len: int, d: int) -> jax.Array:
-    """`[B, W + C, W + C]` visibility: the window is causal; each chain of length d sees the
-    window's first `count` entries (the committed ones) and its own earlier entries."""
-    t = width + chain_len
-    mask = np.zeros((t, t), bool)
-    mask[:width, :width] = np.tril(np.ones((width, width), bool))
-    if chain_len:
-      mask[width:, width:] = _chain_mask(chain_len // d, d)
-    mask = jnp.broadcast_to(jnp.asarray(mask), (count.shape[0], t, t))
-    committed = jnp.arange(width)[None, None, :] < count[:, None, None]  # [B, 1, W]
-    chain_rows = (jnp.arange(t) >= width)[None, :, None]
-    sees_window = jnp.zeros((count.shape[0], t, t), bool).at[:, :, :width].set(
-        chain_rows & committed)
-    return mask | sees_window
+    carry = (state.caches, state.last, win.hidden, None)
+    proposal, (caches, last, _, _) = draft_level_by_level(
+        tree, sampling, key, self.draws(sampling), ctx.root, score, carry)
+    # The window is committed now; `update` records the next one.
+    return proposal, MTPState(caches=caches, last=last,
+                              window=win.replace(count=jnp.zeros_like(win.count)))
 
-  @staticmethod
-  def _ancestors(tree: DraftTree, node: int, d: int) -> np.ndarray:
-    """Node indices of `node`'s ancestors at depths 1..d (`node` itself last)."""
-    path = []
-    while node > 0:
-      path.append(node)
-      node = int(tree.parent_array[node])
-    return np.array(path[::-1][:d], np.int32)
-
-  @staticmethod
-  def _slot(tree: DraftTree, d: int, node: int) -> int:
-    return int(np.nonzero(tree.nodes_at_depth(d) == node)[0][0])
-
-  def update(self, params, config, state, result):
+  def update(self, params, config, state: MTPState, result) -> MTPState:
     """Record the accepted window; `propose` commits it in the same pass that drafts."""
-    window = {"tokens": result.next_tokens, "hidden": result.path_hidden,
-              "start": result.start, "count": result.count}
-    return {**state, "window": window}
+    return state.replace(window=AcceptedWindow(
+        tokens=result.next_tokens, hidden=result.features.hidden, start=result.start,
+        count=result.count))

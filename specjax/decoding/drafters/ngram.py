@@ -12,10 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.drafters.base import Proposal
+from specjax.decoding.drafters.base import Drafter, NoState, Proposal
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
-from specjax.models.config import ConfigError, ModelConfig
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 
 
 def lookup(seq: jax.Array, seq_len: jax.Array, n: int, k: int) -> tuple[jax.Array, jax.Array]:
@@ -45,12 +46,11 @@ def lookup(seq: jax.Array, seq_len: jax.Array, n: int, k: int) -> tuple[jax.Arra
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
-  """Prompt lookup with n-grams of `min_ngram..max_ngram` tokens."""
+class NGramDrafter(Drafter):
+  """Prompt lookup with n-grams of `min_ngram..max_ngram` tokens (deterministic drafts)."""
 
   max_ngram: int = 3
   min_ngram: int = 1
-  sampled: bool = False
 
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:
@@ -61,14 +61,8 @@ class NGramDrafter:
     if not tree.is_chain():
       raise ConfigError("NGramDrafter proposes one continuation: use DraftTree.chain(k)")
 
-  def min_prompt_length(self, tree):
-    return 1
-
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt_hidden):
-    return None
-
-  def propose(self, params, config, state, ctx, tree: DraftTree, sampling: SamplingConfig,
-              key: jax.Array) -> Proposal:
+  def propose(self, params, config, state: NoState, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, NoState]:
     k = tree.num_nodes
     b = ctx.seq.shape[0]
     found = jnp.zeros((b,), bool)
@@ -77,7 +71,4 @@ class NGramDrafter:
       hit, cont = lookup(ctx.seq, ctx.seq_len, n, k)
       tokens = jnp.where((hit & ~found)[:, None], cont, tokens)
       found |= hit
-    return Proposal(tokens=tokens)
-
-  def update(self, params, config, state, result):
-    return None
+    return Proposal(tokens=tokens), state
