@@ -3,6 +3,13 @@
 from specjax.models.cache import KVCache, attention_mask
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import Llama3RopeScaling, ModelConfig
+from specjax.models.eagle3 import (Eagle3Config, build_draft_vocab, check_d2t, count_tokens,
+                                   default_aux_layers, eagle3_cache, eagle3_draft_logits,
+                                   eagle3_layer, eagle3_param_axes, eagle3_ttt_logits,
+                                   eagle3_ttt_loss, fuse, init_eagle3, select_aux,
+                                   to_target_vocab)
+from specjax.models.eagle3_io import (eagle3_config_from_hf, eagle3_config_to_hf, load_eagle3,
+                                      save_eagle3)
 from specjax.models.heads import (HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
                                   mtp_logits_all)
 from specjax.models.hf import config_from_hf, config_to_hf, load_hf, save_hf
@@ -11,9 +18,13 @@ from specjax.models.transformer import (ForwardOutput, causal_mask, embed, forwa
                                         unembed)
 
 __all__ = [
-    "CheckpointError", "ConfigError", "ForwardOutput", "HeadOutput", "KVCache",
-    "Llama3RopeScaling", "ModelConfig", "attention_mask", "causal_mask", "config_from_hf",
-    "config_to_hf", "count_params", "embed", "forward", "init_params", "load_hf",
-    "medusa_logits", "mtp_forward", "mtp_head_logits", "mtp_logits_all", "param_axes",
-    "rms_norm", "save_hf", "unembed",
+    "CheckpointError", "ConfigError", "Eagle3Config", "ForwardOutput", "HeadOutput", "KVCache",
+    "Llama3RopeScaling", "ModelConfig", "attention_mask", "build_draft_vocab", "causal_mask",
+    "check_d2t", "config_from_hf", "config_to_hf", "count_params", "count_tokens",
+    "default_aux_layers", "eagle3_cache", "eagle3_config_from_hf", "eagle3_config_to_hf",
+    "eagle3_draft_logits", "eagle3_layer", "eagle3_param_axes", "eagle3_ttt_logits",
+    "eagle3_ttt_loss", "embed", "forward", "fuse", "init_eagle3", "init_params", "load_eagle3",
+    "load_hf", "medusa_logits", "mtp_forward", "mtp_head_logits", "mtp_logits_all",
+    "param_axes", "rms_norm", "save_eagle3", "save_hf", "select_aux", "to_target_vocab",
+    "unembed",
 ]
