@@ -51,3 +51,21 @@ def progression_models():
                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=128)
   return {"config": target, "params": _train(target, 250, 0),
           "draft_config": draft, "draft_params": _train(draft, 150, 1)}
+
+
+@pytest.fixture(scope="session")
+def progression_eagle(progression_models):
+  """An EAGLE-3 head for `progression_models`' target, trained with the training-time test
+  on the same kind of sequences (a few seconds), over a reduced 28-token draft vocabulary."""
+  from specjax.drafter_training import draft_vocab_from_data, train_eagle3
+  from specjax.models import Eagle3Config
+
+  m = progression_models
+  config = Eagle3Config.for_target(m["config"], draft_vocab_size=28)
+  rng = np.random.default_rng(7)
+  data = [progression_batch(rng, 16, 32) for _ in range(80)]
+  mask = np.ones((16, 32), np.int32)
+  d2t = draft_vocab_from_data(np.stack(data), None, PROGRESSION_VOCAB, 28)
+  weights, _ = train_eagle3(m["params"], m["config"], config, ((t, mask) for t in data),
+                            optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
+  return {"config": config, "weights": weights}

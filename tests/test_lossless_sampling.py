@@ -5,7 +5,9 @@ test over 60,000 samples, with the exact target distribution computed by enumera
 continuation and processing the logits with an independent NumPy implementation of
 temperature / top-k / top-p. The drafters are deliberately different models, so a wrong
 acceptance rule would show; a verifier that accepts every draft is the negative control and
-must fail the same test.
+must fail the same test. The EAGLE-3 cases use a 2-layer target (the head reads its inner
+residual streams) and a draft vocabulary of 6 of the 8 tokens, so the draft distribution
+has zero mass where the target has some.
 """
 
 import itertools
@@ -18,8 +20,9 @@ import scipy.stats
 
 from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, SamplingConfig,
                               generate, verify)
+from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
-from specjax.models import ModelConfig, forward, init_params
+from specjax.models import Eagle3Config, ModelConfig, forward, init_eagle3, init_params
 
 V = 8
 NEW = 3
@@ -29,6 +32,8 @@ PROMPT = [1, 2, 3]
 TARGET = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                      head_dim=8, mlp_dim=32, num_medusa_heads=2, max_position=16)
 DRAFT = TARGET.replace(num_medusa_heads=0)
+EAGLE_TARGET = TARGET.replace(n_layers=2, num_medusa_heads=0)
+EAGLE = Eagle3Config.for_target(EAGLE_TARGET, draft_vocab_size=6)
 
 
 def _sharpen(params, scale, key):
@@ -45,6 +50,16 @@ def _sharpen(params, scale, key):
 def models():
   return (_sharpen(init_params(TARGET, jax.random.key(0)), 15.0, jax.random.key(10)),
           _sharpen(init_params(DRAFT, jax.random.key(1)), 12.0, jax.random.key(11)))
+
+
+@pytest.fixture(scope="module")
+def eagle_models():
+  """A sharpened random 2-layer target and an EAGLE-3 head over draft ids [0, 2, ..., 7]."""
+  head = init_eagle3(EAGLE, jax.random.key(2))
+  head["lm_head"] = head["lm_head"] * 40.0
+  head["fc"] = head["fc"] * 10.0
+  return (_sharpen(init_params(EAGLE_TARGET, jax.random.key(0)), 15.0, jax.random.key(10)),
+          Eagle3Weights(params=head, d2t=jnp.array([0, 2, 3, 5, 6, 7], jnp.int32)))
 
 
 def _reference_probs(logits: np.ndarray, s: SamplingConfig) -> np.ndarray:
@@ -65,10 +80,10 @@ def _reference_probs(logits: np.ndarray, s: SamplingConfig) -> np.ndarray:
   return p
 
 
-def _exact_joint(params, s: SamplingConfig) -> np.ndarray:
+def _exact_joint(params, s: SamplingConfig, config: ModelConfig = TARGET) -> np.ndarray:
   """P(x1, x2, x3 | prompt) for all V**3 continuations, flattened."""
   seqs = np.array([PROMPT + list(c) for c in itertools.product(range(V), repeat=NEW - 1)])
-  logits = np.asarray(forward(params, TARGET, jnp.asarray(seqs),
+  logits = np.asarray(forward(params, config, jnp.asarray(seqs),
                               jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape)).logits,
                       np.float64)
   p0 = len(PROMPT) - 1
@@ -97,10 +112,11 @@ def _chi_square_pvalue(tokens: np.ndarray, expected_probs: np.ndarray) -> float:
   return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier()):
+def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier(),
+            config=TARGET):
   target, draft = models
   prompts = jnp.tile(jnp.array([PROMPT]), (SAMPLES, 1))
-  out = generate(target, TARGET, prompts, jnp.full((SAMPLES,), len(PROMPT)),
+  out = generate(target, config, prompts, jnp.full((SAMPLES,), len(PROMPT)),
                  jax.random.key(seed), max_new_tokens=NEW, sampling=s, drafter=drafter,
                  tree=tree, drafter_params=draft, verifier=verifier)
   assert bool((out.lengths == NEW).all())
@@ -128,6 +144,26 @@ def test_speculative_samples_follow_the_exact_target_distribution(models, case, 
   assert p > 1e-3, f"{case}/{sampling_name}: chi-square p={p:.2e}"
 
 
+EAGLE_CASES = {
+    "eagle3_sampled_chain": (Eagle3Drafter(EAGLE, sampled=True), DraftTree.chain(2)),
+    "eagle3_deterministic_tree": (Eagle3Drafter(EAGLE), DraftTree.from_widths((3, 2))),
+    "eagle3_sampled_tree": (Eagle3Drafter(EAGLE, sampled=True), DraftTree.from_widths((3, 2))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling_name", sorted(SAMPLINGS))
+@pytest.mark.parametrize("case", sorted(EAGLE_CASES))
+def test_eagle3_samples_follow_the_exact_target_distribution(eagle_models, case,
+                                                            sampling_name):
+  s = SAMPLINGS[sampling_name]
+  drafter, tree = EAGLE_CASES[case]
+  tokens, stats = _sample(eagle_models, s, drafter, tree, config=EAGLE_TARGET)
+  assert 0.05 < float(stats.accepted_per_depth[0]) < 0.95, stats.accepted_per_depth
+  p = _chi_square_pvalue(tokens, _exact_joint(eagle_models[0], s, EAGLE_TARGET))
+  assert p > 1e-3, f"{case}/{sampling_name}: chi-square p={p:.2e}"
+
+
 def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampling, key):
   """Negative control: a verifier that accepts the first child at every node."""
   b = node_tokens.shape[0]
@@ -146,9 +182,15 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree"])
-def test_accept_everything_verifier_fails_the_same_test(models, case):
+@pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
+                                  "eagle3_sampled_chain"])
+def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
-  tokens, _ = _sample(models, s, *CASES[case], verifier=_accept_every_draft)
-  p = _chi_square_pvalue(tokens, _exact_joint(models[0], s))
+  if case.startswith("eagle3"):
+    tokens, _ = _sample(eagle_models, s, *EAGLE_CASES[case], verifier=_accept_every_draft,
+                        config=EAGLE_TARGET)
+    p = _chi_square_pvalue(tokens, _exact_joint(eagle_models[0], s, EAGLE_TARGET))
+  else:
+    tokens, _ = _sample(models, s, *CASES[case], verifier=_accept_every_draft)
+    p = _chi_square_pvalue(tokens, _exact_joint(models[0], s))
   assert p < 1e-3, f"the negative control passed (p={p:.2e}); the test has no power"

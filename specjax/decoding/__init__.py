@@ -2,7 +2,8 @@
 
 from specjax.decoding import verify
 from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, DraftModelDrafter,
-                                       DraftModelState, MedusaDrafter, MTPDrafter, MTPState,
+                                       DraftModelState, Eagle3Drafter, Eagle3State,
+                                       Eagle3Weights, MedusaDrafter, MTPDrafter, MTPState,
                                        NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, draft_level_by_level)
 from specjax.decoding.engine import (DecodeLoop, DecodeState, GenerationResult, GenerationStats,
@@ -14,9 +15,9 @@ from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, v
 
 __all__ = [
     "AcceptedWindow", "DecodeLoop", "DecodeState", "DraftContext", "DraftModelDrafter",
-    "DraftModelState", "DraftTree", "Drafter", "GenerationResult", "GenerationStats",
-    "LosslessVerifier", "MTPDrafter", "MTPState", "MedusaDrafter", "NGramDrafter", "NoState",
-    "Proposal", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "VerifyResult",
-    "draft_level_by_level", "generate", "processed_logprobs", "reported_logprobs", "verify",
-    "verify_matching", "verify_sampled",
+    "DraftModelState", "DraftTree", "Drafter", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
+    "GenerationResult", "GenerationStats", "LosslessVerifier", "MTPDrafter", "MTPState",
+    "MedusaDrafter", "NGramDrafter", "NoState", "Proposal", "RoundResult", "SamplingConfig",
+    "TargetFeatures", "Verifier", "VerifyResult", "draft_level_by_level", "generate",
+    "processed_logprobs", "reported_logprobs", "verify", "verify_matching", "verify_sampled",
 ]

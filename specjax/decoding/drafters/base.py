@@ -119,6 +119,27 @@ class RoundResult:
   count: jax.Array
 
 
+@struct.dataclass
+class AcceptedWindow:
+  """The last round's accepted path, not yet committed to a drafter's cache.
+
+  A cached drafter whose layer at position p reads (a target feature at p, the token at
+  p + 1) can commit the accepted path only once the next round's root is known; it records
+  the path here in `update` and commits it in the same pass that drafts depth 1.
+
+  Attributes:
+    tokens: `[B, D + 1]` the token following each path entry (accepted drafts, then the root).
+    hidden: `[B, D + 1, E]` the target feature the drafter reads at each path entry.
+    start: `[B]` position of path entry 0.
+    count: `[B]` valid entries (0: nothing to commit).
+  """
+
+  tokens: jax.Array
+  hidden: jax.Array
+  start: jax.Array
+  count: jax.Array
+
+
 class Drafter(abc.ABC):
   """Base of every drafter. Subclasses are frozen dataclasses (static arguments under jit).
 

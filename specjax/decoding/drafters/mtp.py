@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.decoding.drafters.base import (Drafter, Proposal, check_depth,
+from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, check_depth,
                                             draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -39,23 +39,6 @@ from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.heads import mtp_forward, mtp_head_logits
-
-
-@struct.dataclass
-class AcceptedWindow:
-  """The last round's accepted path, not yet committed to the drafter's caches.
-
-  Attributes:
-    tokens: `[B, W]` the token following each path entry (accepted drafts, then the root).
-    hidden: `[B, W, E]` the target's final hidden at each path entry.
-    start: `[B]` position of path entry 0.
-    count: `[B]` valid entries (0: nothing to commit).
-  """
-
-  tokens: jax.Array
-  hidden: jax.Array
-  start: jax.Array
-  count: jax.Array
 
 
 @struct.dataclass
