@@ -27,6 +27,28 @@ so a burst of load from other processes hits every column alike. Reported per ro
     the loop runs until the slowest row is done, so large batches pay for their stragglers.
   - `cost`: wall time per speculative round / wall time per plain round (one decode step):
     what a round of drafting + verifying + committing costs in plain steps.
+- `verify`: the target forward of one round alone (`ForwardProbe`): the tree's N + 1 tokens
+  per row (root + nodes) with its ancestor mask, `advance=0`, the drafter's `hidden_layers`,
+  against a donated cache of the run's batch and size whose rows hold prompt + max_new / 2
+  entries, divided by the same forward for one token (T = 1, a plain decode step's forward).
+  Medians over `--forward-pairs` (step, verify) pairs timed right after each of the row's
+  runs, so they share its load. 1 for plain decoding.
+- `draft`: `cost` - `verify`, in plain steps: drafting plus the rest of a speculative round
+  beyond its forward (acceptance test, commit, drafter update). The unit of `cost` is a plain
+  round (its forward F1 plus sampling and loop work o), that of `verify` the bare forward F1,
+  so exactly `draft` = (X - `verify` x o) / (F1 + o), with X the speculative round's time
+  outside its forward: a drafter that costs (nearly) nothing can show a slightly negative
+  `draft`. The log line `plain round ... of which the T=1 forward ...` gives F1 + o and F1.
+- `ideal`: `acc len` / `verify`: the ratio a free drafter and a free engine (no drafting,
+  no per-round overhead, no stragglers) would reach with this tree's acceptance and
+  verification cost.
+- `eng eff`: `ratio` / `ideal` = `tail` x `verify` / `cost`: the share of the ideal that the
+  drafter, the engine's per-round work and the stragglers leave.
+
+Rows are `Variant`s (`variants()`); a drafter with its own parameters names them with
+`Variant.params_name`, a key of the `drafter_params` dict built in `main`. The JSON output
+(`--json`) holds every field of `Row`, plain rows included, with `verify_ms` / `step_ms`,
+the medians behind `verify`.
 """
 
 from __future__ import annotations
@@ -50,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _spec_models as M  # noqa: E402
 from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter,  # noqa: E402
                               MTPDrafter, NGramDrafter, SamplingConfig, generate)
-from specjax.models import forward  # noqa: E402
+from specjax.models import KVCache, forward  # noqa: E402
 
 PROMPT_LEN = 32          # prompt buffer; each row's prompt length is drawn in [16, 32]
 EVAL_SEED = 10_000       # held-out documents (training uses seeds < 100)
@@ -58,31 +80,43 @@ EVAL_SEED = 10_000       # held-out documents (training uses seeds < 100)
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
+  """One row of the table: a drafter with a tree (or plain decoding, which must come first).
+
+  Attributes:
+    drafter_name, tree_name: the row's labels.
+    drafter: a `specjax.decoding` drafter, or None for plain decoding.
+    tree: the draft tree (empty for plain decoding).
+    params_name: key of this drafter's parameters in the `drafter_params` dict given to
+      `bench_batch` (passed to `generate` as `drafter_params`); None when the drafter owns no
+      parameters (MTP and Medusa heads live in the target's, n-gram has none).
+    quick: also run under `--quick`.
+  """
+
   drafter_name: str
   tree_name: str
   drafter: Any
   tree: DraftTree
-  draft_params: bool = False
+  params_name: str | None = None
+  quick: bool = False
 
 
 def variants(sampled: bool, quick: bool) -> list[Variant]:
+  """The rows of every batch. A new drafter is one more `Variant` here, plus an entry in the
+  `drafter_params` dict built in `main` when it has parameters of its own."""
   mtp, medusa = MTPDrafter(sampled=sampled), MedusaDrafter(sampled=sampled)
   draft = DraftModelDrafter(M.DRAFT, sampled=sampled)
   out = [
-      Variant("plain", "-", None, DraftTree.empty()),
+      Variant("plain", "-", None, DraftTree.empty(), quick=True),
       Variant("mtp", "chain1", mtp, DraftTree.chain(1)),
       Variant("mtp", "chain2", mtp, DraftTree.chain(2)),
-      Variant("mtp", "chain3", mtp, DraftTree.chain(3)),
+      Variant("mtp", "chain3", mtp, DraftTree.chain(3), quick=True),
       Variant("mtp", "tree(3,1,1)", mtp, DraftTree.from_widths((3, 1, 1))),
-      Variant("medusa", "chain3", medusa, DraftTree.chain(3)),
-      Variant("draft model", "chain3", draft, DraftTree.chain(3), draft_params=True),
-      Variant("n-gram", "chain3", NGramDrafter(max_ngram=3), DraftTree.chain(3)),
+      Variant("medusa", "chain3", medusa, DraftTree.chain(3), quick=True),
+      Variant("draft model", "chain3", draft, DraftTree.chain(3), params_name="draft model",
+              quick=True),
+      Variant("n-gram", "chain3", NGramDrafter(max_ngram=3), DraftTree.chain(3), quick=True),
   ]
-  if quick:
-    keep = {("plain", "-"), ("mtp", "chain3"), ("medusa", "chain3"), ("draft model", "chain3"),
-            ("n-gram", "chain3")}
-    out = [v for v in out if (v.drafter_name, v.tree_name) in keep]
-  return out
+  return [v for v in out if v.quick] if quick else out
 
 
 def eval_prompts(lang: M.PhraseLanguage, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,10 +161,72 @@ class Row:
   rounds: float
   tail: float
   cost: float
+  verify: float       # one verify forward / one T=1 forward (1 for plain)
+  draft: float        # cost - verify, in plain steps
+  ideal: float        # acc_len / verify
+  engine_eff: float   # ratio / ideal
+  verify_ms: float    # median verify forward (the T=1 forward for plain)
+  step_ms: float      # median T=1 forward timed alongside this row
 
 
-def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: int,
-                repeats: int, sampling: SamplingConfig, log) -> list[Row]:
+def _timed(fn, *args) -> tuple[Any, float]:
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - start
+
+
+class ForwardProbe:
+  """The target forward of one round of `generate`, alone: [root] + the tree's N nodes per row
+  with the tree's ancestor mask and `advance=0`, against a cache whose rows hold `committed`
+  entries. An empty tree makes it one plain decode step (T = 1). Each call returns its
+  seconds.
+
+  It is the call `DecodeLoop._verify` makes (same positions, mask, `hidden_layers`), jitted
+  with the cache donated and threaded through the calls, as in `decode_step.py`: the K/V of
+  the new tokens are written into the caller's buffers in place, nothing is committed, so
+  every call does the same work.
+  """
+
+  def __init__(self, params, tree: DraftTree, hidden_layers: tuple[int, ...],
+               committed: jax.Array, max_len: int, key: jax.Array):
+    self.params = params
+    batch = committed.shape[0]
+    depths, mask = tree.depths, tree.ancestor_mask
+
+    def verify(params, cache, tokens):
+      positions = cache.lengths[:, None] + depths[None, :]
+      out = forward(params, M.TARGET, tokens, positions, cache, new_mask=mask, advance=0,
+                    hidden_layers=hidden_layers)
+      # Argmax in the graph as a decoding engine does; the root's features stand in for what
+      # a drafter reads, so the requested layers are not dead code.
+      return (jnp.argmax(out.logits, -1).astype(jnp.int32),
+              tuple(h[:, 0] for h in out.intermediates), out.cache)
+
+    # The cache is donated so XLA writes the tree's K/V into it in place, as the engine's
+    # loop does; without donation every call would also copy the whole cache.
+    self._fn = jax.jit(verify, donate_argnums=(1,))
+    k_tok, k_kv = jax.random.split(key)
+    cache = KVCache.create(M.TARGET, batch, max_len)
+    kv_keys = jax.random.split(k_kv, 2 * len(cache.keys))
+    rand = lambda kk, buf: jax.random.normal(kk, buf.shape, buf.dtype)
+    self.cache = cache.replace(
+        keys=tuple(rand(kk, buf) for kk, buf in zip(kv_keys[::2], cache.keys)),
+        values=tuple(rand(kk, buf) for kk, buf in zip(kv_keys[1::2], cache.values)),
+    ).set_lengths(committed)
+    self.tokens = jax.random.randint(k_tok, (batch, tree.num_nodes + 1), 0,
+                                     M.TARGET.vocab_size, jnp.int32)
+
+  def __call__(self) -> float:
+    (_, _, self.cache), dt = _timed(self._fn, self.params, self.cache, self.tokens)
+    return dt
+
+
+def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: list[Variant], *,
+                max_new: int, repeats: int, forward_pairs: int, sampling: SamplingConfig,
+                log) -> list[Row]:
+  """Rows for one batch size; `vs[0]` must be plain decoding (every ratio's baseline)."""
+  if vs[0].drafter is not None:
+    raise ValueError(f"the first variant must be plain decoding, got {vs[0].drafter_name}")
   prompts, lengths = eval_prompts(lang, batch)
   prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
 
@@ -138,9 +234,20 @@ def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: 
     kw = dict(max_new_tokens=max_new, sampling=sampling)
     if v.drafter is not None:
       kw |= dict(drafter=v.drafter, tree=v.tree)
-    if v.draft_params:
-      kw["drafter_params"] = draft
+    if v.params_name is not None:
+      if v.params_name not in drafter_params:
+        raise KeyError(f"variant {v.drafter_name} {v.tree_name}: no drafter params named "
+                       f"{v.params_name!r}; have {sorted(drafter_params)}")
+      kw["drafter_params"] = drafter_params[v.params_name]
     return lambda key: generate(target, M.TARGET, prompts, lengths, key, **kw)
+
+  def probe(v: Variant, key: jax.Array) -> ForwardProbe:
+    speculative = v.drafter is not None and v.tree.num_nodes > 0
+    # The state halfway through the run, and the cache size `generate` allocates by default.
+    max_len = min(PROMPT_LEN + max_new + v.tree.num_nodes + 1, M.TARGET.max_position)
+    return ForwardProbe(target, v.tree,
+                        v.drafter.hidden_layers(M.TARGET) if speculative else (),
+                        lengths + max_new // 2, max_len, key)
 
   runs = [runner(v) for v in vs]
   compile_s = []
@@ -148,12 +255,19 @@ def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: 
     t = time.perf_counter()
     jax.block_until_ready(run(jax.random.key(0)))
     compile_s.append(time.perf_counter() - t)
+  step_probe = probe(vs[0], jax.random.key(0))
+  probes = [None] + [probe(v, jax.random.key(i)) for i, v in enumerate(vs[1:], 1)]
+  for p in (step_probe, *probes[1:]):  # compile and warm up
+    p()
+    p()
   times = [[] for _ in vs]
   tokens = [[] for _ in vs]
   tpr = [[] for _ in vs]
   depth = [[] for _ in vs]
   rounds = [[] for _ in vs]
   row_rounds = [[] for _ in vs]
+  step_s = [[] for _ in vs]
+  verify_s = [[] for _ in vs]
   for r in range(repeats):
     key = jax.random.key(1 + r)
     for i, run in enumerate(runs):
@@ -165,7 +279,17 @@ def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: 
       depth[i].append(np.asarray(res.stats.accepted_per_depth))
       rounds[i].append(int(res.stats.rounds))
       row_rounds[i].append(float(np.mean(res.stats.row_rounds)))
+      # The row's forwards right after its run, in (step, verify) pairs, so that they see
+      # the same load as each other and as the run.
+      for _ in range(forward_pairs):
+        step_s[i].append(step_probe())
+        if probes[i] is not None:
+          verify_s[i].append(probes[i]())
   plain_tps = statistics.median(n / t for n, t in zip(tokens[0], times[0]))
+  per_step = statistics.median(times[0]) / float(np.mean(rounds[0]))
+  step_ms = 1e3 * statistics.median(x for xs in step_s for x in xs)
+  log(f"  batch {batch:3d} plain round {1e3 * per_step:.2f} ms, of which the T=1 forward "
+      f"{step_ms:.2f} ms")
   rows = []
   for i, v in enumerate(vs):
     tps = statistics.median(n / t for n, t in zip(tokens[i], times[i]))
@@ -177,24 +301,33 @@ def bench_batch(target, draft, lang, batch: int, vs: list[Variant], *, max_new: 
     n_rounds = float(np.mean(rounds[i]))
     tail = float(np.mean(row_rounds[i])) / n_rounds
     per_round = statistics.median(times[i]) / n_rounds
-    per_step = statistics.median(times[0]) / float(np.mean(rounds[0]))
+    cost = per_round / per_step
+    if probes[i] is None:
+      verify, verify_ms = 1.0, 1e3 * statistics.median(step_s[i])
+    else:
+      verify_ms = 1e3 * statistics.median(verify_s[i])
+      verify = verify_ms / (1e3 * statistics.median(step_s[i]))
+    ideal = acc_len / verify
     rows.append(Row(drafter=v.drafter_name, tree=v.tree_name, batch=batch, plain_tps=plain_tps,
                     spec_tps=tps, ratio=ratio, spread=spread, acc_len=acc_len,
                     eff=ratio / acc_len, acc_depth=[float(x) for x in np.mean(depth[i], 0)],
                     compile_s=compile_s[i], spec_ms=1e3 * statistics.median(times[i]),
                     plain_ms=1e3 * statistics.median(times[0]), rounds=n_rounds, tail=tail,
-                    cost=per_round / per_step))
+                    cost=cost, verify=verify, draft=cost - verify, ideal=ideal,
+                    engine_eff=ratio / ideal, verify_ms=verify_ms,
+                    step_ms=1e3 * statistics.median(step_s[i])))
     log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
         f"acc len {acc_len:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
-        f"{per_round / per_step:4.2f} (compile {compile_s[i]:.1f}s)")
+        f"{cost:4.2f} = verify {verify:4.2f} + draft {cost - verify:4.2f}; ideal "
+        f"{ideal:4.2f}, engine eff {ratio / ideal:4.2f} (compile {compile_s[i]:.1f}s)")
   return rows
 
 
 def print_table(rows: list[Row]) -> None:
   head = (f"{'drafter':12s} {'tree':12s} {'batch':>5s} {'plain tok/s':>11s} "
           f"{'spec tok/s':>10s} {'ratio':>6s} {'spread':>6s} {'acc len':>7s} {'eff':>5s} "
-          f"{'rounds':>6s} {'tail':>5s} {'cost':>5s}  "
-          f"acc@d")
+          f"{'rounds':>6s} {'tail':>5s} {'cost':>5s} {'verify':>6s} {'draft':>5s} "
+          f"{'ideal':>5s} {'eng eff':>7s}  acc@d")
   print(head)
   print("-" * len(head) + "-" * 16)
   for r in rows:
@@ -202,17 +335,21 @@ def print_table(rows: list[Row]) -> None:
       continue
     print(f"{r.drafter:12s} {r.tree:12s} {r.batch:5d} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
           f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.eff:5.2f} {r.rounds:6.1f} "
-          f"{r.tail:5.2f} {r.cost:5.2f}  "
+          f"{r.tail:5.2f} {r.cost:5.2f} {r.verify:6.2f} {r.draft:5.2f} {r.ideal:5.2f} "
+          f"{r.engine_eff:7.2f}  "
           + " ".join(f"{a:.2f}" for a in r.acc_depth))
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true",
-                  help="smoke mode: batch 1 and 4, 5 variants, 32 new tokens, 2 repeats")
+                  help="smoke mode: batch 1 and 4, the variants marked quick, 32 new tokens, "
+                       "2 repeats")
   ap.add_argument("--batches", default=None, help="comma-separated batch sizes (1,4,16,64)")
   ap.add_argument("--repeats", type=int, default=None, help="timed runs per variant (5)")
   ap.add_argument("--max-new", type=int, default=None, help="max_new_tokens (96)")
+  ap.add_argument("--forward-pairs", type=int, default=3,
+                  help="(T=1 forward, verify forward) pairs timed after each run (3)")
   ap.add_argument("--cache-dir", default=str(Path(__file__).resolve().parent / ".cache"))
   ap.add_argument("--retrain", action="store_true", help="ignore cached parameters")
   ap.add_argument("--argmax-drafts", action="store_true",
@@ -258,10 +395,12 @@ def main(argv=None) -> int:
   log(f"temperature 1.0, prompts {PROMPT_LEN // 2}-{PROMPT_LEN} tokens, max_new_tokens "
       f"{max_new}, {repeats} repeats, drafts "
       f"{'argmax (matching)' if args.argmax_drafts else 'sampled (rejection)'}")
+  # Parameters owned by drafters, by `Variant.params_name`.
+  drafter_params = {"draft model": draft}
   rows: list[Row] = []
   for b in batches:
-    rows += bench_batch(target, draft, lang, b, vs, max_new=max_new, repeats=repeats,
-                        sampling=sampling, log=log)
+    rows += bench_batch(target, drafter_params, lang, b, vs, max_new=max_new, repeats=repeats,
+                        forward_pairs=args.forward_pairs, sampling=sampling, log=log)
   print()
   print_table(rows)
   by_batch = {}
@@ -271,13 +410,15 @@ def main(argv=None) -> int:
   print()
   for b, r in by_batch.items():
     print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {r.ratio:.2f}, acc len "
-          f"{r.acc_len:.2f}, eff {r.eff:.2f}")
+          f"{r.acc_len:.2f}, eff {r.eff:.2f}, ideal {r.ideal:.2f}, engine eff "
+          f"{r.engine_eff:.2f}")
   print(f"load average at the end {os.getloadavg()[0]:.1f}; total "
         f"{time.perf_counter() - t_start:.0f}s")
   if args.json:
     Path(args.json).write_text(json.dumps(
         {"rows": [dataclasses.asdict(r) for r in rows], "quality": quality,
-         "params": counts, "train": info, "max_new_tokens": max_new, "repeats": repeats},
+         "params": counts, "train": info, "max_new_tokens": max_new, "repeats": repeats,
+         "forward_pairs": args.forward_pairs},
         indent=1))
   return 0
 
