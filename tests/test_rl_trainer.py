@@ -224,3 +224,77 @@ def test_grpo_raises_the_reward_of_a_simple_preference():
     state, metrics = step(state, reader.batch_at(4 * i))
     rewards.append(float(metrics["reward_mean"]))
   assert np.mean(rewards[:3]) < 0.3 and np.mean(rewards[-3:]) > 0.8, rewards
+
+
+EAGLE_MODEL = MODEL.replace(n_layers=2, num_mtp_modules=0)
+
+
+def _eagle_config(drafter_loss_weight, learning_rate, sampling):
+  from specjax.decoding import Eagle3Drafter
+  from specjax.models import Eagle3Config
+  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                          sampling=sampling,
+                          drafter=Eagle3Drafter(Eagle3Config.for_target(EAGLE_MODEL)),
+                          tree=DraftTree.chain(2))
+  return TrainConfig(model=EAGLE_MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2),
+                     rollout=rollout, drafter_loss_weight=drafter_loss_weight,
+                     drafter_learning_rate=learning_rate, drafter_ttt_steps=2)
+
+
+def _eagle_run(steps, sampling, drafter_loss_weight, learning_rate=3e-3):
+  """GRPO with EAGLE-3 rollouts from a random head, trained online unless the weight is 0.
+
+  The random policy's output head is scaled up so that its samples are nearly a function of
+  the context (as a trained policy's are), which a head can learn to predict.
+  """
+  from specjax.decoding import Eagle3Weights
+  from specjax.models import init_eagle3
+  config = _eagle_config(drafter_loss_weight, learning_rate, sampling)
+  optimizer = optax.adam(1e-3)
+  head = Eagle3Weights(params=init_eagle3(config.eagle3.config, jax.random.key(5)),
+                       d2t=jnp.arange(TOK.vocab_size, dtype=jnp.int32))
+  initial = jax.tree.map(np.array, head)  # the step donates the state's buffers
+  policy = init_params(EAGLE_MODEL, jax.random.key(0))
+  policy["unembed"] = policy["unembed"] * 20.0
+  state = init_train_state(config, policy, optimizer, seed=1, drafter_params=head)
+  step = make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id)
+  reader, history = _reader(8), []
+  for i in range(steps):
+    state, metrics = step(state, reader.batch_at(8 * i))
+    history.append(jax.tree.map(np.asarray, metrics))
+  return state, history, step, initial
+
+
+def test_eagle3_head_trains_online_and_no_gradient_reaches_the_policy():
+  greedy = SamplingConfig(0.0)  # rollouts then do not depend on the drafter at all
+  trained, hist, step, head0 = _eagle_run(3, greedy, 1.0)
+  frozen, frozen_hist, _, _ = _eagle_run(3, greedy, 0.0)
+  assert step._cache_size() == 1
+  for a, b in zip(jax.tree.leaves(trained.params), jax.tree.leaves(frozen.params)):
+    np.testing.assert_array_equal(a, b)
+  moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(trained.drafter.weights.params),
+                                                 jax.tree.leaves(head0.params))]
+  assert all(moved)
+  for a, b in zip(jax.tree.leaves(frozen.drafter.weights.params), jax.tree.leaves(head0.params)):
+    np.testing.assert_array_equal(a, b)
+  assert hist[-1]["eagle3_ce"].shape == (2,) and np.all(np.isfinite(hist[-1]["eagle3_ce"]))
+  assert hist[-1]["eagle3_ce"][0] < hist[0]["eagle3_ce"][0]
+  assert "eagle3_ce" not in frozen_hist[-1]
+
+
+def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
+  """After GRPO with online training, the head drafts the current policy better than the
+  head it started from (the frozen copy), on the same prompts, keys and fixed length."""
+  from specjax.decoding import Eagle3Weights, generate
+  state, hist, _, initial = _eagle_run(12, SamplingConfig(1.0), 1.0, learning_rate=1e-2)
+  assert hist[-1]["eagle3_accuracy"][0] > hist[0]["eagle3_accuracy"][0] + 0.3
+  batch = _reader(16).batch_at(0)
+  rollout = _eagle_config(1.0, 1e-2, SamplingConfig(1.0)).rollout
+  accept = {}
+  for name, head in (("online", state.drafter.weights),
+                     ("frozen", jax.tree.map(jnp.asarray, initial))):
+    out = generate(state.params, EAGLE_MODEL, batch.tokens, batch.lengths, jax.random.key(2),
+                   max_new_tokens=16, sampling=rollout.sampling, drafter=rollout.drafter,
+                   tree=rollout.tree, drafter_params=head)
+    accept[name] = float(out.stats.tokens_per_round)
+  assert accept["online"] > accept["frozen"] + 0.3, accept

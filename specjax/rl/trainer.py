@@ -4,8 +4,11 @@
 `(train_state, prompt_batch) -> (train_state, metrics)`. Inside it the policy generates G
 responses per prompt with the speculative engine, the task's JAX reward scores them, group
 advantages are formed, and `num_epochs x num_minibatches` optax updates run under `lax.scan`.
-The same minibatch forward also trains the MTP / Medusa heads on the rollouts with the trunk
-detached, so the drafter follows the policy without its loss reaching the policy gradient.
+The same minibatch forward also trains the drafter on the rollouts from detached target
+activations, so it follows the policy without its loss reaching the policy gradient: the
+MTP / Medusa heads through a detached trunk, or an EAGLE-3 head (its own parameters and
+optimizer, `TrainState.drafter`) on the forward's three residual streams and distributions
+with the training-time test it was trained with offline.
 
 Modes:
 - sync: the update uses the batch generated in the same step by the current parameters.
@@ -34,11 +37,13 @@ from flax import struct
 
 from specjax.decoding import generate
 from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
-from specjax.models.transformer import forward
+from specjax.models.eagle3 import eagle3_ttt_loss, select_aux
+from specjax.models.transformer import ForwardOutput, forward
 from specjax.rl.losses import GRPOConfig, group_advantages, grpo_loss
 from specjax.supervised import draft_head_loss
 
@@ -81,8 +86,12 @@ class TrainConfig:
     model: the policy's architecture.
     grpo: GRPO hyper-parameters.
     rollout: rollout generation.
-    drafter_loss_weight: weight of the detached MTP / Medusa loss on the rollouts (0: the
-      draft heads are not trained online).
+    drafter_loss_weight: weight of the detached drafter loss on the rollouts (0: the
+      drafter is not trained online). MTP / Medusa heads share the policy's optimizer, so
+      this weighs their loss against the policy's; an EAGLE-3 head has its own optimizer and
+      this scales its loss.
+    drafter_learning_rate: Adam learning rate of an EAGLE-3 head trained online.
+    drafter_ttt_steps: training-time-test steps of the EAGLE-3 loss (its draft depth).
     async_mode: one-step off-policy (see module docstring).
   """
 
@@ -90,15 +99,34 @@ class TrainConfig:
   grpo: GRPOConfig
   rollout: RolloutConfig
   drafter_loss_weight: float = 1.0
+  drafter_learning_rate: float = 1e-3
+  drafter_ttt_steps: int = 3
   async_mode: bool = False
 
   def __post_init__(self):
-    if self.drafter_loss_weight < 0:
+    if not self.drafter_loss_weight >= 0:
       raise ConfigError(f"drafter_loss_weight={self.drafter_loss_weight!r} is invalid: must "
                         "be >= 0")
+    if not self.drafter_learning_rate > 0:
+      raise ConfigError(f"drafter_learning_rate={self.drafter_learning_rate!r} is invalid: "
+                        "must be > 0")
+    if not (isinstance(self.drafter_ttt_steps, int) and self.drafter_ttt_steps >= 1):
+      raise ConfigError(f"drafter_ttt_steps={self.drafter_ttt_steps!r} is invalid: must be "
+                        "an int >= 1")
+    if self.eagle3 is not None:
+      self.eagle3.config.check_target(self.model)
     if self.async_mode and self.grpo.tis_cap is None:
       raise ConfigError("async_mode=True needs grpo.tis_cap (the importance correction "
                         "against the one-step-old behaviour policy); set e.g. tis_cap=2.0")
+
+  @property
+  def eagle3(self) -> Eagle3Drafter | None:
+    """The rollout's EAGLE-3 drafter, whose head lives in `TrainState.drafter`."""
+    drafter = self.rollout.drafter
+    return drafter if isinstance(drafter, Eagle3Drafter) else None
+
+  def drafter_optimizer(self) -> optax.GradientTransformation:
+    return optax.adam(self.drafter_learning_rate)
 
 
 @struct.dataclass
@@ -129,6 +157,19 @@ class Rollout:
 
 
 @struct.dataclass
+class DrafterTrainState:
+  """A draft head with parameters of its own (EAGLE-3), trained online beside the policy.
+
+  Attributes:
+    weights: the head (`Eagle3Weights`: float parameters and the draft vocabulary map).
+    opt_state: optax state of `weights.params` (`TrainConfig.drafter_optimizer`).
+  """
+
+  weights: Eagle3Weights
+  opt_state: optax.OptState
+
+
+@struct.dataclass
 class TrainState:
   """Everything a run needs to continue exactly where it stopped.
 
@@ -139,6 +180,7 @@ class TrainState:
     step: scalar int32.
     key: raw PRNG key data (uint32 `[2]`), checkpointable.
     pending: async mode's rollout awaiting its update (None in sync mode).
+    drafter: the EAGLE-3 head of the rollouts and its optimizer state (None otherwise).
   """
 
   params: Params
@@ -147,15 +189,30 @@ class TrainState:
   step: jax.Array
   key: jax.Array
   pending: Rollout | None = None
+  drafter: DrafterTrainState | None = None
 
 
 def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
-                     seed: int) -> TrainState:
-  """A fresh state; the reference is a copy of `params` when the KL penalty is on."""
+                     seed: int, *, drafter_params: Eagle3Weights | None = None) -> TrainState:
+  """A fresh state; the reference is a copy of `params` when the KL penalty is on.
+
+  With an EAGLE-3 rollout drafter, `drafter_params` is its head (trained offline, e.g.
+  `specjax.drafter_training.train_eagle3`, or loaded with `load_eagle3`).
+  """
   ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
+  drafter = None
+  if config.eagle3 is not None:
+    if not isinstance(drafter_params, Eagle3Weights):
+      raise ConfigError("an Eagle3Drafter rollout needs init_train_state(..., drafter_params="
+                        "Eagle3Weights(params, d2t)): the head to draft with and train online")
+    drafter = DrafterTrainState(weights=drafter_params,
+                                opt_state=config.drafter_optimizer().init(drafter_params.params))
+  elif drafter_params is not None:
+    raise ConfigError("drafter_params is only used with an Eagle3Drafter rollout; the "
+                      f"rollout drafter is {config.rollout.drafter!r}")
   return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref,
                     step=jnp.zeros((), jnp.int32),
-                    key=jax.random.key_data(jax.random.key(seed)))
+                    key=jax.random.key_data(jax.random.key(seed)), drafter=drafter)
 
 
 def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad_id):
@@ -177,10 +234,12 @@ def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad
 
 
 def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_lengths: jax.Array,
-            key: jax.Array, pad_id: int = 0) -> tuple[Rollout, jax.Array, jax.Array]:
+            key: jax.Array, pad_id: int = 0, drafter_params: Any = None
+            ) -> tuple[Rollout, jax.Array, jax.Array]:
   """Generate G responses per prompt. Returns the (unscored) rollout, responses, lengths.
 
-  Rewards and advantages are left at zero; `score` fills them in.
+  Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
+  drafter's own parameters (an EAGLE-3 head), if it has any.
   """
   g = config.grpo.group_size
   rc = config.rollout
@@ -188,7 +247,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   prompt_lengths = jnp.repeat(prompt_lengths, g, axis=0)
   out = generate(params, config.model, prompts, prompt_lengths, key,
                  max_new_tokens=rc.max_new_tokens, sampling=rc.sampling, drafter=rc.drafter,
-                 tree=rc.tree, eos_id=rc.eos_id, pad_id=pad_id)
+                 tree=rc.tree, eos_id=rc.eos_id, pad_id=pad_id, drafter_params=drafter_params)
   tokens, response_mask, valid_mask, behaviour = _assemble(
       prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
   zeros = jnp.zeros(prompts.shape[:1], jnp.float32)
@@ -208,19 +267,25 @@ def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
 
 
 def sequence_logprobs(params: Params, model: ModelConfig, tokens: jax.Array,
-                      temperature: float):
+                      temperature: float, hidden_layers: tuple[int, ...] = ()
+                      ) -> tuple[jax.Array, ForwardOutput]:
   """Log-probabilities `[R, S]` of each token given its prefix (0 at position 0), under
-  softmax(logits / temperature); also returns the forward output."""
+  softmax(logits / temperature); also returns the forward output (with the residual streams
+  after `hidden_layers`)."""
   r, s = tokens.shape
-  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(s), (r, s)))
+  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(s), (r, s)),
+                hidden_layers=hidden_layers)
   logp = jax.nn.log_softmax(out.logits[:, :-1] / temperature, axis=-1)
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(picked, ((0, 0), (1, 0))), out
 
 
 def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
+  """GRPO loss (+ the detached MTP / Medusa loss); aux: metrics and the forward output."""
   temperature = config.rollout.sampling.logprob_temperature
-  logp, out = sequence_logprobs(params, config.model, mb["tokens"], temperature)
+  eagle = config.eagle3
+  logp, out = sequence_logprobs(params, config.model, mb["tokens"], temperature,
+                                eagle.config.hidden_layers if eagle is not None else ())
   old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(logp)
   loss, gm = grpo_loss(
       config.grpo, logp[:, 1:], old[:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
@@ -234,7 +299,30 @@ def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
                                     mb["valid_mask"], 1.0, 1.0, detach=True)
     loss = loss + config.drafter_loss_weight * head_loss
     metrics |= hm
-  return loss, metrics
+  return loss, (metrics, jax.lax.stop_gradient(out))
+
+
+def _eagle3_update(drafter: DrafterTrainState, config: TrainConfig, embed_table: jax.Array,
+                   tokens: jax.Array, mask: jax.Array, out: ForwardOutput
+                   ) -> tuple[DrafterTrainState, dict[str, jax.Array]]:
+  """One optimizer step of the EAGLE-3 head on the policy forward's (detached) features and
+  distributions at the rollout temperature: what the head drafts against."""
+  eagle = config.eagle3
+  weights = drafter.weights
+  logprobs = jax.nn.log_softmax(out.logits / config.rollout.sampling.logprob_temperature, -1)
+
+  def loss_fn(head):
+    loss, metrics = eagle3_ttt_loss(head, eagle.config, embed_table, tokens,
+                                    select_aux(eagle.config, out.intermediates), logprobs,
+                                    mask, weights.d2t, config.drafter_ttt_steps)
+    return config.drafter_loss_weight * loss, metrics
+
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.params)
+  updates, opt_state = config.drafter_optimizer().update(grads, drafter.opt_state,
+                                                         weights.params)
+  params = optax.apply_updates(weights.params, updates)
+  return (DrafterTrainState(weights=weights.replace(params=params), opt_state=opt_state),
+          {"eagle3_ce": metrics["ce"], "eagle3_accuracy": metrics["accuracy"]})
 
 
 def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTransformation,
@@ -266,16 +354,25 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   batches = jax.vmap(epoch_batches)(jax.random.split(key, gc.num_epochs))
   batches = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
 
+  train_eagle = config.eagle3 is not None and config.drafter_loss_weight > 0
+
   def one(carry, mb):
-    params, opt_state = carry
-    grads, metrics = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
+    params, opt_state, drafter = carry
+    grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     metrics["grad_norm"] = optax.global_norm(grads)
-    return (optax.apply_updates(params, updates), opt_state), metrics
+    if train_eagle:
+      drafter, drafter_metrics = _eagle3_update(
+          drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
+          mb["valid_mask"], out)
+      metrics |= drafter_metrics
+    return (optax.apply_updates(params, updates), opt_state, drafter), metrics
 
-  (params, opt_state), metrics = jax.lax.scan(one, (state.params, state.opt_state), batches)
+  (params, opt_state, drafter), metrics = jax.lax.scan(
+      one, (state.params, state.opt_state, state.drafter), batches)
   metrics = jax.tree.map(lambda x: x.mean(0), metrics)
-  return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+  return state.replace(params=params, opt_state=opt_state, drafter=drafter,
+                       step=state.step + 1), metrics
 
 
 def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
@@ -294,10 +391,16 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   }
 
 
-def _scored_rollout(params: Params, config: TrainConfig, batch, key: jax.Array,
+def _drafter_params(state: TrainState) -> Eagle3Weights | None:
+  return None if state.drafter is None else state.drafter.weights
+
+
+def _scored_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
                     reward_fn: RewardFn, pad_id: int) -> Rollout:
-  """Rollout of `batch` (tokens, lengths, answers) scored by a JAX reward."""
-  roll, responses, lengths = rollout(params, config, batch.tokens, batch.lengths, key, pad_id)
+  """Rollout of `batch` (tokens, lengths, answers) by the state's policy and drafter, scored
+  by a JAX reward."""
+  roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths, key,
+                                     pad_id, _drafter_params(state))
   answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
   return score(config, roll, reward_fn(responses, lengths, answers))
 
@@ -314,7 +417,7 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll = _scored_rollout(state.params, config, batch, k_roll, reward_fn, pad_id)
+    roll = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
     train_on = state.pending if config.async_mode else roll
     new_state, metrics = update(state, config, optimizer, train_on, k_update)
     metrics |= rollout_metrics(config, train_on)
@@ -337,7 +440,7 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 
   def prime(state: TrainState, batch) -> TrainState:
     key, k_roll = jax.random.split(jax.random.wrap_key_data(state.key))
-    roll = _scored_rollout(state.params, config, batch, k_roll, reward_fn, pad_id)
+    roll = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
     return state.replace(key=jax.random.key_data(key), pending=roll)
 
   return jax.jit(prime)
@@ -355,8 +458,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
     raise ConfigError("split mode (host-side reward) supports async_mode=False only")
 
   @jax.jit
-  def rollout_fn(params, tokens, lengths, key):
-    return rollout(params, config, tokens, lengths, key, pad_id)
+  def rollout_fn(params, tokens, lengths, key, drafter_params):
+    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params)
 
   # The state is donated: parameters and optimizer moments are replaced by the update.
   @functools.partial(jax.jit, donate_argnums=0)
@@ -367,7 +470,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
 
   def step(state: TrainState, batch):
     key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll, responses, lengths = rollout_fn(state.params, batch.tokens, batch.lengths, k_roll)
+    roll, responses, lengths = rollout_fn(state.params, batch.tokens, batch.lengths, k_roll,
+                                          _drafter_params(state))
     rewards = np.asarray(reward_fn(np.asarray(responses), np.asarray(lengths), batch),
                          np.float32)
     return update_fn(state, roll, rewards, k_update, jax.random.key_data(key))
