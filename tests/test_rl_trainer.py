@@ -298,3 +298,27 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
                    tree=rollout.tree, drafter_params=head)
     accept[name] = float(out.stats.tokens_per_round)
   assert accept["online"] > accept["frozen"] + 0.3, accept
+
+
+@pytest.mark.slow
+def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
+  import runpy
+  from specjax.models import load_eagle3
+  from specjax.rl.experiment import run
+  base = runpy.run_path(str(ROOT / "configs" / "arithmetic_eagle3.py"))["get_config"]()
+  config = dataclasses.replace(base, run_dir=str(tmp_path), steps=2, sft_steps=20,
+                               eagle3_steps=5, eval_prompts=8, speedup_repeats=1,
+                               checkpoint_every=1, prompts_per_step=4)
+  logs = []
+  summary = run(config, log=logs.append)
+  assert "probe_acceptance_after_frozen" in summary and summary["speedup"] > 0
+  eagle, head, d2t = load_eagle3(tmp_path / "eagle3", config.model)
+  assert eagle == config.eagle3_config() and d2t.shape == (eagle.draft_vocab_size,)
+  _, start, _ = load_eagle3(tmp_path / "eagle3_initial", config.model)
+  assert not np.allclose(head["fc"], start["fc"])  # trained online, the start kept apart
+  resumed_logs = []
+  run(dataclasses.replace(config, steps=3), log=resumed_logs.append)
+  assert any("resumed from" in line for line in resumed_logs), resumed_logs
+  assert not any("distilled" in line for line in resumed_logs)
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]

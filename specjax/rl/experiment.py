@@ -1,10 +1,13 @@
 """A whole GRPO run on a built-in JAX-reward task: warm start, RL, evaluation, resume.
 
 `run(config)` does, in order: restore the latest checkpoint of `config.run_dir` or else a
-supervised warm start of the policy and its MTP heads; held-out accuracy before RL; GRPO
+supervised warm start of the policy and its MTP heads (and, for EAGLE-3 rollouts, a head
+loaded from `eagle3_dir` or distilled from the warm-started policy, kept as a frozen copy);
+held-out accuracy before RL; GRPO
 steps with speculative rollouts (checkpointing the whole `TrainState` and the data position,
 logging metrics to JSONL and TensorBoard); held-out accuracy after RL; the rollout speedup of
-speculative over plain decoding measured in the same run; a PNG plot of the curves.
+speculative over plain decoding measured in the same run; for EAGLE-3, the acceptance of the
+online-trained head against its frozen starting copy on the final policy; a PNG plot.
 
 A killed run resumes from its last checkpoint and reproduces the metrics of an uninterrupted
 run exactly: every step is a pure function of the checkpointed state and the data position.
@@ -25,9 +28,12 @@ import optax
 import tqdm
 
 from specjax.checkpoint import Checkpointer
-from specjax.decoding import (DraftTree, MedusaDrafter, MTPDrafter, SamplingConfig, generate)
+from specjax.decoding import (DraftTree, Eagle3Drafter, Eagle3Weights, MedusaDrafter,
+                              MTPDrafter, SamplingConfig, generate)
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+from specjax.models.eagle3 import Eagle3Config
+from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.losses import GRPOConfig
@@ -51,6 +57,14 @@ class ExperimentConfig:
     temperature: rollout sampling temperature.
     drafter: draft source of the speculative rollouts ("none": plain decoding).
     tree_widths: draft tree, children per node at each depth.
+    eagle3_dir: with drafter "eagle3", an EAGLE-3 head in the public layout to start from
+      (`specjax train-drafter` writes one); None distils one from the warm-started policy.
+    eagle3_draft_vocab: draft vocabulary of a distilled head (None: the whole vocabulary).
+    eagle3_steps: training steps of a distilled head.
+    eagle3_distill_task: distil the head on this task's prompts instead of `task`'s (same
+      tokenizer): a head that starts on a different text distribution than the RL task, to
+      measure what online training recovers.
+    drafter_learning_rate: learning rate of the EAGLE-3 head trained online.
     steps: GRPO steps.
     prompts_per_step: prompts per step (each sampled group_size times).
     learning_rate: GRPO learning rate (constant after warmup).
@@ -80,8 +94,13 @@ class ExperimentConfig:
   grpo: GRPOConfig = GRPOConfig(group_size=8)
   max_new_tokens: int = 6
   temperature: float = 1.0
-  drafter: Literal["none", "mtp", "medusa"] = "mtp"
+  drafter: Literal["none", "mtp", "medusa", "eagle3"] = "mtp"
   tree_widths: tuple[int, ...] = (1, 1)
+  eagle3_dir: str | None = None
+  eagle3_draft_vocab: int | None = None
+  eagle3_steps: int = 300
+  eagle3_distill_task: ArithmeticTask | None = None
+  drafter_learning_rate: float = 1e-3
   steps: int = 100
   prompts_per_step: int = 16
   learning_rate: float = 1e-4
@@ -107,13 +126,30 @@ class ExperimentConfig:
                  "max_new_tokens", "speedup_repeats"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be >= 1")
+    distill = self.eagle3_distill_task
+    if distill is not None and distill.tokenizer.vocab_size != vocab:
+      raise ConfigError(f"eagle3_distill_task has a tokenizer of {distill.tokenizer.vocab_size} "
+                        f"ids: it must share the task's ({vocab})")
     if not 0 <= self.sft_eos_fraction <= 1:
       raise ConfigError(f"sft_eos_fraction={self.sft_eos_fraction!r} is invalid: must be in "
                         "[0, 1]")
 
+  def eagle3_config(self) -> Eagle3Config:
+    """The EAGLE-3 head's architecture: `eagle3_dir`'s, or one sized for `model`."""
+    if self.eagle3_dir is not None:
+      path = Path(self.eagle3_dir) / "config.json"
+      if not path.is_file():
+        raise ConfigError(f"eagle3_dir={self.eagle3_dir!r} is invalid: no config.json there "
+                          "(expected an EAGLE-3 head saved by save_eagle3 / train-drafter)")
+      return eagle3_config_from_hf(json.loads(path.read_text()), self.model)
+    return Eagle3Config.for_target(self.model, draft_vocab_size=self.eagle3_draft_vocab)
+
   def train_config(self, drafter: str | None = None) -> TrainConfig:
     drafter = self.drafter if drafter is None else drafter
-    draft = {"none": None, "mtp": MTPDrafter(), "medusa": MedusaDrafter()}[drafter]
+    if drafter == "eagle3":
+      draft = Eagle3Drafter(self.eagle3_config())
+    else:
+      draft = {"none": None, "mtp": MTPDrafter(), "medusa": MedusaDrafter()}[drafter]
     tree = None if draft is None else DraftTree.from_widths(self.tree_widths)
     rollout = RolloutConfig(max_new_tokens=self.max_new_tokens,
                             eos_id=self.task.tokenizer.eos_id,
@@ -121,6 +157,7 @@ class ExperimentConfig:
                             tree=tree)
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_loss_weight=self.drafter_loss_weight,
+                       drafter_learning_rate=self.drafter_learning_rate,
                        async_mode=self.async_mode)
 
   def optimizer(self) -> optax.GradientTransformation:
@@ -170,6 +207,40 @@ def warm_start(config: ExperimentConfig, log=print):
   return state.params
 
 
+def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
+  """The EAGLE-3 head RL starts from: `config.eagle3_dir`'s, or one distilled from the
+  policy `params` on its own temperature-`config.temperature` answers to the train prompts."""
+  from specjax.drafter_training import (draft_vocab_from_data, self_distillation_data,
+                                        train_eagle3)
+  eagle = config.eagle3_config()
+  if config.eagle3_dir is not None:
+    _, head, d2t = load_eagle3(config.eagle3_dir, config.model)
+    log(f"EAGLE-3 head from {config.eagle3_dir}")
+    return Eagle3Weights(params=head, d2t=jnp.asarray(d2t, jnp.int32))
+  tok = config.task.tokenizer
+  records = _records(config.eagle3_distill_task or config.task, "train")
+  batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
+                       shuffle=False).batch_at(0)
+  # A fixed-length continuation (no EOS) gives the head whole answers and what follows.
+  tokens, mask = self_distillation_data(
+      params, config.model, batch.tokens, batch.lengths, jax.random.key(config.seed + 3),
+      max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(config.temperature),
+      pad_id=tok.pad_id)
+  # Prompts are text the head drafts from too; they add context at no sampling cost.
+  mask = np.asarray(tokens != tok.pad_id, np.int32)
+  d2t = draft_vocab_from_data(tokens, mask, config.model.vocab_size, eagle.draft_vocab_size)
+  rng = np.random.default_rng(config.seed + 3)
+  batches = ((tokens[idx], mask[idx]) for idx in
+             (rng.integers(0, len(tokens), config.sft_batch)
+              for _ in range(config.eagle3_steps)))
+  head, history = train_eagle3(params, config.model, eagle, batches,
+                               optimizer=optax.adam(3e-3), d2t=d2t,
+                               key=jax.random.key(config.seed + 4))
+  log(f"EAGLE-3 head distilled: {config.eagle3_steps} steps, training-time-test accuracy "
+      f"{np.round(history[-1]['accuracy'], 2).tolist()}")
+  return head
+
+
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
              samples: int = 8) -> float:
   """Held-out accuracy (fraction of responses with reward 1): greedy, or the mean over
@@ -188,7 +259,7 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
 
 
 def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
-                     tokens: int = 16) -> float:
+                     tokens: int = 16, drafter_params: Eagle3Weights | None = None) -> float:
   """Mean acceptance length of the speculative rollout on held-out prompts, generating a
   fixed `tokens` per row (no EOS): it compares drafters on equal work even when the
   policy's response lengths change during training."""
@@ -200,11 +271,13 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
                        shuffle=False).batch_at(0)
   out = generate(params, config.model, batch.tokens, batch.lengths,
                  jax.random.key(config.seed + 2), max_new_tokens=tokens,
-                 sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, pad_id=tok.pad_id)
+                 sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, pad_id=tok.pad_id,
+                 drafter_params=drafter_params)
   return float(out.stats.tokens_per_round)
 
 
-def rollout_speedup(params, config: ExperimentConfig, batch) -> dict[str, float]:
+def rollout_speedup(params, config: ExperimentConfig, batch,
+                    drafter_params: Eagle3Weights | None = None) -> dict[str, float]:
   """Median rollout time, plain vs speculative, same engine, same prompts (B x G rows)."""
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
@@ -214,7 +287,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch) -> dict[str, float]
     rc = config.train_config(name).rollout
     run = lambda seed: generate(params, config.model, tokens, lengths, jax.random.key(seed),
                                 max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
-                                drafter=rc.drafter, tree=rc.tree, eos_id=rc.eos_id)
+                                drafter=rc.drafter, tree=rc.tree, eos_id=rc.eos_id,
+                                drafter_params=drafter_params if rc.drafter else None)
     jax.block_until_ready(run(0))
     samples = []
     for r in range(config.speedup_repeats):
@@ -235,10 +309,20 @@ def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> Tra
   """The state's structure and shapes, for restoring (no weights are materialised)."""
 
   def make():
-    state = init_train_state(tc, init_params(config.model, jax.random.key(0)), optimizer, 0)
-    return state
+    head = None
+    if tc.eagle3 is not None:
+      from specjax.models.eagle3 import init_eagle3
+      eagle = tc.eagle3.config
+      head = Eagle3Weights(params=init_eagle3(eagle, jax.random.key(0)),
+                           d2t=jnp.zeros((eagle.draft_vocab_size,), jnp.int32))
+    return init_train_state(tc, init_params(config.model, jax.random.key(0)), optimizer, 0,
+                            drafter_params=head)
 
   return jax.eval_shape(make)
+
+
+def _drafter_params(state: TrainState) -> Eagle3Weights | None:
+  return None if state.drafter is None else state.drafter.weights
 
 
 def _jsonable(metrics: dict) -> dict:
@@ -268,7 +352,12 @@ def run(config: ExperimentConfig, log=print) -> dict:
   if restored is None:
     log(f"policy: {count_params(init_params(config.model, jax.random.key(0))):,} parameters")
     params = warm_start(config, log)
-    state = init_train_state(tc, params, optimizer, config.seed)
+    head = None
+    if tc.eagle3 is not None:
+      head = initial_eagle3_head(params, config, log)
+      save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
+                  np.asarray(head.d2t))
+    state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
     position = 0
     if config.async_mode:
       state = prime(state, reader.batch_at(position))
@@ -277,7 +366,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
             "accuracy_before": evaluate(state.params, config, test_records),
             "sampled_accuracy_before": evaluate(state.params, config, test_records,
                                                 sampled=True),
-            "probe_acceptance_before": probe_acceptance(state.params, config, test_records)}
+            "probe_acceptance_before": probe_acceptance(state.params, config, test_records,
+                                                        drafter_params=head)}
     ckpt.save(0, state, meta)
     metrics_file.write_text("")
   else:
@@ -323,8 +413,18 @@ def run(config: ExperimentConfig, log=print) -> dict:
              "sampled_accuracy_after": evaluate(state.params, config, test_records,
                                                 sampled=True),
              "probe_acceptance_before": meta["probe_acceptance_before"],
-             "probe_acceptance_after": probe_acceptance(state.params, config, test_records)}
-  summary |= rollout_speedup(state.params, config, reader.batch_at(0))
+             "probe_acceptance_after": probe_acceptance(state.params, config, test_records,
+                                                        drafter_params=_drafter_params(state))}
+  if tc.eagle3 is not None:
+    # The head RL started from, frozen, on the final policy: what online training bought.
+    _, frozen, d2t = load_eagle3(run_dir / "eagle3_initial", config.model)
+    summary["probe_acceptance_after_frozen"] = probe_acceptance(
+        state.params, config, test_records,
+        drafter_params=Eagle3Weights(params=frozen, d2t=jnp.asarray(d2t, jnp.int32)))
+    save_eagle3(run_dir / "eagle3", state.drafter.weights.params, tc.eagle3.config,
+                np.asarray(state.drafter.weights.d2t))
+  summary |= rollout_speedup(state.params, config, reader.batch_at(0),
+                             _drafter_params(state))
   history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
   summary["acceptance_first"] = float(np.mean([h["acceptance_length"] for h in history[:5]]))
   summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
