@@ -12,7 +12,8 @@ distributions over those sequences, to predict what the target predicts, unrolle
 The target is frozen: its forward runs inside the step only to produce features (three
 residual streams) and log-probabilities, both treated as constants.
 
-Shape letters: see `specjax` (B batch, T tokens, E d_model, V vocab, W draft vocab).
+Shape letters: see `specjax` (B batch, T tokens, P prompt buffer, L = P + max new tokens,
+E d_model, V vocab, W draft vocab, J training-time-test steps).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def self_distillation_data(target_params: Params, target_config: ModelConfig,
   """The target's own responses to `prompts [B, P]`, as training sequences.
 
   Returns:
-    `(tokens [B, P + max_new_tokens], loss_mask [B, P + max_new_tokens])`: each prompt
+    `(tokens [B, L], loss_mask [B, L])` with L = P + max_new_tokens: each prompt
     followed by its response and padding; the mask marks response tokens (what the head is
     trained to draft).
   """

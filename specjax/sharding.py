@@ -15,7 +15,7 @@ back to fewer of those axes and then to replication, and a mesh axis is used at 
 per array, so any model config runs on any mesh; such a fallback costs memory, not
 correctness.
 
-Glossary: B batch, S cache slots, K kv heads, H head_dim.
+Shape letters: see `specjax` (B batch, S cache slots, K kv heads, H head_dim).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Loss = CE(next token) + mtp_weight * mean_k CE(MTP module k) + medusa_weight * m
 CE(Medusa head k). With `detach_heads`, the heads see `stop_gradient` of the trunk's hidden
 states, so their loss trains only the heads (how drafters are trained next to a policy).
 
-Glossary: B batch, T tokens, V vocab, K heads.
+Shape letters: see `specjax` (B batch, T tokens, E d_model, V vocab).
 """
 
 from __future__ import annotations
@@ -58,13 +58,14 @@ def draft_head_loss(params: Params, config: ModelConfig, hidden: jax.Array, toke
   """Weighted CE of the MTP modules and Medusa heads on a sequence.
 
   Args:
-    hidden: `[B, T, D]` the trunk's normalised hidden states over `tokens`.
+    hidden: `[B, T, E]` the trunk's normalised hidden states over `tokens`.
     tokens, loss_mask: `[B, T]`.
     detach: stop gradients into the trunk (hidden) and into the shared embedding and output
       head, so the loss moves only head-owned weights (online drafter training).
 
   Returns:
-    (mtp_weight * mean_k CE_k + medusa_weight * mean_k CE_k, {"mtp_ce", "medusa_ce"} [K]).
+    `(loss, metrics)`: loss `mtp_weight * mean_k CE_k + medusa_weight * mean_k CE_k`;
+    metrics "mtp_ce" / "medusa_ce" hold one CE per MTP module / Medusa head.
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t), (b, t))

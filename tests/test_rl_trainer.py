@@ -285,7 +285,7 @@ def test_eagle3_head_trains_online_and_no_gradient_reaches_the_policy():
 def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
   """After GRPO with online training, the head drafts the current policy better than the
   head it started from (the frozen copy), on the same prompts, keys and fixed length."""
-  from specjax.decoding import Eagle3Weights, generate
+  from specjax.decoding import generate
   state, hist, _, initial = _eagle_run(12, SamplingConfig(1.0), 1.0, learning_rate=1e-2)
   assert hist[-1]["eagle3_accuracy"][0] > hist[0]["eagle3_accuracy"][0] + 0.3
   batch = _reader(16).batch_at(0)

@@ -4,7 +4,7 @@ Losslessness needs one distribution used everywhere: the processed log-probabili
 `processed_logprobs` are what tokens are sampled from, what draft tokens are accepted
 against, and what rejection residuals are built from.
 
-Glossary: B batch, N nodes, V vocab.
+Shape letters: see `specjax` (V vocab; `...` is any leading shape, e.g. `[B]` or `[B, N + 1]`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A tree has a root (node 0: the last committed token, whose successor is being dr
 N draft nodes 1..N in topological order (every parent precedes its children). Everything
 here is a Python int or a NumPy constant, so shapes derived from a tree are static.
 
-Glossary: N draft nodes, D depth, C max children per node.
+Shape letters: see `specjax` (N draft nodes, D depth, C max children per node, M nodes at one
+depth).
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ class DraftTree:
     """The children of the nodes `parents [M]`, for filling them from per-parent candidates.
 
     Returns:
-      `(children [J], owner [J], rank [J])`: child node indices in parent order, the index
-      into `parents` of each child's parent, and the child's rank among its siblings (its
+      `(children, owner, rank)`, one entry per child: child node indices in parent order, the
+      index into `parents` of each child's parent, and the child's rank among its siblings (its
       candidate index: rank 0 takes the parent's best or first-drawn token).
     """
     position = {int(p): m for m, p in enumerate(parents)}

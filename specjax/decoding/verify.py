@@ -58,7 +58,7 @@ def _distinct_siblings(child_tokens: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _row_take(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """`x[b, idx[b]]` for x `[B, M, ...]`, idx `[B]`."""
+  """`x[b, idx[b]]` for x `[B, N + 1, ...]`, idx `[B]`."""
   return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 

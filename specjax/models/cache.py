@@ -1,7 +1,7 @@
 """Static-shape key/value cache with per-row lengths.
 
 Layout: one `[B, K, S, H]` buffer per layer for keys and one for values (a tuple, not a
-stacked `[L, ...]` array). Slots are the third axis so that attention's batched matmuls
+stacked array with a layer axis). Slots are the third axis so that attention's batched matmuls
 (batch B and K leading) read the buffers as stored: with `[B, S, K, H]` XLA transposed every
 buffer into a temporary on every step (measured: 24 whole-cache copies per step on the 180M
 benchmark config). The forward pass unrolls layers, so each layer scatters its new entries
@@ -14,7 +14,8 @@ forward over T new tokens writes them to slots `[lengths[b], lengths[b] + T)`; w
 become committed is the caller's choice (`advance` in `forward`), so tree verification can
 write every node and later keep only the accepted path.
 
-Glossary: B batch, S cache slots (max_len), K kv heads, H head_dim, L layers.
+Shape letters: see `specjax` (B batch, T new tokens, S cache slots (max_len), K kv heads,
+H head_dim).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class KVCache:
   """Per-layer key/value buffers and per-row committed lengths.
 
   Attributes:
-    keys: L arrays `[B, K, S, H]`.
-    values: L arrays `[B, K, S, H]`.
+    keys: one `[B, K, S, H]` array per layer.
+    values: one `[B, K, S, H]` array per layer.
     lengths: `[B]` int32, committed slots per row.
   """
 
@@ -75,8 +76,8 @@ class KVCache:
     """Copy slots `src[b, j]` to `dst[b, j]` in every layer (e.g. an accepted tree path).
 
     Args:
-      src: `[B, J]` source slots. All sources are read before any write.
-      dst: `[B, J]` destination slots; out-of-range destinations are dropped.
+      src: `[B, n]` source slots (any n). All sources are read before any write.
+      dst: `[B, n]` destination slots; out-of-range destinations are dropped.
     """
     rows = jnp.arange(src.shape[0])[:, None]
 

@@ -2,6 +2,9 @@
 
 `ModelConfig` is the static argument of every model function, so it must be hashable and
 immutable; everything about the architecture that changes shapes or control flow lives here.
+
+Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, R = Q / K,
+H head_dim, F MLP width).
 """
 
 from __future__ import annotations
@@ -53,11 +56,11 @@ class ModelConfig:
 
   Attributes:
     vocab_size: V, number of token ids.
-    d_model: D, width of the residual stream.
-    n_layers: L, number of transformer blocks.
-    n_heads: N, query heads.
-    n_kv_heads: K, key/value heads (grouped-query attention when K < N; N % K == 0).
-    head_dim: H, per-head width; independent of D / N (Qwen3 uses 128 with D=1024, N=16).
+    d_model: E, width of the embedding and the residual stream.
+    n_layers: number of transformer blocks.
+    n_heads: Q, query heads.
+    n_kv_heads: K, key/value heads (grouped-query attention when K < Q; Q % K == 0).
+    head_dim: H, per-head width; independent of E / Q (Qwen3 uses 128 with E=1024, Q=16).
     mlp_dim: F, hidden width of the SwiGLU MLP.
     rope_theta: RoPE base.
     rope_scaling: None, or Llama 3 style frequency scaling.
@@ -140,7 +143,7 @@ class ModelConfig:
 
   @property
   def group_size(self) -> int:
-    """Query heads per key/value head."""
+    """R, query heads per key/value head (Q / K)."""
     return self.n_heads // self.n_kv_heads
 
   def replace(self, **changes) -> ModelConfig:

@@ -1,8 +1,8 @@
 """EAGLE-3 draft model (Li et al. 2025): fused target features, one decoder layer, own vocab.
 
 The draft reads three residual streams of the target (low, middle, high), fuses them with
-one linear layer `fc [3D, D]`, and runs one decoder layer (the "midlayer") whose attention
-input is `[RMSNorm(token embedding); RMSNorm(hidden)]` (width 2D) and whose residual is the
+one linear layer `fc [3E, E]`, and runs one decoder layer (the "midlayer") whose attention
+input is `[RMSNorm(token embedding); RMSNorm(hidden)]` (width 2E) and whose residual is the
 hidden state. Its output stream is fed back as the next step's hidden state; its logits come
 from a final norm and its own head over a draft vocabulary of W <= V target ids.
 
@@ -23,9 +23,9 @@ every root at once: step j at position p (root p - j + 1) reads step j - 1's out
 and the teacher token t_{p+1}, and attends to step-0 keys at positions <= p - j and to the
 step-m key at position p - j + m for m = 1..j (the keys its inference chain would see).
 
-Glossary: B batch, T tokens, S cache slots (or keys), D d_model, N query heads, K kv heads,
-G = N / K query heads per kv head, H head_dim, F mlp_dim, V target vocab, W draft vocab,
-J training-time-test steps.
+Shape letters: see `specjax` (B batch, T tokens, S cache slots (or keys), E d_model, F MLP
+width, V target vocab, W draft vocab, Q query heads, K kv heads, R = Q / K, H head_dim,
+U = R x T query rows per kv head, J training-time-test steps).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ _NEG = -1e30
 
 
 def default_aux_layers(n_target_layers: int) -> tuple[int, int, int]:
-  """Default aux layer ids for an L-layer target.
+  """Default aux layer ids for an n-layer target.
 
-  vLLM's `(2, L // 2, L - 3)` when those are strictly increasing (L >= 7); otherwise
-  `(1, L // 2, L - 1)`, which is distinct for L = 4..6 and repeats ids for L = 2, 3 (a
+  vLLM's `(2, n // 2, n - 3)` when those are strictly increasing (n >= 7); otherwise
+  `(1, n // 2, n - 1)`, which is distinct for n = 4..6 and repeats ids for n = 2, 3 (a
   2- or 3-layer target has fewer than three distinct inner streams; vLLM captures a repeated
   id only once, so such drafts are for tests, not for serving).
   """
@@ -76,9 +76,9 @@ class Eagle3Config:
   """Architecture of an EAGLE-3 draft model (hashable: the static argument of its functions).
 
   Attributes:
-    d_model: D, width of the draft (and of the target's residual stream and embedding).
-    n_heads: N, query heads.
-    n_kv_heads: K, key/value heads (N % K == 0).
+    d_model: E, width of the draft (and of the target's residual stream and embedding).
+    n_heads: Q, query heads.
+    n_kv_heads: K, key/value heads (Q % K == 0).
     head_dim: H, per-head width (even, for RoPE).
     mlp_dim: F, hidden width of the SwiGLU MLP.
     vocab_size: V, the target's vocabulary size.
@@ -196,7 +196,7 @@ class Eagle3Config:
 
   @property
   def group_size(self) -> int:
-    """Query heads per key/value head."""
+    """R, query heads per key/value head (Q / K)."""
     return self.n_heads // self.n_kv_heads
 
   def as_model_config(self) -> ModelConfig:
@@ -241,28 +241,28 @@ def eagle3_param_axes(config: Eagle3Config) -> Params:
 
 def init_eagle3(config: Eagle3Config, key: jax.Array) -> Params:
   """Random parameters: matrices normal with std 0.02, norms one."""
-  d, n, k, h, f, w = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+  e, q, k, h, f, w = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                       config.mlp_dim, config.draft_vocab_size)
   dt = config.weight_dtype
   keys = jax.random.split(key, 9)
   normal = lambda kk, shape: (_INIT_STD * jax.random.normal(kk, shape)).astype(dt)
-  ones = lambda: jnp.ones((d,), dt)
+  ones = lambda: jnp.ones((e,), dt)
   return {
-      "fc": normal(keys[0], (3 * d, d)),
+      "fc": normal(keys[0], (3 * e, e)),
       "layer": {
           "hidden_norm": ones(),
           "input_norm": ones(),
-          "wq": normal(keys[1], (2 * d, n, h)),
-          "wk": normal(keys[2], (2 * d, k, h)),
-          "wv": normal(keys[3], (2 * d, k, h)),
-          "wo": normal(keys[4], (n, h, d)),
+          "wq": normal(keys[1], (2 * e, q, h)),
+          "wk": normal(keys[2], (2 * e, k, h)),
+          "wv": normal(keys[3], (2 * e, k, h)),
+          "wo": normal(keys[4], (q, h, e)),
           "mlp_norm": ones(),
-          "w_gate": normal(keys[5], (d, f)),
-          "w_up": normal(keys[6], (d, f)),
-          "w_down": normal(keys[7], (f, d)),
+          "w_gate": normal(keys[5], (e, f)),
+          "w_up": normal(keys[6], (e, f)),
+          "w_down": normal(keys[7], (f, e)),
       },
       "norm": ones(),
-      "lm_head": normal(keys[8], (d, w)),
+      "lm_head": normal(keys[8], (e, w)),
   }
 
 
@@ -355,45 +355,47 @@ def select_aux(config: Eagle3Config, intermediates: Sequence[jax.Array]) -> tupl
 
 
 def fuse(params: Params, config: Eagle3Config, aux: Sequence[jax.Array]) -> jax.Array:
-  """Target features `fc([low; mid; high])`: three `[B, T, D]` -> `[B, T, D]`."""
+  """Target features `fc([low; mid; high])`: three `[B, T, E]` -> `[B, T, E]`."""
   if len(aux) != 3:
     raise ValueError(f"aux has {len(aux)} arrays: expected 3 (low, mid, high)")
   dt = config.compute_dtype
   x = jnp.concatenate([a.astype(dt) for a in aux], axis=-1)
-  return jnp.einsum("BTE,ED->BTD", x, params["fc"].astype(dt))
+  return jnp.einsum("BTX,XE->BTE", x, params["fc"].astype(dt))  # X = 3E
 
 
 def _qkv(layer: Params, config: Eagle3Config, token_embeds: jax.Array, hidden: jax.Array,
          positions: jax.Array, inv_freq: jax.Array
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """q `[B, T, N, H]`, k and v `[B, T, K, H]` from `[RMSNorm(emb); RMSNorm(hidden)]`, roped."""
+  """q `[B, T, Q, H]`, k and v `[B, T, K, H]` from `[RMSNorm(emb); RMSNorm(hidden)]`, roped."""
   dt = config.compute_dtype
   w = lambda name: layer[name].astype(dt)
   e = rms_norm(token_embeds.astype(dt), layer["input_norm"], config.rms_norm_eps)
   h = rms_norm(hidden.astype(dt), layer["hidden_norm"], config.rms_norm_eps)
-  x = jnp.concatenate([e, h], axis=-1)  # [B, T, 2D]: embedding first, as EAGLE-3 stores it
-  q = jnp.einsum("BTE,ENH->BTNH", x, w("wq"))
-  k = jnp.einsum("BTE,EKH->BTKH", x, w("wk"))
-  v = jnp.einsum("BTE,EKH->BTKH", x, w("wv"))
+  x = jnp.concatenate([e, h], axis=-1)  # [B, T, 2E]: embedding first, as EAGLE-3 stores it
+  # X = 2E, the concatenated input.
+  q = jnp.einsum("BTX,XQH->BTQH", x, w("wq"))
+  k = jnp.einsum("BTX,XKH->BTKH", x, w("wk"))
+  v = jnp.einsum("BTX,XKH->BTKH", x, w("wv"))
   return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _attend(config: Eagle3Config, q: jax.Array, keys: jax.Array, values: jax.Array,
             mask: jax.Array) -> jax.Array:
-  """Grouped-query attention: q `[B, T, N, H]` over keys/values `[B, K, S, H]` where
-  `mask [B, T, S]` -> `[B, T, N*H]`."""
+  """Grouped-query attention: q `[B, T, Q, H]` over keys/values `[B, K, S, H]` where
+  `mask [B, T, S]` -> `[B, T, Q*H]`."""
   dt = config.compute_dtype
   b, t = q.shape[:2]
-  k_heads, g, hd = config.n_kv_heads, config.group_size, config.head_dim
-  # Same operand order as `transformer.block`: batch B, K leading, the keys read as stored.
-  q = q.reshape(b, t, k_heads, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, k_heads, g * t, hd)
-  scores = jnp.einsum("BKQH,BKSH->BKQS", q, keys.astype(dt),
+  k_heads, r, hd = config.n_kv_heads, config.group_size, config.head_dim
+  # Same operand order as `transformer.block`: batch B, K leading, the keys read as stored;
+  # q becomes [B, K, U, H], the R x T query rows of each kv head.
+  q = q.reshape(b, t, k_heads, r, hd).transpose(0, 2, 3, 1, 4).reshape(b, k_heads, r * t, hd)
+  scores = jnp.einsum("BKUH,BKSH->BKUS", q, keys.astype(dt),
                       preferred_element_type=jnp.float32)
-  scores = scores.reshape(b, k_heads, g, t, -1) / math.sqrt(hd)
+  scores = scores.reshape(b, k_heads, r, t, -1) / math.sqrt(hd)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k_heads, g * t, -1)
-  attn = jnp.einsum("BKQS,BKSH->BKQH", probs, values.astype(dt))
-  attn = attn.reshape(b, k_heads, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k_heads, r * t, -1)
+  attn = jnp.einsum("BKUS,BKSH->BKUH", probs, values.astype(dt))
+  attn = attn.reshape(b, k_heads, r, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, K, R, H]
   return attn.reshape(b, t, config.n_heads * hd)
 
 
@@ -403,11 +405,11 @@ def _finish(layer: Params, config: Eagle3Config, residual: jax.Array,
   dt = config.compute_dtype
   w = lambda name: layer[name].astype(dt)
   wo = w("wo").reshape(config.n_heads * config.head_dim, config.d_model)
-  x = residual.astype(dt) + jnp.einsum("BTE,ED->BTD", attn, wo)
+  x = residual.astype(dt) + jnp.einsum("BTX,XE->BTE", attn, wo)  # X = Q*H
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = jnp.einsum("BTD,DF->BTF", h, w("w_gate"))
-  up = jnp.einsum("BTD,DF->BTF", h, w("w_up"))
-  return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w("w_down"))
+  gate = jnp.einsum("BTE,EF->BTF", h, w("w_gate"))
+  up = jnp.einsum("BTE,EF->BTF", h, w("w_up"))
+  return x + jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, w("w_down"))
 
 
 def eagle3_layer(params: Params, config: Eagle3Config, token_embeds: jax.Array,
@@ -420,8 +422,8 @@ def eagle3_layer(params: Params, config: Eagle3Config, token_embeds: jax.Array,
   Args:
     params: draft parameters (`init_eagle3` / `load_eagle3`).
     config: the draft configuration (static).
-    token_embeds: `[B, T, D]` target embeddings of the tokens one step ahead (t_{p+1}).
-    hidden: `[B, T, D]` fused target features, or the draft's own previous output stream.
+    token_embeds: `[B, T, E]` target embeddings of the tokens one step ahead (t_{p+1}).
+    hidden: `[B, T, E]` fused target features, or the draft's own previous output stream.
     positions: `[B, T]` absolute positions p (RoPE).
     mask: `[B, T, S]` bool, which cache slots each query sees (the caller decides, so draft
       tree levels in scratch slots see exactly their ancestors); `[B, T, T]` without a cache.
@@ -431,7 +433,7 @@ def eagle3_layer(params: Params, config: Eagle3Config, token_embeds: jax.Array,
       out-of-range slots are dropped.
 
   Returns:
-    The output residual stream `[B, T, D]` (pre-norm: the next step's `hidden`; see
+    The output residual stream `[B, T, E]` (pre-norm: the next step's `hidden`; see
     `eagle3_draft_logits`) and the updated `(keys, values)`, or None without `kv`.
   """
   layer = params["layer"]
@@ -451,10 +453,10 @@ def eagle3_layer(params: Params, config: Eagle3Config, token_embeds: jax.Array,
 
 
 def eagle3_draft_logits(params: Params, config: Eagle3Config, hidden: jax.Array) -> jax.Array:
-  """Draft logits float32 `[..., W]` of output streams `[..., D]` (final norm, then head)."""
+  """Draft logits float32 `[..., W]` of output streams `[..., E]` (final norm, then head)."""
   dt = config.compute_dtype
   h = rms_norm(hidden.astype(dt), params["norm"], config.rms_norm_eps)
-  return jnp.einsum("...D,DW->...W", h, params["lm_head"].astype(dt),
+  return jnp.einsum("...E,EW->...W", h, params["lm_head"].astype(dt),
                     preferred_element_type=jnp.float32)
 
 
@@ -485,9 +487,9 @@ def eagle3_ttt_logits(params: Params, config: Eagle3Config, embed_table: jax.Arr
   Args:
     params: draft parameters (trainable: fc, midlayer, norm, head).
     config: the draft configuration (static).
-    embed_table: `[V, D]` the target's input embedding (frozen: gradients are stopped).
+    embed_table: `[V, E]` the target's input embedding (frozen: gradients are stopped).
     tokens: `[B, T]` right-padded sequences starting at position 0.
-    aux: three `[B, T, D]` target streams (low, mid, high) of `tokens` (constants).
+    aux: three `[B, T, E]` target streams (low, mid, high) of `tokens` (constants).
     steps: J >= 1 (static).
 
   Returns:

@@ -5,25 +5,25 @@ A directory holds `config.json` (architecture "LlamaForCausalLMEagle3", one hidd
 vLLM reads) and `model.safetensors` with the tensor names of the EAGLE-3 reference trainer.
 HF `Linear` weights are `[out, in]`; specjax stores `[in, ...]` with head axes split out:
 
-  fc.weight                              [D, 3D]      <->  fc       [3D, D]
-  midlayer.self_attn.q_proj.weight       [N*H, 2D]    <->  wq       [2D, N, H]
-  midlayer.self_attn.k/v_proj.weight     [K*H, 2D]    <->  wk / wv  [2D, K, H]
-  midlayer.self_attn.o_proj.weight       [D, N*H]     <->  wo       [N, H, D]
-  midlayer.mlp.gate/up_proj.weight       [F, D]       <->  w_gate / w_up [D, F]
-  midlayer.mlp.down_proj.weight          [D, F]       <->  w_down   [F, D]
-  midlayer.hidden_norm.weight            [D]          <->  hidden_norm
-  midlayer.input_layernorm.weight        [D]          <->  input_norm (of the token embedding)
-  midlayer.post_attention_layernorm.weight [D]        <->  mlp_norm
-  norm.weight                            [D]          <->  norm
-  lm_head.weight                         [W, D]       <->  lm_head  [D, W]
+  fc.weight                              [E, 3E]      <->  fc       [3E, E]
+  midlayer.self_attn.q_proj.weight       [Q*H, 2E]    <->  wq       [2E, Q, H]
+  midlayer.self_attn.k/v_proj.weight     [K*H, 2E]    <->  wk / wv  [2E, K, H]
+  midlayer.self_attn.o_proj.weight       [E, Q*H]     <->  wo       [Q, H, E]
+  midlayer.mlp.gate/up_proj.weight       [F, E]       <->  w_gate / w_up [E, F]
+  midlayer.mlp.down_proj.weight          [E, F]       <->  w_down   [F, E]
+  midlayer.hidden_norm.weight            [E]          <->  hidden_norm
+  midlayer.input_layernorm.weight        [E]          <->  input_norm (of the token embedding)
+  midlayer.post_attention_layernorm.weight [E]        <->  mlp_norm
+  norm.weight                            [E]          <->  norm
+  lm_head.weight                         [W, E]       <->  lm_head  [E, W]
   d2t                                    int64 [W]    offsets: target id = draft id + d2t[id]
   t2d                                    bool [V]     whether each target id is in the draft
 
 The attention input is `[input_layernorm(embedding); hidden_norm(hidden)]`, embedding first.
 An `embed_tokens.weight` in the file is accepted and ignored: the target's embedding is used.
 
-Glossary: V target vocab, W draft vocab, D d_model, N query heads, K kv heads, H head_dim,
-F mlp_dim.
+Shape letters: see `specjax` (V target vocab, W draft vocab, E d_model, Q query heads,
+K kv heads, H head_dim, F MLP width).
 """
 
 from __future__ import annotations
@@ -67,23 +67,23 @@ _CONVERT_HINT = (
 def _layout(config: Eagle3Config) -> list[tuple[str, tuple[str, ...], tuple[int, ...],
                                                 tuple[int, ...], bool]]:
   """(file name, params key, specjax shape, stored shape, transposed) of every weight."""
-  d, n, k, h, f, w = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+  e, q, k, h, f, w = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                       config.mlp_dim, config.draft_vocab_size)
   m = "midlayer."
   return [
-      ("fc.weight", ("fc",), (3 * d, d), (d, 3 * d), True),
-      (m + "hidden_norm.weight", ("layer", "hidden_norm"), (d,), (d,), False),
-      (m + "input_layernorm.weight", ("layer", "input_norm"), (d,), (d,), False),
-      (m + "self_attn.q_proj.weight", ("layer", "wq"), (2 * d, n, h), (n * h, 2 * d), True),
-      (m + "self_attn.k_proj.weight", ("layer", "wk"), (2 * d, k, h), (k * h, 2 * d), True),
-      (m + "self_attn.v_proj.weight", ("layer", "wv"), (2 * d, k, h), (k * h, 2 * d), True),
-      (m + "self_attn.o_proj.weight", ("layer", "wo"), (n, h, d), (d, n * h), True),
-      (m + "post_attention_layernorm.weight", ("layer", "mlp_norm"), (d,), (d,), False),
-      (m + "mlp.gate_proj.weight", ("layer", "w_gate"), (d, f), (f, d), True),
-      (m + "mlp.up_proj.weight", ("layer", "w_up"), (d, f), (f, d), True),
-      (m + "mlp.down_proj.weight", ("layer", "w_down"), (f, d), (d, f), True),
-      ("norm.weight", ("norm",), (d,), (d,), False),
-      ("lm_head.weight", ("lm_head",), (d, w), (w, d), True),
+      ("fc.weight", ("fc",), (3 * e, e), (e, 3 * e), True),
+      (m + "hidden_norm.weight", ("layer", "hidden_norm"), (e,), (e,), False),
+      (m + "input_layernorm.weight", ("layer", "input_norm"), (e,), (e,), False),
+      (m + "self_attn.q_proj.weight", ("layer", "wq"), (2 * e, q, h), (q * h, 2 * e), True),
+      (m + "self_attn.k_proj.weight", ("layer", "wk"), (2 * e, k, h), (k * h, 2 * e), True),
+      (m + "self_attn.v_proj.weight", ("layer", "wv"), (2 * e, k, h), (k * h, 2 * e), True),
+      (m + "self_attn.o_proj.weight", ("layer", "wo"), (q, h, e), (e, q * h), True),
+      (m + "post_attention_layernorm.weight", ("layer", "mlp_norm"), (e,), (e,), False),
+      (m + "mlp.gate_proj.weight", ("layer", "w_gate"), (e, f), (f, e), True),
+      (m + "mlp.up_proj.weight", ("layer", "w_up"), (e, f), (f, e), True),
+      (m + "mlp.down_proj.weight", ("layer", "w_down"), (f, e), (e, f), True),
+      ("norm.weight", ("norm",), (e,), (e,), False),
+      ("lm_head.weight", ("lm_head",), (e, w), (w, e), True),
   ]
 
 

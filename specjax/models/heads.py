@@ -8,7 +8,7 @@ with its own KV cache, and predicts token i + k + 2 through the *shared* output 
 Medusa head k on the trunk's final hidden `h_i` predicts token i + k + 2 with a stack of
 residual SiLU blocks followed by the shared output head. No cache.
 
-Glossary: B batch, T tokens, D d_model, V vocab, K number of MTP modules / Medusa heads.
+Shape letters: see `specjax` (B batch, T tokens, E d_model, V vocab).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class HeadOutput:
 
   Attributes:
     logits: `[B, T, V]` float32.
-    hidden: `[B, T, D]` the module's output residual stream (input state of module k+1).
+    hidden: `[B, T, E]` the module's output residual stream (input state of module k+1).
     cache: the module's cache with the new entries written and committed, or None.
   """
 
@@ -51,7 +51,7 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
   Args:
     params: full parameters (trunk embedding / output head are shared).
     module: 0-based module index (static).
-    prev_hidden: `[B, T, D]` previous state at each position.
+    prev_hidden: `[B, T, E]` previous state at each position.
     ahead_tokens: `[B, T]` token `module + 1` steps ahead of each position.
     positions: `[B, T]` positions i (RoPE of the module's block).
     cache: optional one-layer `KVCache` of this module.
@@ -68,7 +68,8 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
   dt = config.compute_dtype
   h = rms_norm(prev_hidden.astype(dt), m["h_norm"], config.rms_norm_eps)
   e = rms_norm(embed(params, config, ahead_tokens), m["e_norm"], config.rms_norm_eps)
-  x = jnp.einsum("BTE,ED->BTD", jnp.concatenate([h, e], axis=-1), m["proj"].astype(dt))
+  # X = 2E: [h; emb] concatenated.
+  x = jnp.einsum("BTX,XE->BTE", jnp.concatenate([h, e], axis=-1), m["proj"].astype(dt))
   x, _, cache = run_blocks([m["block"]], config, x, positions, cache, new_mask)
   logits = mtp_head_logits(params, config, module, x) if compute_logits else None
   if cache is not None:
@@ -78,7 +79,7 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
 
 def mtp_head_logits(params: Params, config: ModelConfig, module: int,
                     stream: jax.Array) -> jax.Array:
-  """Logits `[..., V]` of MTP module `module` from its output stream `[..., D]`."""
+  """Logits `[..., V]` of MTP module `module` from its output stream `[..., E]`."""
   m = params["mtp"][module]
   return unembed(params, config, rms_norm(stream, m["out_norm"], config.rms_norm_eps))
 
@@ -88,13 +89,13 @@ def mtp_logits_all(params: Params, config: ModelConfig, hidden: jax.Array,
   """Teacher-forced logits of every MTP module over a whole sequence (training).
 
   Args:
-    hidden: `[B, T, D]` the trunk's normalised hidden states for `tokens`.
+    hidden: `[B, T, E]` the trunk's normalised hidden states for `tokens`.
     tokens: `[B, T]` the sequence.
     positions: `[B, T]`.
 
   Returns:
-    K arrays `[B, T, V]`; entry k at position i predicts `tokens[i + k + 2]`. Positions with
-    no such target are computed on padding and must be masked by the loss.
+    One `[B, T, V]` array per MTP module; entry k at position i predicts `tokens[i + k + 2]`.
+    Positions with no such target are computed on padding and must be masked by the loss.
   """
   outs, prev = [], hidden
   for k in range(config.num_mtp_modules):
@@ -106,7 +107,7 @@ def mtp_logits_all(params: Params, config: ModelConfig, hidden: jax.Array,
 
 
 def medusa_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
-  """All Medusa heads on normalised hidden `[..., D]` -> `[K, ..., V]`.
+  """All Medusa heads on normalised hidden `[..., E]` -> `[num_medusa_heads, ..., V]`.
 
   Head k predicts the token k + 2 steps after the position of `hidden`.
   """
@@ -115,7 +116,8 @@ def medusa_logits(params: Params, config: ModelConfig, hidden: jax.Array) -> jax
   for head in params["medusa"]:
     x = hidden.astype(dt)
     for layer in head:
-      x = x + jax.nn.silu(jnp.einsum("...D,DE->...E", x, layer["w"].astype(dt))
+      # w is [E, E]; X is its output axis (= E).
+      x = x + jax.nn.silu(jnp.einsum("...E,EX->...X", x, layer["w"].astype(dt))
                           + layer["b"].astype(dt))
     outs.append(unembed(params, config, x))
   return jnp.stack(outs)

@@ -7,10 +7,10 @@ model. A load -> save -> load round trip is bitwise exact.
 Layout. HF stores a `Linear` weight as `[out, in]`; specjax stores `[in, ...]` with the head
 axes split out, so each weight is transposed and reshaped:
 
-  q_proj.weight  [N*H, D]  <->  wq [D, N, H]        o_proj.weight  [D, N*H]  <->  wo [N, H, D]
-  k/v_proj.weight [K*H, D] <->  wk/wv [D, K, H]     gate/up_proj.weight [F, D] <-> [D, F]
-  down_proj.weight [D, F]  <->  w_down [F, D]       lm_head.weight [V, D]    <->  unembed [D, V]
-  q_proj.bias [N*H] <-> bq [N, H]                   k/v_proj.bias [K*H] <-> bk/bv [K, H]
+  q_proj.weight  [Q*H, E]  <->  wq [E, Q, H]        o_proj.weight  [E, Q*H]  <->  wo [Q, H, E]
+  k/v_proj.weight [K*H, E] <->  wk/wv [E, K, H]     gate/up_proj.weight [F, E] <-> [E, F]
+  down_proj.weight [E, F]  <->  w_down [F, E]       lm_head.weight [V, E]    <->  unembed [E, V]
+  q_proj.bias [Q*H] <-> bq [Q, H]                   k/v_proj.bias [K*H] <-> bk/bv [K, H]
 
 Draft heads (MTP modules, Medusa heads) have no HF equivalent. They go to a separate
 `specjax_heads.safetensors` in specjax's own layout, with their counts under a "specjax" key
@@ -19,7 +19,8 @@ of `config.json`; transformers ignores both, so the directory still loads there 
 Both the transformers v5 (`rope_parameters`, `dtype`) and v4 (`rope_theta` + `rope_scaling`,
 `torch_dtype`) spellings are read, and both are written.
 
-Glossary: V vocab, D d_model, N query heads, K kv heads, H head_dim, F mlp_dim.
+Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, H head_dim,
+F MLP width).
 """
 
 from __future__ import annotations
@@ -87,23 +88,23 @@ class _Tensor:
 
 def _block_tensors(config: ModelConfig, prefix: str, key: tuple) -> list[_Tensor]:
   """HF tensors of one transformer block whose names start with `prefix`."""
-  d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+  e, q, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                    config.mlp_dim)
   t = lambda name, leaf, shape, stored, tr=False: _Tensor(prefix + name, key + (leaf,), shape,
                                                           stored, tr)
   out = [
-      t("input_layernorm.weight", "attn_norm", (d,), (d,)),
-      t("self_attn.q_proj.weight", "wq", (d, n, h), (n * h, d), True),
-      t("self_attn.k_proj.weight", "wk", (d, k, h), (k * h, d), True),
-      t("self_attn.v_proj.weight", "wv", (d, k, h), (k * h, d), True),
-      t("self_attn.o_proj.weight", "wo", (n, h, d), (d, n * h), True),
-      t("post_attention_layernorm.weight", "mlp_norm", (d,), (d,)),
-      t("mlp.gate_proj.weight", "w_gate", (d, f), (f, d), True),
-      t("mlp.up_proj.weight", "w_up", (d, f), (f, d), True),
-      t("mlp.down_proj.weight", "w_down", (f, d), (d, f), True),
+      t("input_layernorm.weight", "attn_norm", (e,), (e,)),
+      t("self_attn.q_proj.weight", "wq", (e, q, h), (q * h, e), True),
+      t("self_attn.k_proj.weight", "wk", (e, k, h), (k * h, e), True),
+      t("self_attn.v_proj.weight", "wv", (e, k, h), (k * h, e), True),
+      t("self_attn.o_proj.weight", "wo", (q, h, e), (e, q * h), True),
+      t("post_attention_layernorm.weight", "mlp_norm", (e,), (e,)),
+      t("mlp.gate_proj.weight", "w_gate", (e, f), (f, e), True),
+      t("mlp.up_proj.weight", "w_up", (e, f), (f, e), True),
+      t("mlp.down_proj.weight", "w_down", (f, e), (e, f), True),
   ]
   if config.qkv_bias:
-    out += [t("self_attn.q_proj.bias", "bq", (n, h), (n * h,)),
+    out += [t("self_attn.q_proj.bias", "bq", (q, h), (q * h,)),
             t("self_attn.k_proj.bias", "bk", (k, h), (k * h,)),
             t("self_attn.v_proj.bias", "bv", (k, h), (k * h,))]
   if config.qk_norm:
@@ -114,33 +115,33 @@ def _block_tensors(config: ModelConfig, prefix: str, key: tuple) -> list[_Tensor
 
 def _trunk_tensors(config: ModelConfig) -> list[_Tensor]:
   """Every tensor of `model.safetensors`, in the order transformers writes them."""
-  d, v = config.d_model, config.vocab_size
-  out = [_Tensor("model.embed_tokens.weight", ("embed",), (v, d), (v, d))]
+  e, v = config.d_model, config.vocab_size
+  out = [_Tensor("model.embed_tokens.weight", ("embed",), (v, e), (v, e))]
   for i in range(config.n_layers):
     out += _block_tensors(config, f"model.layers.{i}.", ("layers", i))
-  out.append(_Tensor("model.norm.weight", ("final_norm",), (d,), (d,)))
+  out.append(_Tensor("model.norm.weight", ("final_norm",), (e,), (e,)))
   if not config.tie_embeddings:
-    out.append(_Tensor("lm_head.weight", ("unembed",), (d, v), (v, d), True))
+    out.append(_Tensor("lm_head.weight", ("unembed",), (e, v), (v, e), True))
   return out
 
 
 def _head_tensors(config: ModelConfig) -> list[_Tensor]:
   """Every tensor of `specjax_heads.safetensors`, stored in specjax's layout (no transposes)."""
-  d = config.d_model
+  e = config.d_model
   plain = lambda name, key, shape: _Tensor(name, key, shape, shape)
   out = []
   for m in range(config.num_mtp_modules):
     key = ("mtp", m)
-    out += [plain(f"mtp.{m}.h_norm", key + ("h_norm",), (d,)),
-            plain(f"mtp.{m}.e_norm", key + ("e_norm",), (d,)),
-            plain(f"mtp.{m}.proj", key + ("proj",), (2 * d, d))]
+    out += [plain(f"mtp.{m}.h_norm", key + ("h_norm",), (e,)),
+            plain(f"mtp.{m}.e_norm", key + ("e_norm",), (e,)),
+            plain(f"mtp.{m}.proj", key + ("proj",), (2 * e, e))]
     out += [plain(f"mtp.{m}.block.{b.key[-1]}", key + ("block", b.key[-1]), b.shape)
             for b in _block_tensors(config, "", ())]
-    out.append(plain(f"mtp.{m}.out_norm", key + ("out_norm",), (d,)))
+    out.append(plain(f"mtp.{m}.out_norm", key + ("out_norm",), (e,)))
   for k in range(config.num_medusa_heads):
     for j in range(config.medusa_layers):
-      out += [plain(f"medusa.{k}.{j}.w", ("medusa", k, j, "w"), (d, d)),
-              plain(f"medusa.{k}.{j}.b", ("medusa", k, j, "b"), (d,))]
+      out += [plain(f"medusa.{k}.{j}.w", ("medusa", k, j, "w"), (e, e)),
+              plain(f"medusa.{k}.{j}.b", ("medusa", k, j, "b"), (e,))]
   return out
 
 

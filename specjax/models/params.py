@@ -4,7 +4,8 @@ Parameters are nested dicts of arrays. Layers are a list of per-layer dicts rath
 stacked array: the forward pass unrolls the layers in Python, so each layer's weights and KV
 buffers are separate XLA buffers and nothing is sliced out of (or copied into) a stack.
 
-Glossary: V vocab, D d_model, L layers, N query heads, K kv heads, H head_dim, F mlp_dim.
+Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, H head_dim,
+F MLP width).
 
 Logical axes (see `param_axes`) are `PartitionSpec`s of *logical* names — "vocab", "embed",
 "heads", "kv_heads", "head_dim", "mlp" — mapped to mesh axes by `specjax.sharding`.
@@ -69,24 +70,24 @@ def param_axes(config: ModelConfig) -> Params:
 
 
 def _init_block(config: ModelConfig, key: jax.Array) -> Params:
-  d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+  e, q, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                    config.mlp_dim)
   dt = config.weight_dtype
   keys = jax.random.split(key, 7)
   normal = lambda kk, shape: (_INIT_STD * jax.random.normal(kk, shape)).astype(dt)
   block = {
-      "attn_norm": jnp.ones((d,), dt),
-      "wq": normal(keys[0], (d, n, h)),
-      "wk": normal(keys[1], (d, k, h)),
-      "wv": normal(keys[2], (d, k, h)),
-      "wo": normal(keys[3], (n, h, d)),
-      "mlp_norm": jnp.ones((d,), dt),
-      "w_gate": normal(keys[4], (d, f)),
-      "w_up": normal(keys[5], (d, f)),
-      "w_down": normal(keys[6], (f, d)),
+      "attn_norm": jnp.ones((e,), dt),
+      "wq": normal(keys[0], (e, q, h)),
+      "wk": normal(keys[1], (e, k, h)),
+      "wv": normal(keys[2], (e, k, h)),
+      "wo": normal(keys[3], (q, h, e)),
+      "mlp_norm": jnp.ones((e,), dt),
+      "w_gate": normal(keys[4], (e, f)),
+      "w_up": normal(keys[5], (e, f)),
+      "w_down": normal(keys[6], (f, e)),
   }
   if config.qkv_bias:
-    block |= {"bq": jnp.zeros((n, h), dt), "bk": jnp.zeros((k, h), dt),
+    block |= {"bq": jnp.zeros((q, h), dt), "bk": jnp.zeros((k, h), dt),
               "bv": jnp.zeros((k, h), dt)}
   if config.qk_norm:
     block |= {"q_norm": jnp.ones((h,), dt), "k_norm": jnp.ones((h,), dt)}
@@ -99,32 +100,32 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
   Medusa blocks start at zero so each head initially predicts what the base head predicts,
   which is the standard Medusa initialisation and keeps early drafts sensible.
   """
-  d, v = config.d_model, config.vocab_size
+  e, v = config.d_model, config.vocab_size
   dt = config.weight_dtype
   k_embed, k_unembed, k_layers, k_mtp = jax.random.split(key, 4)
   params: Params = {
-      "embed": (_INIT_STD * jax.random.normal(k_embed, (v, d))).astype(dt),
+      "embed": (_INIT_STD * jax.random.normal(k_embed, (v, e))).astype(dt),
       "layers": [_init_block(config, kk)
                  for kk in jax.random.split(k_layers, config.n_layers)],
-      "final_norm": jnp.ones((d,), dt),
+      "final_norm": jnp.ones((e,), dt),
   }
   if not config.tie_embeddings:
-    params["unembed"] = (_INIT_STD * jax.random.normal(k_unembed, (d, v))).astype(dt)
+    params["unembed"] = (_INIT_STD * jax.random.normal(k_unembed, (e, v))).astype(dt)
   if config.num_mtp_modules:
     mtp = []
     for kk in jax.random.split(k_mtp, config.num_mtp_modules):
       k_proj, k_block = jax.random.split(kk)
       mtp.append({
-          "h_norm": jnp.ones((d,), dt),
-          "e_norm": jnp.ones((d,), dt),
-          "proj": (_INIT_STD * jax.random.normal(k_proj, (2 * d, d))).astype(dt),
+          "h_norm": jnp.ones((e,), dt),
+          "e_norm": jnp.ones((e,), dt),
+          "proj": (_INIT_STD * jax.random.normal(k_proj, (2 * e, e))).astype(dt),
           "block": _init_block(config, k_block),
-          "out_norm": jnp.ones((d,), dt),
+          "out_norm": jnp.ones((e,), dt),
       })
     params["mtp"] = mtp
   if config.num_medusa_heads:
     params["medusa"] = [
-        [{"w": jnp.zeros((d, d), dt), "b": jnp.zeros((d,), dt)}
+        [{"w": jnp.zeros((e, e), dt), "b": jnp.zeros((e,), dt)}
          for _ in range(config.medusa_layers)]
         for _ in range(config.num_medusa_heads)
     ]

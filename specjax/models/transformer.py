@@ -5,8 +5,8 @@ a cache it writes their keys/values in place after the committed slots; an optio
 `new_mask` restricts which new tokens see each other, which is how a whole draft tree is
 verified in one pass (each node sees only its ancestors).
 
-Glossary: B batch, T new tokens, S cache slots, D d_model, N query heads, K kv heads,
-G = N / K query heads per kv head, H head_dim, F mlp_dim, V vocab.
+Shape letters: see `specjax` (B batch, T new tokens, S cache slots, E d_model, F MLP width,
+V vocab, Q query heads, K kv heads, R = Q / K, H head_dim, U = R x T query rows per kv head).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class ForwardOutput:
 
   Attributes:
     logits: `[B, T, V]` float32, or None when `compute_logits=False`.
-    hidden: `[B, T, D]` final hidden state after the final norm (input of the output head).
-    intermediates: residual stream after each layer listed in `hidden_layers`, `[B, T, D]`.
+    hidden: `[B, T, E]` final hidden state after the final norm (input of the output head).
+    intermediates: residual stream after each layer listed in `hidden_layers`, `[B, T, E]`.
     cache: the cache with the new keys/values written, or None.
   """
 
@@ -98,7 +98,7 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
 
   Args:
     layer: the block's parameters.
-    x: `[B, T, D]` residual stream.
+    x: `[B, T, E]` residual stream.
     positions: `[B, T]` absolute positions (for RoPE).
     mask: `[B, T, S]` visibility (S = T without a cache).
     kv: this layer's `(keys, values)` buffers `[B, K, S, H]`, or None.
@@ -106,16 +106,16 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
     inv_freq: `[H/2]` RoPE inverse frequencies.
 
   Returns:
-    The new residual stream `[B, T, D]` and the updated `(keys, values)` (or None).
+    The new residual stream `[B, T, E]` and the updated `(keys, values)` (or None).
   """
   dt = config.compute_dtype
   w = lambda name: layer[name].astype(dt)
   b, t, _ = x.shape
 
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-  q = jnp.einsum("BTD,DNH->BTNH", h, w("wq"))
-  k = jnp.einsum("BTD,DKH->BTKH", h, w("wk"))
-  v = jnp.einsum("BTD,DKH->BTKH", h, w("wv"))
+  q = jnp.einsum("BTE,EQH->BTQH", h, w("wq"))
+  k = jnp.einsum("BTE,EKH->BTKH", h, w("wk"))
+  v = jnp.einsum("BTE,EKH->BTKH", h, w("wv"))
   if config.qkv_bias:
     q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
   if config.qk_norm:
@@ -132,46 +132,47 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
 
   # Batched matmuls in their natural operand order (batch B, K leading; the cache read in
   # its stored [B, K, S, H] layout): only the small q and attention output are transposed.
+  # q [B, T, Q, H] -> [B, K, U, H]: the R x T query rows of each kv head, flattened.
   q = q.reshape(b, t, config.n_kv_heads, config.group_size, config.head_dim)
   q = q.transpose(0, 2, 3, 1, 4).reshape(b, config.n_kv_heads, config.group_size * t,
                                          config.head_dim)
   if kv is None:
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-  scores = jnp.einsum("BKQH,BKSH->BKQS", q, keys.astype(dt),
+  scores = jnp.einsum("BKUH,BKSH->BKUS", q, keys.astype(dt),
                       preferred_element_type=jnp.float32)
   scores = scores.reshape(b, config.n_kv_heads, config.group_size, t, -1)
   scores = scores / math.sqrt(config.head_dim)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
   probs = probs.reshape(b, config.n_kv_heads, config.group_size * t, -1)
-  attn = jnp.einsum("BKQS,BKSH->BKQH", probs, values.astype(dt))
+  attn = jnp.einsum("BKUS,BKSH->BKUH", probs, values.astype(dt))
   attn = attn.reshape(b, config.n_kv_heads, config.group_size, t, config.head_dim)
-  attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, K, G, H]
-  # Contract over the flattened (N*H) axis: with two contracting dims XLA:CPU transposes
-  # the whole wo weight every step to match the attention output's layout.
+  attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, K, R, H]
+  # Contract over the flattened Q*H axis (X below): with two contracting dims XLA:CPU
+  # transposes the whole wo weight every step to match the attention output's layout.
   attn = attn.reshape(b, t, config.n_heads * config.head_dim)
   wo = w("wo").reshape(config.n_heads * config.head_dim, config.d_model)
-  x = x + jnp.einsum("BTE,ED->BTD", attn, wo)
+  x = x + jnp.einsum("BTX,XE->BTE", attn, wo)
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = jnp.einsum("BTD,DF->BTF", h, w("w_gate"))
-  up = jnp.einsum("BTD,DF->BTF", h, w("w_up"))
-  x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w("w_down"))
+  gate = jnp.einsum("BTE,EF->BTF", h, w("w_gate"))
+  up = jnp.einsum("BTE,EF->BTF", h, w("w_up"))
+  x = x + jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, w("w_down"))
   return x, new_kv
 
 
 def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-  """Token embeddings `[B, T, D]` in the compute dtype."""
+  """Token embeddings `[B, T, E]` in the compute dtype."""
   return jnp.take(params["embed"], tokens, axis=0).astype(config.compute_dtype)
 
 
 def unembed(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
-  """Output head: normalised hidden `[..., D]` -> float32 logits `[..., V]`."""
+  """Output head: normalised hidden `[..., E]` -> float32 logits `[..., V]`."""
   dt = config.compute_dtype
   if config.tie_embeddings:
-    return jnp.einsum("...D,VD->...V", hidden, params["embed"].astype(dt),
+    return jnp.einsum("...E,VE->...V", hidden, params["embed"].astype(dt),
                       preferred_element_type=jnp.float32)
-  return jnp.einsum("...D,DV->...V", hidden, params["unembed"].astype(dt),
+  return jnp.einsum("...E,EV->...V", hidden, params["unembed"].astype(dt),
                     preferred_element_type=jnp.float32)
 
 
@@ -185,7 +186,7 @@ def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, position
                cache: KVCache | None, new_mask: jax.Array | None,
                hidden_layers: tuple[int, ...] = ()
                ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache | None]:
-  """Apply `layers` to the residual stream `x [B, T, D]`, writing into `cache` if given.
+  """Apply `layers` to the residual stream `x [B, T, E]`, writing into `cache` if given.
 
   The cache must hold exactly `len(layers)` layers. Returns the final residual stream, the
   streams after the layers named in `hidden_layers`, and the cache with new entries written

@@ -16,7 +16,8 @@ changed task, file or tokenizer writes a new dataset instead of reusing a stale 
 an integer data position (examples consumed so far), so the position is all a checkpoint
 needs to resume the exact stream.
 
-Glossary: B batch (global: all processes), P padded prompt length.
+Shape letters: see `specjax` (B / G prompts of one step, global over all processes: each
+becomes G rollout rows; P prompt buffer width). P_i is the length of prompt i.
 """
 
 from __future__ import annotations
@@ -158,10 +159,10 @@ class PromptBatch:
   """Prompts of one step, host-side NumPy (a pytree, so it goes straight into `jit`).
 
   Attributes:
-    tokens: `[B, P]` int32 prompt ids, right-padded with `pad_id`.
-    lengths: `[B]` int32 prompt lengths.
-    answers: `[B]` numeric answers (int32 for integer answers, else float32).
-    index: `[B]` int32 record positions in the split (for `PromptReader.references`).
+    tokens: `[B / G, P]` int32 prompt ids, right-padded with `pad_id`.
+    lengths: `[B / G]` int32 prompt lengths.
+    answers: `[B / G]` numeric answers (int32 for integer answers, else float32).
+    index: `[B / G]` int32 record positions in the split (for `PromptReader.references`).
   """
 
   tokens: np.ndarray
@@ -186,13 +187,14 @@ class PromptReader:
   position p holds positions `p .. p + batch_size - 1`, so batches cross epoch boundaries
   without a short batch; the next batch is at `p + batch_size`. Checkpoint the position.
 
-  With several processes each reads its slice of the global batch: rows
-  `process_index * B / process_count ..` of it.
+  With several processes each reads its slice of the global batch: prompts
+  `process_index * batch_size / process_count ..` of it.
 
   Attributes:
     source: random-access records (`prepare_prompts(...)[split]` or any sequence of dicts with
       "prompt", "reference", "answer").
-    batch_size: B, the global batch (prompts per step, before repeating each G times).
+    batch_size: B / G, the global number of prompts per step (each repeated G times for the
+      rollouts; G = 1 when the batch is not rolled out in groups).
     pad_id: filler of `tokens` past each prompt.
     prompt_len: P; None means the longest prompt in the source.
     shuffle: reshuffle every epoch.
@@ -245,8 +247,8 @@ class PromptReader:
     return list(getitems(indices)) if getitems else [self.source[i] for i in indices]
 
   def record_indices(self, position: int) -> np.ndarray:
-    """`[B / process_count]` record indices of this process's rows of the batch at
-    `position`."""
+    """`[batch_size / process_count]` record indices of this process's prompts of the batch
+    at `position`."""
     if not (isinstance(position, (int, np.integer)) and position >= 0):
       raise ValueError(f"position={position!r} is invalid: must be an int >= 0")
     per_process = self.batch_size // self.process_count

@@ -53,7 +53,7 @@ class ExperimentConfig:
     task: the arithmetic task (prompts, held-out split, JAX reward).
     model: the policy's architecture (vocab_size must equal the task tokenizer's).
     grpo: GRPO hyper-parameters.
-    max_new_tokens: response budget N.
+    max_new_tokens: response budget T.
     temperature: rollout sampling temperature.
     drafter: draft source of the speculative rollouts ("none": plain decoding).
     tree_widths: draft tree, children per node at each depth.
@@ -278,7 +278,8 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
 
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None) -> dict[str, float]:
-  """Median rollout time, plain vs speculative, same engine, same prompts (B x G rows)."""
+  """Median rollout time, plain vs speculative, same engine, same prompts (B = prompts x G
+  rows)."""
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)

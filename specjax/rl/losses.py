@@ -1,10 +1,10 @@
 """GRPO: group-relative advantages and the token-level clipped policy loss, in pure JAX.
 
-Rows are laid out prompt-major: the G samples of prompt b are rows `b * G .. b * G + G - 1`.
+Rows are laid out prompt-major: the G samples of prompt i are rows `i * G .. i * G + G - 1`.
 
 The loss per response token t of row b is
 
-    L[b, t] = -w[b, t] * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * kl[b, t]
+    loss[b, t] = -w[b, t] * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * kl[b, t]
 
 with `r = exp(logp - old_logp)` the ratio to the policy at the start of the update, `A` the
 row's advantage, `w = min(exp(old_logp - rollout_logp), tis_cap)` the truncated importance
@@ -12,7 +12,7 @@ weight between the trainer and the rollout engine (1 when no rollout log-probs a
 and `kl` a k1 or k3 estimate of KL(pi_theta || pi_ref) on the sampled token. The token losses
 are then aggregated over the batch (see `aggregate_tokens`).
 
-Glossary: B rows (prompts x G), G group size, T response tokens, V vocab.
+Shape letters: see `specjax` (B rows, B / G prompts, G group size, T response tokens, V vocab).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class GRPOConfig:
       None for the other aggregations.
     normalize_std: divide advantages by the group std (False: Dr. GRPO, centring only).
     adv_eps: added to the group std before dividing.
-    tis_cap: cap C of the truncated importance weight between trainer and rollout log-probs;
+    tis_cap: cap of the truncated importance weight between trainer and rollout log-probs;
       None disables the correction.
     num_epochs: passes (mu) over each rollout batch.
     num_minibatches: minibatches each rollout batch is split into per pass.

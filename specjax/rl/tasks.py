@@ -2,14 +2,14 @@
 
 A task gives examples per split ("train", "test") and a reward. Two kinds of reward exist:
 
-- In JAX (`reward_in_jax = True`): `reward(tokens [B, N], lengths [B], answers [B]) -> [B]`
+- In JAX (`reward_in_jax = True`): `reward(tokens [B, T], lengths [B], answers [B]) -> [B]`
   traces inside the compiled train step (the built-in `ArithmeticTask`).
 - In Python (`reward_in_jax = False`): `reward(completions, references) -> [B]` on the host,
   so the step runs split: rollout in one compiled program, the reward between, the update in
   a second (`GSM8KTask`, `CustomTask`). `decode_completions` turns a `GenerationResult`'s
   tokens into the completions it takes.
 
-Glossary: B batch, N generated tokens.
+Shape letters: see `specjax` (B rows, T generated tokens).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def decode_completions(tokenizer: Tokenizer, tokens, lengths) -> list[str]:
 
   Args:
     tokenizer: the policy's tokenizer.
-    tokens: `[B, N]` generated ids.
+    tokens: `[B, T]` generated ids.
     lengths: `[B]` generated tokens per row.
   """
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
@@ -249,7 +249,7 @@ class ArithmeticTask:
     """Rewards of generated answers, computed on device (jit-able, static shapes).
 
     Args:
-      tokens: `[B, N]` generated ids (the `CharTokenizer` of this task).
+      tokens: `[B, T]` generated ids (the `CharTokenizer` of this task).
       lengths: `[B]` generated tokens per row (EOS included when generated).
       answers: `[B]` integer answers.
 
@@ -268,7 +268,7 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
   zero unless it is "0", no "-0"), at most nine digits, and equal to the answer.
 
   Args:
-    tokens: `[B, N]` generated ids.
+    tokens: `[B, T]` generated ids.
     lengths: `[B]` generated tokens per row.
     answers: `[B]` integer answers (|answer| < 10**9).
     format_reward: reward of a well-formed but wrong response.
@@ -281,8 +281,8 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
   tokens = jnp.asarray(tokens, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
   answers = jnp.asarray(answers, jnp.int32)
-  n = tokens.shape[1]
-  pos = jnp.arange(n)[None, :]                                        # [1, N]
+  t = tokens.shape[1]
+  pos = jnp.arange(t)[None, :]                                        # [1, T]
 
   is_eos = (tokens == tok.eos_id) & (pos < lengths[:, None])
   has_eos = is_eos.any(axis=1)

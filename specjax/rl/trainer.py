@@ -18,9 +18,9 @@ Modes:
 - split: for Python rewards, `make_rollout_fn` and `make_update_fn` are two programs with the
   reward computed on the host in between.
 
-Rows are prompt-major: the G samples of prompt b are rows b * G .. b * G + G - 1.
-Glossary: B prompts, G group size, R = B * G rows, P prompt buffer, N max new tokens,
-S = P + N sequence length, V vocab.
+Rows are prompt-major: the G samples of prompt i are rows i * G .. i * G + G - 1.
+Shape letters: see `specjax` (B rows, B / G prompts, G group size, P prompt buffer,
+T max new tokens, L = P + T sequence buffer, D tree depth, V vocab).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class RolloutConfig:
   """How rollouts are generated.
 
   Attributes:
-    max_new_tokens: N, response tokens per row at most.
+    max_new_tokens: T, response tokens per row at most.
     sampling: the policy's sampling distribution (temperature 1 for on-policy RL).
     drafter: a drafter, or None for plain autoregressive rollouts.
     tree: the draft tree (None with no drafter).
@@ -134,13 +134,13 @@ class Rollout:
   """A scored batch of responses, laid out as full sequences.
 
   Attributes:
-    tokens: `[R, S]` prompt then response then padding.
-    response_mask: `[R, S]` 1 on response tokens (EOS included).
-    valid_mask: `[R, S]` 1 on prompt and response tokens.
-    behaviour_logprobs: `[R, S]` engine log-probabilities of the response tokens (0 elsewhere).
-    rewards: `[R]`.
-    advantages: `[R]`.
-    lengths: `[R]` response lengths.
+    tokens: `[B, L]` prompt then response then padding.
+    response_mask: `[B, L]` 1 on response tokens (EOS included).
+    valid_mask: `[B, L]` 1 on prompt and response tokens.
+    behaviour_logprobs: `[B, L]` engine log-probabilities of the response tokens (0 elsewhere).
+    rewards: `[B]`.
+    advantages: `[B]`.
+    lengths: `[B]` response lengths.
     tokens_per_round: scalar mean acceptance length of the rollout.
     accepted_per_depth: `[D]` acceptance rate per draft depth.
   """
@@ -216,16 +216,16 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
 
 
 def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad_id):
-  """Right-padded prompts `[R, P]` + responses `[R, N]` -> sequences `[R, P + N]` and masks."""
-  r, p = prompts.shape
-  s = p + response.shape[1]
-  j = jnp.arange(s)[None, :]
+  """Right-padded prompts `[B, P]` + responses `[B, T]` -> sequences `[B, L]` and masks."""
+  b, p = prompts.shape
+  l = p + response.shape[1]
+  j = jnp.arange(l)[None, :]
   rel = j - prompt_lengths[:, None]
   in_prompt = j < prompt_lengths[:, None]
   in_response = (rel >= 0) & (rel < response_lengths[:, None])
   rel_idx = jnp.clip(rel, 0, response.shape[1] - 1)
-  prompt_tok = jnp.take_along_axis(jnp.pad(prompts, ((0, 0), (0, s - p))),
-                                   jnp.broadcast_to(j, (r, s)), axis=1)
+  prompt_tok = jnp.take_along_axis(jnp.pad(prompts, ((0, 0), (0, l - p))),
+                                   jnp.broadcast_to(j, (b, l)), axis=1)
   tokens = jnp.where(in_prompt, prompt_tok,
                      jnp.where(in_response, jnp.take_along_axis(response, rel_idx, 1), pad_id))
   behaviour = jnp.where(in_response, jnp.take_along_axis(logprobs, rel_idx, 1), 0.0)
@@ -236,7 +236,8 @@ def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad
 def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_lengths: jax.Array,
             key: jax.Array, pad_id: int = 0, drafter_params: Any = None
             ) -> tuple[Rollout, jax.Array, jax.Array]:
-  """Generate G responses per prompt. Returns the (unscored) rollout, responses, lengths.
+  """Generate G responses per prompt (`prompts [B / G, P]`). Returns the (unscored) rollout,
+  the responses `[B, T]` and their lengths `[B]`.
 
   Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
   drafter's own parameters (an EAGLE-3 head), if it has any.
@@ -259,7 +260,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
 
 
 def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
-  """Attach rewards `[R]` and their group advantages."""
+  """Attach rewards `[B]` and their group advantages."""
   rewards = jnp.asarray(rewards, jnp.float32)
   adv = group_advantages(rewards, config.grpo.group_size,
                          normalize_std=config.grpo.normalize_std, eps=config.grpo.adv_eps)
@@ -269,11 +270,11 @@ def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
 def sequence_logprobs(params: Params, model: ModelConfig, tokens: jax.Array,
                       temperature: float, hidden_layers: tuple[int, ...] = ()
                       ) -> tuple[jax.Array, ForwardOutput]:
-  """Log-probabilities `[R, S]` of each token given its prefix (0 at position 0), under
-  softmax(logits / temperature); also returns the forward output (with the residual streams
-  after `hidden_layers`)."""
-  r, s = tokens.shape
-  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(s), (r, s)),
+  """Log-probabilities `[B, L]` of each token `tokens [B, L]` given its prefix (0 at position
+  0), under softmax(logits / temperature); also returns the forward output (with the residual
+  streams after `hidden_layers`)."""
+  b, l = tokens.shape
+  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
                 hidden_layers=hidden_layers)
   logp = jax.nn.log_softmax(out.logits[:, :-1] / temperature, axis=-1)
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -411,7 +412,7 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
   """The fused step `(state, batch) -> (state, metrics)`; batch has tokens, lengths, answers.
 
-  `reward_fn(responses [R, N], lengths [R], answers [R]) -> [R]` must be JAX. In async mode the
+  `reward_fn(responses [B, T], lengths [B], answers [B]) -> [B]` must be JAX. In async mode the
   state must hold a pending rollout first (`make_prime_fn`).
   """
 
@@ -450,8 +451,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
                     optimizer: optax.GradientTransformation, *, pad_id: int = 0):
   """Split mode for host-side (Python) rewards: two compiled programs, the reward between.
 
-  Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [R, N] numpy,
-  lengths [R] numpy, batch) -> [R]` runs on the host (e.g. decode the responses and call a
+  Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [B, T] numpy,
+  lengths [B] numpy, batch) -> [B]` runs on the host (e.g. decode the responses and call a
   `PythonReward` with `reader.references(np.repeat(batch.index, G))`). Sync mode only.
   """
   if config.async_mode:

@@ -18,8 +18,8 @@ Position convention: the sequence so far is `seq[b, :seq_len[b]]`; its last toke
 `last_hidden` is the target's final hidden state at position r - 1, the one whose logits
 produced the root. Drafts are tokens for positions r + 1, r + 2, ...
 
-Shape letters: see `specjax` (B batch, P prompt buffer, L sequence buffer, N draft nodes,
-D tree depth, M nodes at one depth, E d_model, V vocab).
+Shape letters: see `specjax` (B batch, T positions, P prompt buffer, L sequence buffer,
+N draft nodes, D tree depth, M nodes at one depth, E d_model, V vocab).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ The head scores a reduced draft vocabulary of W target ids; its distribution is 
 the full vocabulary with zero mass elsewhere, so verification (matching or rejection) stays
 exact for any W.
 
-Shape letters: see `specjax` (B batch, P prompt buffer, N draft nodes, D depth, M nodes at
-one depth, S cache slots, E d_model, V vocab, W draft vocab).
+Shape letters: see `specjax` (B batch, T new positions, P prompt buffer, N draft nodes, D depth,
+M nodes at one depth, S cache slots, E d_model, V vocab, W draft vocab).
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ class Eagle3Drafter(Drafter):
              cache: KVCache, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
              slots: jax.Array, new_mask: jax.Array) -> tuple[jax.Array, KVCache]:
     """One layer pass over T entries written to `slots`; they see the committed slots and the
-    slots `lengths + j` where `new_mask [B, T, J]` allows. Returns the output and the cache
-    (lengths unchanged)."""
+    slots `lengths + j` where `new_mask [B, T, n]` allows (n new slots). Returns the output
+    and the cache (lengths unchanged)."""
     mask = attention_mask(cache.lengths, new_mask.shape[-1], cache.max_len, new_mask)
     out, (keys, values) = eagle3_layer(
         weights.params, self.config, embed(params, config, tokens), hidden, positions,

@@ -4,6 +4,8 @@ Head k predicts the token k + 2 steps after the hidden state's position, so with
 at position r - 1 (the one that produced the root at r) head k drafts position r + 1 + k:
 depth k + 1 of the tree. Heads are independent of the parent token, so every node at one
 depth draws from the same distribution. No cache, no state.
+
+Shape letters: see `specjax` (B batch, V vocab).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class MedusaDrafter(Drafter):
 
   def propose(self, params, config: ModelConfig, state: NoState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, NoState]:
-    heads = medusa_logits(params, config, ctx.last_hidden)  # [heads, B, V]
+    heads = medusa_logits(params, config, ctx.last_hidden)  # [num_medusa_heads, B, V]
 
     def score(d, parents, tokens, carry):
       # Every node at depth d has its children drafted by head d, whatever its token.

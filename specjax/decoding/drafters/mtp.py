@@ -19,7 +19,8 @@ valid prefix. The mask lets a chain see the committed cache, the window's valid 
 own earlier entries; one forward per module per round instead of two halves the weight reads
 of the drafter, which is what a memory-bound decode step pays for.
 
-Shape letters: see `specjax`; r is the root position, W the window width D + 1.
+Shape letters: see `specjax` (B batch, D depth, M nodes at one depth, E d_model, V vocab);
+r is the root position, d the depth being drafted, and a window has D + 1 entries.
 """
 
 from __future__ import annotations
@@ -58,21 +59,23 @@ class MTPState:
 
 
 def _chain_mask(num_chains: int, length: int) -> np.ndarray:
-  """Block-diagonal causal mask `[C * T, C * T]` of `num_chains` chains of `length`."""
+  """Block-diagonal causal mask `[num_chains * length, num_chains * length]`: `num_chains`
+  causal chains of `length` entries each."""
   return np.kron(np.eye(num_chains, dtype=bool), np.tril(np.ones((length, length), bool)))
 
 
 def _window_and_chains_mask(count: jax.Array, width: int, chain_len: int,
                             d: int) -> jax.Array:
-  """`[B, W + C, W + C]` visibility: the window is causal; each chain of length d sees the
-  window's first `count` entries (the committed ones) and its own earlier entries."""
+  """`[B, width + chain_len, width + chain_len]` visibility: the window (`width` = D + 1
+  entries) is causal; each chain of length d sees the window's first `count` entries (the
+  committed ones) and its own earlier entries."""
   t = width + chain_len
   mask = np.zeros((t, t), bool)
   mask[:width, :width] = np.tril(np.ones((width, width), bool))
   if chain_len:
     mask[width:, width:] = _chain_mask(chain_len // d, d)
   mask = jnp.broadcast_to(jnp.asarray(mask), (count.shape[0], t, t))
-  committed = jnp.arange(width)[None, None, :] < count[:, None, None]  # [B, 1, W]
+  committed = jnp.arange(width)[None, None, :] < count[:, None, None]  # [B, 1, D + 1]
   chain_rows = (jnp.arange(t) >= width)[None, :, None]
   sees_window = jnp.zeros((count.shape[0], t, t), bool).at[:, :, :width].set(
       chain_rows & committed)

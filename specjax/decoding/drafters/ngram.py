@@ -3,6 +3,8 @@
 Finds the most recent earlier occurrence of the sequence's last n tokens (trying n =
 `max_ngram` down to `min_ngram`, longest match wins) and proposes the tokens that followed
 it. Deterministic drafts, so verification is by matching. Works on a chain.
+
+Shape letters: see `specjax` (B batch, L sequence buffer); k is the number of draft tokens.
 """
 
 from __future__ import annotations
