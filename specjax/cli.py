@@ -1,6 +1,8 @@
 """The `specjax` command.
 
   specjax train --config configs/arithmetic_tiny.py [--steps 300 --grpo.group-size 8 ...]
+  specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --ttt-steps 4 ...]
+  specjax train-drafter --target-dir HF_DIR --gsm8k-file train.jsonl --run-dir runs/head
   specjax generate --demo                      # train the built-in tiny model, then decode
   specjax generate --checkpoint DIR --prompt "Hello" --drafter mtp --widths 2 1
 """
@@ -161,13 +163,39 @@ def train_command(argv: list[str]) -> dict:
   return summary
 
 
+def train_drafter_command(argv: list[str]) -> dict:
+  """`specjax train-drafter [--config FILE] [--field value ...]`: offline EAGLE-3 training
+  (`specjax.drafter_experiment`); without --config the fields start at their defaults."""
+  from specjax.drafter_experiment import DrafterTrainConfig, run_drafter_training
+  parser = argparse.ArgumentParser(prog="specjax train-drafter", add_help=False)
+  parser.add_argument("--config", help="a config file, e.g. configs/eagle3_arithmetic.py")
+  known, rest = parser.parse_known_args(argv)
+  default = DrafterTrainConfig()
+  prog = "specjax train-drafter"
+  if known.config is not None:
+    default = load_experiment(known.config)
+    prog += f" --config {known.config}"
+    if not isinstance(default, DrafterTrainConfig):
+      raise SystemExit(f"{known.config}: get_config() returns a {type(default).__name__}; "
+                       "train-drafter needs a DrafterTrainConfig (see "
+                       "configs/eagle3_arithmetic.py)")
+  config = tyro.cli(DrafterTrainConfig, default=default, args=rest, prog=prog)
+  summary = run_drafter_training(config)
+  print(json.dumps(summary, indent=2))
+  return summary
+
+
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
   if argv and argv[0] == "train":
     train_command(argv[1:])
     return
-  tyro.extras.subcommand_cli_from_dict({"generate": generate_command}, args=argv,
-                                       description="specjax train --config FILE | generate")
+  if argv and argv[0] == "train-drafter":
+    train_drafter_command(argv[1:])
+    return
+  tyro.extras.subcommand_cli_from_dict(
+      {"generate": generate_command}, args=argv,
+      description="specjax train --config FILE | train-drafter [--config FILE] | generate")
 
 
 if __name__ == "__main__":

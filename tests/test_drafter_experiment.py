@@ -1,0 +1,202 @@
+"""`run_drafter_training` end to end on tiny targets: the exported head loads and drafts
+losslessly, a rerun resumes from the latest checkpoint and reproduces the steps it redoes,
+the HF-checkpoint + GSM8K path runs, and bad configs fail early, naming the field."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers
+
+from specjax.cli import main
+from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
+from specjax.drafter_experiment import (DrafterTrainConfig, load_target, task_prompts,
+                                        run_drafter_training)
+from specjax.errors import ConfigError
+from specjax.models import ModelConfig, init_params, load_eagle3, save_hf
+from specjax.rl import ArithmeticTask
+
+TASK = ArithmeticTask(max_digits=1, num_operands=2, operators="+-", num_train=300, num_test=40,
+                      test_fraction=0.3)
+CONFIGS = Path(__file__).parents[1] / "configs"
+MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=2,
+                    n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=32)
+
+
+def _tiny(run_dir, **changes) -> DrafterTrainConfig:
+  """Seconds, not minutes: a 2-layer d=32 policy after 30 warm-start steps (answers that run
+  on, so responses are long enough to draft), 6 head steps of 2 TTT steps, chains of 2 in the
+  evaluation. Compilation is most of the time: greedy data of 32 prompts and the greedy plain
+  evaluation on 32 prompts of the same length are one program."""
+  fields = dict(run_dir=str(run_dir), task=TASK, model=MODEL, sft_steps=30, sft_batch=16,
+                sft_eos_fraction=0.0, num_prompts=32, max_new_tokens=8, generation_batch=32,
+                temperature=0.0, draft_vocab_size=14, ttt_steps=2, steps=6, batch_size=8,
+                learning_rate=3e-3, warmup_steps=1, checkpoint_every=3, max_checkpoints=3,
+                eval_prompts=32, eval_temperature=1.0, eval_depth=2, speedup_repeats=1)
+  return DrafterTrainConfig(**(fields | changes))
+
+
+def _metrics(run_dir) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  run_dir = tmp_path_factory.mktemp("eagle3") / "run"
+  config = _tiny(run_dir)
+  logs = []
+  summary = run_drafter_training(config, log=logs.append)
+  return {"config": config, "summary": summary, "logs": logs, "dir": run_dir,
+          "metrics": _metrics(run_dir)}
+
+
+def test_tiny_run_exports_a_head_that_loads_and_drafts_losslessly(tiny_run):
+  config, summary, run_dir = tiny_run["config"], tiny_run["summary"], tiny_run["dir"]
+  assert summary["steps"] == summary["steps_this_run"] == 6
+  assert summary["greedy_equals_plain"] is True
+  assert summary["acceptance_greedy"] >= 1.0 and summary["acceptance_sampled"] >= 1.0
+  assert json.loads((run_dir / "summary.json").read_text()) == summary
+  metrics = tiny_run["metrics"]
+  assert [m["step"] for m in metrics] == list(range(1, 7))
+  assert all(len(m["ce"]) == len(m["accuracy"]) == config.ttt_steps for m in metrics)
+  assert all(np.isfinite(m["loss"]) for m in metrics)
+
+  target = load_target(config)  # the warm-started policy, restored from run_dir/target
+  head_config, params, d2t = load_eagle3(run_dir / "eagle3", target.config)
+  assert head_config.draft_vocab_size == 14
+  with np.load(run_dir / "data.npz") as data:
+    np.testing.assert_array_equal(d2t, data["d2t"])
+  tokens, lengths = task_prompts(config, target.tokenizer, "test", config.eval_prompts)
+  run = lambda **kw: generate(target.params, target.config, tokens, lengths, jax.random.key(0),
+                              max_new_tokens=8, sampling=SamplingConfig(0.0),
+                              eos_id=target.tokenizer.eos_id, pad_id=target.tokenizer.pad_id,
+                              **kw)
+  plain = run()
+  spec = run(drafter=Eagle3Drafter(head_config), tree=DraftTree.chain(config.eval_depth),
+             drafter_params=Eagle3Weights(params, d2t))
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  np.testing.assert_array_equal(spec.lengths, plain.lengths)
+  assert float(spec.stats.tokens_per_round) > 1.0  # drafts are accepted, not just verified
+
+
+def test_rerun_after_a_kill_resumes_from_the_latest_checkpoint_and_redoes_only_later_steps(
+    tiny_run, tmp_path):
+  run_dir = tmp_path / "run"
+  shutil.copytree(tiny_run["dir"], run_dir)
+  # A kill after step 6 was logged but before its checkpoint: only step 3 is saved.
+  shutil.rmtree(run_dir / "checkpoints" / "6")
+  logs = []
+  summary = run_drafter_training(_tiny(run_dir), log=logs.append)
+  assert any("at step 3" in line for line in logs), logs
+  assert any("warm-started policy saved in" in line for line in logs)  # target and data
+  assert any("data: reusing" in line for line in logs)                 # are reused
+  assert summary["steps"] == 6 and summary["steps_this_run"] == 3
+  metrics, original = _metrics(run_dir), tiny_run["metrics"]
+  assert [m["step"] for m in metrics] == list(range(1, 7))
+  assert metrics[:3] == original[:3]  # steps before the checkpoint are not redone
+  for redone, first in zip(metrics[3:], original[3:]):  # later ones are redone identically
+    np.testing.assert_allclose(redone["loss"], first["loss"], rtol=1e-6)
+    np.testing.assert_allclose(redone["ce"], first["ce"], rtol=1e-6)
+
+  with pytest.raises(ConfigError, match=r"num_prompts changed .*32 -> 16"):
+    run_drafter_training(_tiny(run_dir, num_prompts=16), log=logs.append)
+
+
+def _hf_target(directory):
+  """A random HF checkpoint of `MODEL`'s architecture with a 17-word tokenizer (the ids of
+  PAD, BOS and EOS as in the arithmetic tokenizer), and GSM8K-format data whose prompts have
+  the arithmetic prompts' length: the run compiles the programs of the tiny run once."""
+  words = [str(d) for d in range(10)] + ["plus", "minus", "apples"]
+  vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
+  raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  directory.mkdir()
+  raw.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "</s>", "pad_token": "<pad>", "bos_token": "<s>"}))
+  assert len(vocab) == MODEL.vocab_size
+  save_hf(init_params(MODEL, jax.random.key(0)), MODEL, directory)
+  rng = np.random.default_rng(0)
+  lines = []
+  for _ in range(160):
+    a, b, minus = rng.integers(0, 10), rng.integers(0, 10), rng.random() < 0.5
+    lines.append(json.dumps({"question": f"{a} {'minus' if minus else 'plus'} {b} apples",
+                             "answer": f"#### {a - b if minus else a + b}"}))
+  (directory / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
+  return directory
+
+
+def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
+  target_dir = _hf_target(tmp_path / "hf")
+  config = _tiny(tmp_path / "run", target_dir=str(target_dir),
+                 gsm8k_file=str(target_dir / "gsm8k.jsonl"), gsm8k_test_fraction=0.5,
+                 prompt_template="{question}", steps=2, warmup_steps=0)
+  logs = []
+  summary = run_drafter_training(config, log=logs.append)
+  assert summary["greedy_equals_plain"] is True
+  assert any("data: 32 sequences of 13 tokens" in line for line in logs), logs
+  assert not (tmp_path / "run" / "target").exists()  # an HF target is not copied
+  assert load_eagle3(tmp_path / "run" / "eagle3")[0].aux_layers == (1, 1, 1)
+
+
+def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_path):
+  from specjax.checkpoint import Checkpointer
+  from specjax.rl.experiment import ExperimentConfig
+  from specjax.rl.trainer import init_train_state
+  rl = ExperimentConfig(task=TASK, model=MODEL, drafter="none")
+  params = init_params(MODEL, jax.random.key(5))
+  ckpt = Checkpointer(tmp_path / "rl" / "checkpoints")
+  ckpt.save(4, init_train_state(rl.train_config(), params, rl.optimizer(), 0), {"step": 4})
+  ckpt.close()
+  target = load_target(_tiny(tmp_path / "run", target_rl_run=str(tmp_path / "rl")))
+  jax.tree.map(np.testing.assert_array_equal, target.params, params)
+  with pytest.raises(ConfigError, match=r"^target_rl_run=.*params\['embed'\]"):
+    load_target(_tiny(tmp_path / "run", target_rl_run=str(tmp_path / "rl"),
+                      model=MODEL.replace(d_model=64)))
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(steps=0), "steps"),
+    (dict(ttt_steps=0), "ttt_steps"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(warmup_steps=6), "warmup_steps"),
+    (dict(learning_rate=0.0), "learning_rate"),
+    (dict(draft_vocab_size=18), "draft_vocab_size"),
+    (dict(aux_layers=(1, 2, 3)), "aux_layers"),
+    (dict(model=MODEL.replace(vocab_size=20)), "model"),
+    (dict(target_dir="hf", target_rl_run="runs/rl"), "target_rl_run"),
+    (dict(gsm8k_file="train.jsonl", gsm8k_test_fraction=0.0), "gsm8k_test_fraction"),
+])
+def test_invalid_configs_raise_config_errors_naming_the_field(tmp_path, changes, field):
+  with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid"):
+    _tiny(tmp_path, **changes)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(max_new_tokens=40), "max_new_tokens"),
+    (dict(eval_max_new_tokens=40), "eval_max_new_tokens"),
+    (dict(eval_prompts=41), "eval_prompts"),
+    (dict(target_dir="no/such/dir"), "target_dir"),
+    (dict(target_rl_run="no/such/run"), "target_rl_run"),
+])
+def test_configs_that_do_not_fit_the_target_fail_before_any_training(tmp_path, changes,
+                                                                     field):
+  with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid"):
+    run_drafter_training(_tiny(tmp_path / "run", **changes), log=lambda line: None)
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cli_train_drafter_applies_overrides_to_the_config_file(monkeypatch, tmp_path):
+  seen = []
+  monkeypatch.setattr("specjax.drafter_experiment.run_drafter_training",
+                      lambda config: seen.append(config) or {})
+  main(["train-drafter", "--config", str(CONFIGS / "eagle3_arithmetic.py"), "--run-dir",
+        str(tmp_path), "--steps", "70", "--ttt-steps", "2", "--aux-layers", "1", "1", "1"])
+  assert (seen[0].steps, seen[0].ttt_steps, seen[0].aux_layers) == (70, 2, (1, 1, 1))
+  assert seen[0].run_dir == str(tmp_path) and seen[0].draft_vocab_size == 15
+  with pytest.raises(SystemExit, match="needs a DrafterTrainConfig"):
+    main(["train-drafter", "--config", str(CONFIGS / "arithmetic_tiny.py")])
