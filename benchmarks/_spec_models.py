@@ -1,5 +1,6 @@
 """Models and data of `spec_decode.py`: a procedural phrase language, a >= 25M-parameter
-target with MTP modules and Medusa heads, a small draft model, their training and a disk cache.
+target with MTP modules and Medusa heads, a small draft model, an EAGLE-3 head, their training
+and a disk cache.
 
 The language ("phrase Markov language"): a fixed set of phrases, each a short template of
 words from the vocabulary; a document is a chain of phrases in which each phrase is followed
@@ -11,7 +12,7 @@ is neither deterministic nor uniform, and acceptance rates mean something. The g
 knows the process entropy of every token it writes, which the benchmark prints next to the
 target's cross-entropy.
 
-Glossary: B batch, T tokens, V vocab.
+Glossary: B batch, T tokens, V vocab, W draft vocab (EAGLE-3), J training-time-test steps.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.decoding import SamplingConfig, generate
-from specjax.models import ModelConfig, count_params, init_params
+from specjax.decoding import Eagle3Weights, SamplingConfig, generate
+from specjax.drafter_training import (draft_vocab_from_data, eagle3_loss,
+                                      self_distillation_data, train_eagle3)
+from specjax.models import Eagle3Config, ModelConfig, count_params, init_eagle3, init_params
 from specjax.supervised import init_supervised_state, make_supervised_step
 
 Params = dict[str, Any]
@@ -121,6 +124,11 @@ class PhraseLanguage:
     docs = [self.document(rng, length) for _ in range(batch)]
     return np.stack([d[0] for d in docs]), np.stack([d[1] for d in docs])
 
+  def token_ids(self) -> np.ndarray:
+    """The ids the language can write after BOS: numbers, names and template words."""
+    words = np.concatenate([t[t >= 0] for t in self.templates])
+    return np.union1d(np.arange(self.num_lo, self.word_lo), words)
+
 
 # --------------------------------------------------------------------------------- models
 
@@ -131,6 +139,15 @@ TARGET = ModelConfig(vocab_size=2048, d_model=512, n_layers=8, n_heads=8, n_kv_h
                      max_position=512)
 DRAFT = ModelConfig(vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_heads=1,
                     head_dim=64, mlp_dim=768, max_position=512)
+
+
+# EAGLE-3 head: one decoder layer on the target's streams at aux ids (2, 4, 5) (the default
+# for an 8-layer target), over a reduced draft vocabulary. The language writes 461 distinct
+# tokens (100 numbers, 60 names, 301 template words), so W = 512 has room for all of them
+# plus the target's most frequent off-language samples (built from EagleSpec's 224 training
+# responses it covers 99.95% of held-out sampled tokens), and the head costs 512 x 512
+# instead of 512 x 2048 (a quarter of the full vocabulary).
+EAGLE3 = Eagle3Config.for_target(TARGET, draft_vocab_size=512)
 
 
 def param_counts(params: Params) -> dict[str, int]:
@@ -163,6 +180,36 @@ class TrainSpec:
 # --quick without a cache: a short schedule, only to smoke-test the pipeline.
 QUICK_TRAIN = TrainSpec(target_steps=20, draft_steps=30, distill_docs=64,
                         distill_target_steps=10, distill_draft_steps=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleSpec:
+  """EAGLE-3 training schedule (`specjax.drafter_training`), after the target's.
+
+  The head learns on the target's own temperature-1 responses (`self_distillation_data`) to
+  `docs` language prompts of `prompt` tokens, with the training-time test over `ttt_steps`
+  draft steps and the target's distributions as soft labels; the last `held_out` responses
+  are kept out of training to measure it.
+  """
+
+  docs: int = 256
+  held_out: int = 32
+  prompt: int = 8
+  length: int = 128
+  # ~0.5 s a step on 2 quiet cores, so ~3 min. Measured on held-out responses (KL to the
+  # target per TTT step = CE - the target's entropy, 0.66): batch 4 x 360 steps at lr 3e-3
+  # reached 0.09 / 0.10 / 0.11; batch 8 x 180 (same tokens) ~0.10 / 0.11 / 0.13, with lr
+  # 6e-3 0.13 / 0.14 / 0.15; batch 8 x 250 (1.4x the time) 0.08 / 0.09 / 0.10.
+  batch: int = 4
+  steps: int = 360
+  lr: float = 3e-3
+  ttt_steps: int = 3
+  step_decay: float = 1.0
+  seed: int = 0
+
+
+# --quick without a cached head: a short schedule, only to smoke-test the pipeline.
+QUICK_EAGLE = EagleSpec(docs=48, held_out=16, batch=4, steps=20)
 
 
 def _init(config: ModelConfig, key: jax.Array) -> Params:
@@ -265,6 +312,73 @@ def train_models(lang: PhraseLanguage, spec: TrainSpec, log=print) -> tuple[Para
   return target, draft, info
 
 
+def train_eagle3_head(target: Params, lang: PhraseLanguage, spec: EagleSpec,
+                      log=print) -> tuple[Eagle3Weights, dict]:
+  """An `EAGLE3` head distilled from the (trained, frozen) `target` on its own samples."""
+  info: dict[str, Any] = {}
+  t0 = time.perf_counter()
+  rng = np.random.default_rng(spec.seed + 20)
+  prompts, _ = lang.batch(rng, spec.docs, spec.prompt)
+  tokens, mask = self_distillation_data(
+      target, TARGET, prompts, np.full(spec.docs, spec.prompt, np.int32),
+      jax.random.key(spec.seed + 21), max_new_tokens=spec.length - spec.prompt,
+      sampling=SamplingConfig(1.0))
+  info["sample_s"] = time.perf_counter() - t0
+  n = spec.docs - spec.held_out
+  train_tokens, train_mask = tokens[:n], mask[:n]
+  d2t = draft_vocab_from_data(train_tokens, train_mask, TARGET.vocab_size,
+                              EAGLE3.draft_vocab_size)
+  # Token mass the draft vocabulary covers: a sampled draft can only propose these ids, so
+  # the target's mass outside them is lost to acceptance.
+  for name, t, m in (("train", train_tokens, train_mask), ("held_out", tokens[n:], mask[n:])):
+    ids = t[m > 0]
+    info[f"vocab_coverage_{name}"] = float(np.isin(ids, d2t).mean())
+  language = lang.token_ids()
+  info["vocab_language_tokens"] = f"{np.isin(language, d2t).sum()}/{len(language)}"
+  log(f"  eagle3 draft vocabulary W={EAGLE3.draft_vocab_size}: covers "
+      f"{100 * info['vocab_coverage_train']:.2f}% of the sampled training tokens, "
+      f"{100 * info['vocab_coverage_held_out']:.2f}% held out, "
+      f"{info['vocab_language_tokens']} of the language's tokens")
+
+  brng = np.random.default_rng(spec.seed + 22)
+
+  def batches():
+    for _ in range(spec.steps):
+      rows = brng.choice(n, spec.batch, replace=False)
+      yield train_tokens[rows], train_mask[rows]
+
+  t1 = time.perf_counter()
+
+  def progress(step: int, m: dict) -> None:
+    if step % 50 == 0 or step == spec.steps:
+      log(f"  eagle3 step {step}/{spec.steps} ({time.perf_counter() - t1:.0f}s): loss "
+          f"{m['loss']:.3f} ce {' '.join(f'{x:.2f}' for x in m['ce'])} acc "
+          f"{' '.join(f'{x:.3f}' for x in m['accuracy'])}")
+
+  weights, history = train_eagle3(
+      target, TARGET, EAGLE3, batches(), optimizer=_optimizer(spec.lr, spec.steps), d2t=d2t,
+      key=jax.random.key(spec.seed + 23), ttt_steps=spec.ttt_steps,
+      step_decay=spec.step_decay, callback=progress)
+  info["train_s"] = time.perf_counter() - t1
+  # Per-step accuracy (draft top-1 == the target's argmax) of the training batches at the
+  # end, and on the held-out responses.
+  tail = history[-max(1, spec.steps // 10):]
+  info["train_accuracy"] = [float(np.mean([h["accuracy"][j] for h in tail]))
+                            for j in range(spec.ttt_steps)]
+  evaluate = jax.jit(lambda p, tp, d, t, m: eagle3_loss(
+      p, EAGLE3, tp, TARGET, d, t, m, ttt_steps=spec.ttt_steps, step_decay=spec.step_decay)[1])
+  metrics = jax.device_get(evaluate(weights.params, target, weights.d2t,
+                                    jnp.asarray(tokens[n:]), jnp.asarray(mask[n:])))
+  info["held_out_accuracy"] = [float(x) for x in metrics["accuracy"]]
+  info["held_out_ce"] = [float(x) for x in metrics["ce"]]
+  info["total_s"] = time.perf_counter() - t0
+  log(f"  eagle3 trained in {info['train_s']:.0f}s (+{info['sample_s']:.0f}s sampling): "
+      f"per-step TTT accuracy, training batches "
+      f"{' '.join(f'{x:.3f}' for x in info['train_accuracy'])}, held out "
+      f"{' '.join(f'{x:.3f}' for x in info['held_out_accuracy'])}")
+  return weights, info
+
+
 # ---------------------------------------------------------------------------------- cache
 
 
@@ -316,3 +430,38 @@ def load_or_train(cache_dir: Path, lang_spec: LanguageSpec, spec: TrainSpec, *,
   i_path.write_text(json.dumps(info, indent=1))
   info["cached"] = None
   return target, draft, info
+
+
+def _eagle3_paths(cache_dir: Path, lang_spec: LanguageSpec, spec: TrainSpec,
+                  eagle_spec: EagleSpec) -> tuple[Path, Path]:
+  # Keyed by everything that made the target, plus the head's config and schedule: a cache
+  # holding only the target gets its head trained (and added) on first use.
+  key = _key(TARGET, DRAFT, lang_spec, spec, "v1", EAGLE3, eagle_spec, "eagle3-v1")
+  return cache_dir / f"eagle3-{key}.npz", cache_dir / f"eagle3-info-{key}.json"
+
+
+def is_eagle3_cached(cache_dir: Path, lang_spec: LanguageSpec, spec: TrainSpec,
+                     eagle_spec: EagleSpec) -> bool:
+  return all(p.exists() for p in _eagle3_paths(cache_dir, lang_spec, spec, eagle_spec))
+
+
+def load_or_train_eagle3(cache_dir: Path, lang_spec: LanguageSpec, spec: TrainSpec,
+                         eagle_spec: EagleSpec, target: Params, *, retrain: bool = False,
+                         log=print) -> tuple[Eagle3Weights, dict]:
+  """The `EAGLE3` head of `target` (the one `load_or_train(..., spec)` returns) from
+  `cache_dir`, training and caching it if absent."""
+  cache_dir.mkdir(parents=True, exist_ok=True)
+  (cache_dir / ".gitignore").write_text("*\n")
+  w_path, i_path = _eagle3_paths(cache_dir, lang_spec, spec, eagle_spec)
+  if not retrain and is_eagle3_cached(cache_dir, lang_spec, spec, eagle_spec):
+    like = {"params": jax.eval_shape(lambda: init_eagle3(EAGLE3, jax.random.key(0))),
+            "d2t": jax.ShapeDtypeStruct((EAGLE3.draft_vocab_size,), jnp.int32)}
+    saved = _load(w_path, like)
+    info = json.loads(i_path.read_text())
+    info["cached"] = str(w_path)
+    return Eagle3Weights(params=saved["params"], d2t=saved["d2t"]), info
+  weights, info = train_eagle3_head(target, PhraseLanguage(lang_spec), eagle_spec, log=log)
+  _save(w_path, {"params": weights.params, "d2t": weights.d2t})
+  i_path.write_text(json.dumps(info, indent=1))
+  info["cached"] = None
+  return weights, info

@@ -1,15 +1,21 @@
 """Speculative vs plain decoding at temperature 1, side by side in one engine and one run.
 
-    python benchmarks/spec_decode.py                  # full run: ~9 min on 2 quiet cores, plus
-                                                      # ~5-10 min of training on first use
-    python benchmarks/spec_decode.py --quick          # smoke: batch 1/4, 5 variants, 32 tokens
+    python benchmarks/spec_decode.py                  # full run: ~13 min on 2 quiet cores, plus
+                                                      # ~8-14 min of training on first use
+    python benchmarks/spec_decode.py --quick          # smoke: batch 1/4, 6 variants, 32 tokens
     python benchmarks/spec_decode.py --batches 16 --repeats 7 --json out.json
 
 Models (see `_spec_models.py`): a float32 Llama-style GQA target whose trunk alone has > 25M
-parameters, with 3 MTP modules and 3 Medusa heads, and a 2-layer draft model sharing its
-vocabulary. Both are trained here, on this CPU, on the procedural phrase language whose
-held-out documents the benchmark then decodes; the parameters are cached (`--cache-dir`,
-default `benchmarks/.cache/`, which ignores itself in git) so reruns skip training.
+parameters, with 3 MTP modules and 3 Medusa heads, a 2-layer draft model sharing its
+vocabulary, and an EAGLE-3 head (one decoder layer on the target's streams at aux layers
+(2, 4, 5), a 512-token draft vocabulary). All are trained here, on this CPU, on the
+procedural phrase language whose held-out documents the benchmark then decodes (the drafters
+on the target's own temperature-1 samples; the EAGLE-3 head with `specjax.drafter_training`:
+training-time test over 3 steps, the target's distributions as soft labels); the parameters
+are cached (`--cache-dir`, default `benchmarks/.cache/`, which ignores itself in git) so
+reruns skip training. The head has a cache file of its own, keyed by the target's key and
+its own schedule: a cache holding only the target gets a head on first use, without
+retraining the target.
 
 For every batch size and every drafter/tree, `specjax.decoding.generate` runs from the same
 prompts (ragged lengths) with the same `max_new_tokens` and keys as the plain baseline. All
@@ -70,8 +76,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _spec_models as M  # noqa: E402
-from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter,  # noqa: E402
-                              MTPDrafter, NGramDrafter, SamplingConfig, generate)
+from specjax.decoding import (DraftModelDrafter, DraftTree, Eagle3Drafter,  # noqa: E402
+                              MedusaDrafter, MTPDrafter, NGramDrafter, SamplingConfig,
+                              generate)
 from specjax.models import KVCache, forward  # noqa: E402
 
 PROMPT_LEN = 32          # prompt buffer; each row's prompt length is drawn in [16, 32]
@@ -88,7 +95,8 @@ class Variant:
     tree: the draft tree (empty for plain decoding).
     params_name: key of this drafter's parameters in the `drafter_params` dict given to
       `bench_batch` (passed to `generate` as `drafter_params`); None when the drafter owns no
-      parameters (MTP and Medusa heads live in the target's, n-gram has none).
+      parameters (MTP and Medusa heads live in the target's, n-gram has none); the draft
+      model's and the EAGLE-3 head's (`Eagle3Weights`) are their own.
     quick: also run under `--quick`.
   """
 
@@ -105,6 +113,7 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
   `drafter_params` dict built in `main` when it has parameters of its own."""
   mtp, medusa = MTPDrafter(sampled=sampled), MedusaDrafter(sampled=sampled)
   draft = DraftModelDrafter(M.DRAFT, sampled=sampled)
+  eagle3 = Eagle3Drafter(M.EAGLE3, sampled=sampled)
   out = [
       Variant("plain", "-", None, DraftTree.empty(), quick=True),
       Variant("mtp", "chain1", mtp, DraftTree.chain(1)),
@@ -115,6 +124,15 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
       Variant("draft model", "chain3", draft, DraftTree.chain(3), params_name="draft model",
               quick=True),
       Variant("n-gram", "chain3", NGramDrafter(max_ngram=3), DraftTree.chain(3), quick=True),
+      # EAGLE-3 drafts each depth with one layer pass, like MTP, but the same layer serves
+      # every depth (trained on its own outputs), so it is not capped at MTP's 3 modules and
+      # a deeper chain costs one more pass per depth; the tree is MTP's, like for like.
+      Variant("eagle3", "chain3", eagle3, DraftTree.chain(3), params_name="eagle3",
+              quick=True),
+      Variant("eagle3", "chain4", eagle3, DraftTree.chain(4), params_name="eagle3"),
+      Variant("eagle3", "chain6", eagle3, DraftTree.chain(6), params_name="eagle3"),
+      Variant("eagle3", "tree(3,1,1)", eagle3, DraftTree.from_widths((3, 1, 1)),
+              params_name="eagle3"),
   ]
   return [v for v in out if v.quick] if quick else out
 
@@ -367,23 +385,39 @@ def main(argv=None) -> int:
 
   lang_spec = M.LanguageSpec()
   lang = M.PhraseLanguage(lang_spec)
-  train_spec = M.TrainSpec()
+  train_spec, eagle_spec = M.TrainSpec(), M.EagleSpec()
   cache = Path(args.cache_dir)
   if args.quick and not args.retrain and not M.is_cached(cache, lang_spec, train_spec):
     train_spec = M.QUICK_TRAIN
     log("--quick without cached models: training the short QUICK_TRAIN schedule")
   target, draft, info = M.load_or_train(cache, lang_spec, train_spec, retrain=args.retrain,
                                         log=log)
-  counts = M.param_counts(target)
-  log(f"target: {counts['total']:,} parameters (trunk {counts['trunk']:,}, MTP "
-      f"{counts['mtp']:,}, Medusa {counts['medusa']:,}), float32; draft model "
-      f"{M.count_params(draft):,}")
+  if args.quick and not args.retrain and not M.is_eagle3_cached(cache, lang_spec, train_spec,
+                                                                eagle_spec):
+    eagle_spec = M.QUICK_EAGLE
+    log("--quick without a cached EAGLE-3 head: training the short QUICK_EAGLE schedule")
   if info.get("cached"):
     log(f"parameters from cache {info['cached']} (trained in {info['train_s']:.0f}s)")
   else:
     log(f"trained in {info['train_s']:.0f}s: target {info['target_phase1_s']:.0f}s, draft "
         f"{info['draft_phase1_s']:.0f}s, sampling {info['sample_s']:.0f}s, distillation "
         f"{info['distill_s']:.0f}s")
+  eagle3, eagle_info = M.load_or_train_eagle3(cache, lang_spec, train_spec, eagle_spec, target,
+                                              retrain=args.retrain, log=log)
+  info["eagle3"] = eagle_info
+  acc = lambda xs: " ".join(f"{x:.3f}" for x in xs)
+  origin = f"from cache {eagle_info['cached']} " if eagle_info.get("cached") else ""
+  log(f"EAGLE-3 head {origin}(trained in {eagle_info['train_s']:.0f}s + "
+      f"{eagle_info['sample_s']:.0f}s sampling); "
+      f"per-step TTT accuracy (top-1 == target argmax): training batches "
+      f"{acc(eagle_info['train_accuracy'])}, held out {acc(eagle_info['held_out_accuracy'])}; "
+      f"draft vocabulary covers {100 * eagle_info['vocab_coverage_held_out']:.2f}% of "
+      f"held-out sampled tokens")
+  counts = M.param_counts(target)
+  log(f"target: {counts['total']:,} parameters (trunk {counts['trunk']:,}, MTP "
+      f"{counts['mtp']:,}, Medusa {counts['medusa']:,}), float32; draft model "
+      f"{M.count_params(draft):,}; EAGLE-3 head {M.count_params(eagle3.params):,} "
+      f"(W={M.EAGLE3.draft_vocab_size}, aux layers {M.EAGLE3.aux_layers})")
   quality = model_quality(lang, target, draft)
   log(f"held-out CE (nats/token): target {quality['target_ce']:.3f} (top-1 "
       f"{quality['target_top1']:.2f}), draft {quality['draft_ce']:.3f} (top-1 "
@@ -396,7 +430,7 @@ def main(argv=None) -> int:
       f"{max_new}, {repeats} repeats, drafts "
       f"{'argmax (matching)' if args.argmax_drafts else 'sampled (rejection)'}")
   # Parameters owned by drafters, by `Variant.params_name`.
-  drafter_params = {"draft model": draft}
+  drafter_params = {"draft model": draft, "eagle3": eagle3}
   rows: list[Row] = []
   for b in batches:
     rows += bench_batch(target, drafter_params, lang, b, vs, max_new=max_new, repeats=repeats,
@@ -417,8 +451,8 @@ def main(argv=None) -> int:
   if args.json:
     Path(args.json).write_text(json.dumps(
         {"rows": [dataclasses.asdict(r) for r in rows], "quality": quality,
-         "params": counts, "train": info, "max_new_tokens": max_new, "repeats": repeats,
-         "forward_pairs": args.forward_pairs},
+         "params": counts | {"eagle3": M.count_params(eagle3.params)}, "train": info,
+         "max_new_tokens": max_new, "repeats": repeats, "forward_pairs": args.forward_pairs},
         indent=1))
   return 0
 
