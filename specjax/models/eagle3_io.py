@@ -44,7 +44,7 @@ from safetensors.numpy import save_file
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
-from specjax.models.hf import _hf_dtype, _rope_from_hf
+from specjax.models.hf import _hf_dtype, _rope_from_hf, _rope_to_hf
 
 Params = dict[str, Any]
 
@@ -93,15 +93,7 @@ def _layout(config: Eagle3Config) -> list[tuple[str, tuple[str, ...], tuple[int,
 
 def eagle3_config_to_hf(config: Eagle3Config, torch_dtype: str | None = None) -> dict[str, Any]:
   """The `config.json` dict of `config` (readable by vLLM, SGLang and transformers v4/v5)."""
-  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-  legacy_scaling = None
-  if config.rope_scaling is not None:
-    s = config.rope_scaling
-    legacy_scaling = {"rope_type": "llama3", "factor": s.factor,
-                      "low_freq_factor": s.low_freq_factor,
-                      "high_freq_factor": s.high_freq_factor,
-                      "original_max_position_embeddings": s.original_max_position}
-    rope = legacy_scaling | {"rope_theta": config.rope_theta}
+  rope, legacy_scaling = _rope_to_hf(config.rope_theta, config.rope_scaling)
   dtype = torch_dtype or config.param_dtype
   aux = list(config.aux_layers)
   return {

@@ -295,20 +295,24 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
   )
 
 
+def _rope_to_hf(theta: float, scaling: Llama3RopeScaling | None
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+  """`(rope_parameters, rope_scaling)` of config.json: the transformers v5 and v4 spellings."""
+  if scaling is None:
+    return {"rope_type": "default", "rope_theta": theta}, None
+  legacy = {"rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+  return legacy | {"rope_theta": theta}, legacy
+
+
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   """The HF `config.json` dict of `config`, readable by transformers v4 and v5.
 
   Draft-head counts go under "specjax" only when the config has draft heads.
   """
-  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-  legacy_scaling = None
-  if config.rope_scaling is not None:
-    s = config.rope_scaling
-    legacy_scaling = {"rope_type": "llama3", "factor": s.factor,
-                      "low_freq_factor": s.low_freq_factor,
-                      "high_freq_factor": s.high_freq_factor,
-                      "original_max_position_embeddings": s.original_max_position}
-    rope = legacy_scaling | {"rope_theta": config.rope_theta}
+  rope, legacy_scaling = _rope_to_hf(config.rope_theta, config.rope_scaling)
   hf: dict[str, Any] = {
       "architectures": [_FAMILY_ARCH[config.family]],
       "model_type": config.family,
