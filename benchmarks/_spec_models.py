@@ -146,8 +146,11 @@ DRAFT = ModelConfig(vocab_size=2048, d_model=256, n_layers=2, n_heads=4, n_kv_he
 # tokens (100 numbers, 60 names, 301 template words), so W = 512 has room for all of them
 # plus the target's most frequent off-language samples (built from EagleSpec's 224 training
 # responses it covers 99.95% of held-out sampled tokens), and the head costs 512 x 512
-# instead of 512 x 2048 (a quarter of the full vocabulary).
-EAGLE3 = Eagle3Config.for_target(TARGET, draft_vocab_size=512)
+# instead of 512 x 2048 (a quarter of the full vocabulary). Its MLP is a third of a target
+# layer's (512 vs 1536): a full-width midlayer is 1/8 of this 8-layer target, so three draft
+# passes would cost ~0.4 plain steps, where at 8B (32 layers) the same head costs ~0.1; the
+# narrower MLP keeps drafting at the share of a step the head has at scale.
+EAGLE3 = Eagle3Config.for_target(TARGET, draft_vocab_size=512, mlp_dim=512)
 
 
 def param_counts(params: Params) -> dict[str, int]:
