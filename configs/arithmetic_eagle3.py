@@ -27,6 +27,6 @@ def get_config():
       eagle3_steps=200,
       eagle3_distill_task=ArithmeticTask(max_digits=2, num_operands=2, operators="+-",
                                          test_fraction=0.3, num_test=200),
-      drafter_learning_rate=3e-3,
+      drafter_learning_rate=1e-2,
       steps=150,
   )
