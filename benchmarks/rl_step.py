@@ -1,20 +1,27 @@
-"""GRPO training-step time with and without speculative rollouts, side by side in one run.
+"""GRPO training-step time with plain and speculative rollouts, interleaved in one run.
 
   python benchmarks/rl_step.py                  # full (trains/caches the models on first use)
   python benchmarks/rl_step.py --quick          # smoke test
 
 The policy is `spec_decode.py`'s >= 25M-parameter target (trained on the phrase language,
-with MTP heads trained on its own samples; cached in benchmarks/.cache). Each step is the
-fused program of `specjax.rl.trainer.make_train_step`: rollout of G responses per prompt at
-temperature 1 -> JAX reward -> group advantages -> update -> online MTP update. The only
-difference between the two programs is the rollout: plain autoregressive or speculative
-(MTP drafter) — in the same engine. Both start from the same state and see the same prompts;
-medians over `--steps` timed steps after a compile step.
+with MTP heads and an EAGLE-3 head trained on its own samples; cached in benchmarks/.cache).
+Each arm is the fused program of `specjax.rl.trainer.make_train_step`: rollout of G responses
+per prompt at temperature 1 -> JAX reward -> group advantages -> update -> online drafter
+update. The arms differ only in the rollout: plain autoregressive, MTP chain, or EAGLE-3
+chain (its head trained online, detached) — in the same engine, from the same state, on the
+same prompts.
+
+Arms are interleaved step by step (step i of every arm, then step i + 1), so a burst of load
+hits all arms alike. Each step is also timed as its two halves, each its own compiled
+program: the rollout alone and the update alone (on that rollout). The update is the same
+work in the plain and MTP arms (the EAGLE-3 arm's also trains its head), so the spread of
+their median update times, (max - min) / median, measures how noisy the run was; above 10%
+the run is marked too noisy to quote.
 
 The reward is a toy preference computed in JAX (the fraction of response tokens that are
 "number" words of the language); its only role is to give non-zero advantages so the update
-does real work. Printed: step time plain vs speculative and their ratio, the rollout share of
-the plain step (rollout-only programs timed the same way), and the acceptance length.
+does real work. Printed per arm: median fused step, rollout and update times, the rollout
+share of the plain step, acceptance length, and the step and rollout ratios against plain.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _spec_models as M  # noqa: E402
 
-from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig  # noqa: E402
+from specjax.decoding import DraftTree, Eagle3Drafter, MTPDrafter, SamplingConfig  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
-                                make_train_step, rollout)
+                                make_train_step, rollout, score, update)
+
+NOISY = 0.10  # update-time spread above which a run is too noisy to quote
 
 
 def number_reward(lang: M.PhraseLanguage):
@@ -57,71 +66,113 @@ def prompts(lang: M.PhraseLanguage, batch: int, step: int, prompt_len: int = 32)
                      answers=np.zeros(batch, np.int32), index=np.arange(batch, dtype=np.int32))
 
 
-def time_steps(step_fn, state, batches):
-  state, _ = step_fn(state, batches[0])  # compile
-  jax.block_until_ready(state)
-  times, metrics = [], None
-  for b in batches[1:]:
+class Arm:
+  """One rollout configuration: its fused step, and its rollout and update as two programs
+  (to time the halves), each with its own state."""
+
+  def __init__(self, name, config, state, reward_fn, optimizer):
+    self.name, self.config, self.state = name, config, state
+    self.step_fn = make_train_step(config, reward_fn, optimizer)
+    head = lambda st: None if st.drafter is None else st.drafter.weights
+
+    def roll_fn(st, batch, key):
+      roll, responses, lengths = rollout(st.params, config, batch.tokens, batch.lengths, key,
+                                         drafter_params=head(st))
+      return score(config, roll, reward_fn(responses, lengths, batch.answers))
+
+    self.roll_fn = jax.jit(roll_fn)
+    self.update_fn = jax.jit(lambda st, roll, key: update(st, config, optimizer, roll, key)[0])
+    self.times = {"step": [], "rollout": [], "update": []}
+    self.metrics = None
+
+  def run(self, batch, i: int, timed: bool) -> None:
+    key = jax.random.key(i)
     start = time.perf_counter()
-    state, metrics = step_fn(state, b)
+    roll = jax.block_until_ready(self.roll_fn(self.state, batch, key))
+    mid = time.perf_counter()
+    # The update program's output is dropped: the arm's state advances by the fused step.
+    jax.block_until_ready(self.update_fn(self.state, roll, key))
+    end = time.perf_counter()
+    state, metrics = self.step_fn(self.state, batch)
     jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), jax.device_get(metrics), state
+    done = time.perf_counter()
+    self.state, self.metrics = state, jax.device_get(metrics)
+    if timed:
+      self.times["rollout"].append(mid - start)
+      self.times["update"].append(end - mid)
+      self.times["step"].append(done - end)
+
+  def median(self, what: str) -> float:
+    return float(np.median(self.times[what]))
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--prompts", type=int, default=2, help="prompts per step (B)")
+  parser.add_argument("--prompts", type=int, default=2, help="prompts per step (B / G)")
   parser.add_argument("--group-size", type=int, default=4, help="G")
-  parser.add_argument("--max-new", type=int, default=128, help="response tokens N")
-  parser.add_argument("--depth", type=int, default=3, help="MTP chain length")
-  parser.add_argument("--steps", type=int, default=5, help="timed steps per program")
+  parser.add_argument("--max-new", type=int, default=128, help="response tokens T")
+  parser.add_argument("--mtp-depth", type=int, default=3, help="MTP chain length")
+  parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE-3 chain length")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps per arm")
   parser.add_argument("--cache-dir", type=Path,
                       default=Path(__file__).resolve().parent / ".cache")
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.max_new = 2, 32
   lang_spec = M.LanguageSpec()
-  spec = M.QUICK_TRAIN if args.quick and not M.is_cached(args.cache_dir, lang_spec,
-                                                          M.TrainSpec()) else M.TrainSpec()
-  target, _, info = M.load_or_train(args.cache_dir, lang_spec, spec)
+  full = M.is_cached(args.cache_dir, lang_spec, M.TrainSpec()) or not args.quick
+  spec = M.TrainSpec() if full else M.QUICK_TRAIN
+  eagle_spec = M.EagleSpec() if full else M.QUICK_EAGLE
+  target, _, _ = M.load_or_train(args.cache_dir, lang_spec, spec)
+  head, _ = M.load_or_train_eagle3(args.cache_dir, lang_spec, spec, eagle_spec, target)
   lang = M.PhraseLanguage(lang_spec)
   counts = M.param_counts(target)
   print(f"policy: {counts['trunk'] / 1e6:.1f}M trunk parameters + {counts['mtp'] / 1e6:.1f}M "
-        f"MTP; B={args.prompts} prompts x G={args.group_size}, N={args.max_new} response "
-        f"tokens, temperature 1, jax {jax.__version__} on {jax.devices()[0].platform}")
+        f"MTP, EAGLE-3 head {M.count_params(head.params) / 1e6:.1f}M; {args.prompts} prompts x "
+        f"G={args.group_size}, T={args.max_new} response tokens, temperature 1, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
   grpo = GRPOConfig(group_size=args.group_size)
-  rows = []
-  for name, drafter, tree in (("plain", None, None),
-                              (f"mtp chain{args.depth}", MTPDrafter(),
-                               DraftTree.chain(args.depth))):
+  reward_fn = number_reward(lang)
+  arms = []
+  for name, drafter, tree in (
+      ("plain", None, None),
+      (f"mtp chain{args.mtp_depth}", MTPDrafter(), DraftTree.chain(args.mtp_depth)),
+      (f"eagle3 chain{args.eagle_depth}", Eagle3Drafter(M.EAGLE3),
+       DraftTree.chain(args.eagle_depth))):
     config = TrainConfig(model=M.TARGET, grpo=grpo, rollout=RolloutConfig(
-        max_new_tokens=args.max_new, eos_id=-1, sampling=SamplingConfig(1.0), drafter=drafter,
+        max_new_tokens=args.max_new, eos_id=None, sampling=SamplingConfig(1.0), drafter=drafter,
         tree=tree))
     optimizer = optax.adam(1e-5)
-    state = init_train_state(config, jax.tree.map(jnp.array, target), optimizer, seed=0)
-    batches = [prompts(lang, args.prompts, i) for i in range(args.steps + 1)]
-    step_time, metrics, state = time_steps(
-        make_train_step(config, number_reward(lang), optimizer), state, batches)
-    roll = jax.jit(lambda p, t, l, k, c=config: rollout(p, c, t, l, k)[0].lengths)
-    roll_times = []
-    for i, b in enumerate(batches):
-      start = time.perf_counter()
-      jax.block_until_ready(roll(state.params, b.tokens, b.lengths, jax.random.key(i)))
-      roll_times.append(time.perf_counter() - start)
-    rows.append((name, step_time, float(np.median(roll_times[1:])),
-                 float(metrics["acceptance_length"]), float(metrics["rollout_tokens"])))
+    state = init_train_state(
+        config, jax.tree.map(jnp.array, target), optimizer, seed=0,
+        drafter_params=jax.tree.map(jnp.array, head) if config.eagle3 else None)
+    arms.append(Arm(name, config, state, reward_fn, optimizer))
 
-  print(f"{'rollout':<14}{'step s':>9}{'rollout s':>11}{'rollout %':>11}{'accept':>8}"
-        f"{'tokens':>8}")
-  for name, step_s, roll_s, accept, tokens in rows:
-    print(f"{name:<14}{step_s:>9.3f}{roll_s:>11.3f}{100 * roll_s / step_s:>10.0f}%"
-          f"{accept:>8.2f}{tokens:>8.0f}")
-  plain, spec_row = rows
-  print(f"step-time ratio plain / speculative: {plain[1] / spec_row[1]:.2f}x "
-        f"(rollout alone: {plain[2] / spec_row[2]:.2f}x)")
+  batches = [prompts(lang, args.prompts, i) for i in range(args.steps + 1)]
+  for i, batch in enumerate(batches):  # step 0 compiles every program
+    for arm in arms:
+      arm.run(batch, i, timed=i > 0)
+
+  plain = arms[0]
+  print(f"{'rollout':<16}{'step s':>8}{'rollout s':>11}{'update s':>10}{'rollout %':>11}"
+        f"{'accept':>8}{'step x':>8}{'rollout x':>11}")
+  for arm in arms:
+    print(f"{arm.name:<16}{arm.median('step'):>8.3f}{arm.median('rollout'):>11.3f}"
+          f"{arm.median('update'):>10.3f}"
+          f"{100 * arm.median('rollout') / arm.median('step'):>10.0f}%"
+          f"{float(arm.metrics['acceptance_length']):>8.2f}"
+          f"{plain.median('step') / arm.median('step'):>8.2f}"
+          f"{plain.median('rollout') / arm.median('rollout'):>11.2f}")
+  # The EAGLE-3 arm's update also trains its head; the others do identical work.
+  updates = [arm.median("update") for arm in arms if arm.config.eagle3 is None]
+  spread = (max(updates) - min(updates)) / float(np.median(updates))
+  verdict = "too noisy to quote" if spread > NOISY else "quotable"
+  print(f"update-time spread across the arms with identical update work (plain, mtp): "
+        f"{100 * spread:.0f}% -> {verdict} "
+        f"(threshold {100 * NOISY:.0f}%); plain rollout share of the plain step "
+        f"{100 * plain.median('rollout') / plain.median('step'):.0f}%")
   return 0
 
 

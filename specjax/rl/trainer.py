@@ -60,11 +60,11 @@ class RolloutConfig:
     sampling: the policy's sampling distribution (temperature 1 for on-policy RL).
     drafter: a drafter, or None for plain autoregressive rollouts.
     tree: the draft tree (None with no drafter).
-    eos_id: end-of-response token.
+    eos_id: end-of-response token (None: every response runs to max_new_tokens).
   """
 
   max_new_tokens: int
-  eos_id: int
+  eos_id: int | None
   sampling: SamplingConfig = SamplingConfig(1.0)
   drafter: Drafter | None = None
   tree: DraftTree | None = None
@@ -379,7 +379,9 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
 def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   n = config.rollout.max_new_tokens
   lengths = roll.lengths.astype(jnp.float32)
-  ended = jnp.any((roll.tokens == config.rollout.eos_id) & (roll.response_mask > 0), axis=1)
+  eos = config.rollout.eos_id
+  ended = (jnp.zeros(roll.lengths.shape, bool) if eos is None else
+           jnp.any((roll.tokens == eos) & (roll.response_mask > 0), axis=1))
   clipped = (roll.lengths >= n) & ~ended
   return {
       "reward_mean": roll.rewards.mean(), "reward_std": roll.rewards.std(),
