@@ -61,14 +61,12 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
-from specjax.drafter_training import (Eagle3TrainState, draft_vocab_from_data,
-                                      init_eagle3_state, make_eagle3_step,
-                                      self_distillation_data)
-from specjax.errors import CheckpointError, ConfigError
-from specjax.models import (Eagle3Config, ModelConfig, count_params, init_params, load_eagle3,
-                            save_eagle3)
-from specjax.rl.tasks import ArithmeticTask, GSM8KTask, encode_prompt
-from specjax.tokenizer import Tokenizer
+from specjax.drafter_data import (Target, check_length, load_target, make_data,
+                                  target_spec, task_prompts)
+from specjax.drafter_training import Eagle3TrainState, init_eagle3_state, make_eagle3_step
+from specjax.errors import ConfigError
+from specjax.models import Eagle3Config, ModelConfig, count_params, load_eagle3, save_eagle3
+from specjax.rl.tasks import ArithmeticTask
 
 Params = dict[str, Any]
 
@@ -250,172 +248,6 @@ class DrafterTrainConfig:
                        optax.adamw(self.schedule(), weight_decay=self.weight_decay))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Target:
-  """The frozen model a head is trained for.
-
-  Attributes:
-    params: its parameters.
-    config: its architecture.
-    tokenizer: its tokenizer (EOS, padding and prompt encoding).
-  """
-
-  params: Params
-  config: ModelConfig
-  tokenizer: Tokenizer
-
-
-# ---------------------------------------------------------------------------------------------
-# Target
-
-
-def _restore_rl_policy(path: str, model: ModelConfig) -> Params:
-  """The policy parameters of the latest checkpoint of a `specjax train` run."""
-  import orbax.checkpoint as ocp
-  directory = Path(path).absolute()
-  if (directory / "checkpoints").is_dir():
-    directory = directory / "checkpoints"
-  if not directory.is_dir():
-    raise ConfigError(f"target_rl_run={path!r} is invalid: no such directory")
-  manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
-  step = manager.latest_step()
-  if step is None:
-    raise ConfigError(f"target_rl_run={path!r} is invalid: {directory} holds no checkpoint")
-  try:  # the whole train state, as saved: only its params are needed, whatever else it holds
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  except Exception as err:  # orbax raises many types
-    raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
-                          f"({type(err).__name__}: {err})") from err
-  finally:
-    manager.close()
-  params = state["state"]["params"]
-  expected = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-  shapes = lambda tree: {jax.tree_util.keystr(k): (tuple(x.shape), str(x.dtype))
-                         for k, x in jax.tree_util.tree_leaves_with_path(tree)}
-  got, want = shapes(params), shapes(expected)
-  if got != want:
-    name = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))[0]
-    raise ConfigError(f"target_rl_run={path!r} is invalid with this model: the checkpoint's "
-                      f"policy has params{name} {got.get(name, 'missing')}, the model "
-                      f"{want.get(name, 'nothing')}; pass the RL run's architecture "
-                      "(--model.*)")
-  return jax.tree.map(jnp.asarray, params)
-
-
-def target_spec(config: DrafterTrainConfig) -> tuple[Tokenizer, ModelConfig]:
-  """The target's tokenizer and architecture, without loading its weights (cheap checks)."""
-  if config.target_dir is None:
-    if config.target_rl_run is not None and not Path(config.target_rl_run).is_dir():
-      raise ConfigError(f"target_rl_run={config.target_rl_run!r} is invalid: no such directory")
-    return config.task.tokenizer, config.model
-  from specjax.models import config_from_hf
-  from specjax.tokenizer import HFTokenizer
-  path = Path(config.target_dir)
-  if not (path / "config.json").is_file():
-    raise ConfigError(f"target_dir={config.target_dir!r} is invalid: no config.json there "
-                      "(expected an HF checkpoint directory)")
-  return HFTokenizer.from_dir(path), config_from_hf(json.loads((path / "config.json")
-                                                               .read_text()))
-
-
-def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) -> Target:
-  """The target of `config`: loaded from `target_dir` or `target_rl_run`, or the built-in
-  policy (restored from `run_dir/target`, else warm-started and saved there)."""
-  if config.target_dir is not None:
-    from specjax.models import load_hf
-    from specjax.tokenizer import HFTokenizer
-    target_spec(config)  # a clear error for a directory that is not a checkpoint
-    params, model = load_hf(config.target_dir)
-    # Committed to the device like restored checkpoints, so every target source of one shape
-    # shares the compiled programs (jit tells committed and uncommitted inputs apart).
-    params = jax.device_put(params, jax.devices()[0])
-    return Target(params, model, HFTokenizer.from_dir(config.target_dir))
-  tokenizer = config.task.tokenizer
-  if config.target_rl_run is not None:
-    return Target(_restore_rl_policy(config.target_rl_run, config.model), config.model,
-                  tokenizer)
-  ckpt = Checkpointer(Path(config.run_dir) / "target", max_to_keep=1)
-  try:
-    abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
-    if ckpt.latest_step() is None:
-      from specjax.rl.experiment import ExperimentConfig, warm_start
-      recipe = ExperimentConfig(run_dir=config.run_dir, seed=config.seed, task=config.task,
-                                model=config.model, sft_steps=config.sft_steps,
-                                sft_batch=config.sft_batch,
-                                sft_learning_rate=config.sft_learning_rate,
-                                sft_eos_fraction=config.sft_eos_fraction)
-      ckpt.save(0, warm_start(recipe, log), {"sft_steps": config.sft_steps})
-    else:
-      log(f"target: the warm-started policy saved in {ckpt.directory}")
-    # Always the saved copy, so a first run and its reruns see the very same arrays.
-    params = ckpt.restore(abstract)[0]
-  finally:
-    ckpt.close()
-  return Target(params, config.model, tokenizer)
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts and data
-
-
-def _source_name(config: DrafterTrainConfig) -> str:
-  return f"gsm8k_file={config.gsm8k_file!r}" if config.gsm8k_file else "the arithmetic task"
-
-
-def task_prompts(config: DrafterTrainConfig, tokenizer: Tokenizer, split: str,
-            count: int) -> tuple[np.ndarray, np.ndarray]:
-  """`count` prompts of `split`, encoded by `tokenizer`: `(tokens [count, P], lengths
-  [count])`. Training prompts are a seeded shuffle of the split; held-out ones its first
-  `count`."""
-  from specjax.rl.data import PromptReader
-  if config.gsm8k_file is not None:
-    task = GSM8KTask(config.gsm8k_file, tokenizer, test_file=config.gsm8k_test_file,
-                     test_fraction=0.0 if config.gsm8k_test_file else config.gsm8k_test_fraction,
-                     template=config.prompt_template, seed=config.seed)
-  else:
-    task = config.task
-  examples = task.examples(split)
-  field = "num_prompts" if split == "train" else "eval_prompts"
-  if count > len(examples):
-    raise ConfigError(f"{field}={count} is invalid: the {split} split of "
-                      f"{_source_name(config)} has {len(examples)} prompts")
-  records = [{"prompt": encode_prompt(tokenizer, e.prompt), "reference": e.reference,
-              "answer": 0} for e in examples]
-  reader = PromptReader(records, batch_size=count, pad_id=tokenizer.pad_id,
-                        shuffle=split == "train", seed=config.seed)
-  batch = reader.batch_at(0)
-  return batch.tokens, batch.lengths
-
-
-def _check_length(field: str, value: int, needed: int, target: ModelConfig,
-                  detail: str) -> None:
-  if needed > target.max_position:
-    raise ConfigError(f"{field}={value} is invalid: {detail} need {needed} positions, more "
-                      f"than the target's max_position={target.max_position}")
-
-
-def make_data(config: DrafterTrainConfig, target: Target, tokens: np.ndarray,
-              lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Self-distillation data of training prompts `tokens [num_prompts, P]` and its draft
-  vocabulary: `(tokens [B, L], loss_mask [B, L], d2t [W])`, B = num_prompts *
-  responses_per_prompt."""
-  tokens = np.repeat(tokens, config.responses_per_prompt, axis=0)
-  lengths = np.repeat(lengths, config.responses_per_prompt, axis=0)
-  rows = len(tokens)
-  # Pad to whole generation batches: one compiled program instead of one more for the rest.
-  batch = min(config.generation_batch, rows)
-  extra = -rows % batch
-  tokens = np.concatenate([tokens, np.repeat(tokens[-1:], extra, 0)])
-  lengths = np.concatenate([lengths, np.repeat(lengths[-1:], extra, 0)])
-  seqs, mask = self_distillation_data(
-      target.params, target.config, tokens, lengths, jax.random.key(config.seed),
-      max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(config.temperature),
-      eos_id=target.tokenizer.eos_id, pad_id=target.tokenizer.pad_id, batch_size=batch)
-  seqs, mask = seqs[:rows], mask[:rows]
-  w = target.config.vocab_size if config.draft_vocab_size is None else config.draft_vocab_size
-  return seqs, mask, draft_vocab_from_data(seqs, mask, target.config.vocab_size, w)
-
-
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
   """Write through a temporary file and rename it: a killed run leaves no half file."""
   tmp = path.with_name(path.name + ".tmp")
@@ -589,12 +421,12 @@ def run_drafter_training(config: DrafterTrainConfig,
   data_file = run_dir / "data.npz"
   if not data_file.is_file():
     train_tokens, train_lengths = task_prompts(config, tokenizer, "train", config.num_prompts)
-    _check_length("max_new_tokens", config.max_new_tokens,
+    check_length("max_new_tokens", config.max_new_tokens,
                   train_tokens.shape[1] + config.max_new_tokens, target_config,
                   f"training prompts of {train_tokens.shape[1]} tokens and these responses")
   eval_new = config.eval_max_new_tokens or config.max_new_tokens
   eval_tokens, eval_lengths = task_prompts(config, tokenizer, "test", config.eval_prompts)
-  _check_length("max_new_tokens" if config.eval_max_new_tokens is None
+  check_length("max_new_tokens" if config.eval_max_new_tokens is None
                 else "eval_max_new_tokens", eval_new,
                 eval_tokens.shape[1] + eval_new + config.eval_depth + 1, target_config,
                 f"held-out prompts of {eval_tokens.shape[1]} tokens, these responses and a "

@@ -44,7 +44,7 @@ from safetensors.numpy import save_file
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
-from specjax.models.hf import _hf_dtype, _rope_from_hf, _rope_to_hf
+from specjax.models.hf import _param_dtype, _rope_from_hf, _rope_to_hf
 
 Params = dict[str, Any]
 
@@ -156,14 +156,7 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
   if hf.get("target_hidden_size") not in (None, d):
     raise ConfigError(f"config.json: target_hidden_size={hf['target_hidden_size']} is "
                       f"unsupported: allowed equal to hidden_size={d}")
-  if param_dtype == "auto":
-    param_dtype = _hf_dtype(hf) or "float32"
-    if param_dtype not in DTYPES:
-      raise ConfigError(f"config.json: dtype={param_dtype!r} is unsupported: allowed one of "
-                        f"{DTYPES}")
-  elif param_dtype not in DTYPES:
-    raise ConfigError(f"param_dtype={param_dtype!r} is invalid: allowed 'auto' or one of "
-                      f"{DTYPES}")
+  param_dtype = _param_dtype(hf, param_dtype)
 
   aux = hf.get(AUX_KEY) or (hf.get("eagle_config") or {}).get(AUX_KEY)
   if not aux:

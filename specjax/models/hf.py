@@ -177,6 +177,19 @@ def _hf_dtype(hf: Mapping[str, Any]) -> str | None:
   return None if value is None else str(value).removeprefix("torch.")
 
 
+def _param_dtype(hf: Mapping[str, Any], param_dtype: str) -> str:
+  """The parameter dtype to load as: config.json's when `param_dtype` is "auto"."""
+  if param_dtype == "auto":
+    param_dtype = _hf_dtype(hf) or "float32"
+    if param_dtype not in DTYPES:
+      raise ConfigError(f"config.json: dtype={param_dtype!r} is unsupported: allowed one of "
+                        f"{DTYPES}")
+  elif param_dtype not in DTYPES:
+    raise ConfigError(f"param_dtype={param_dtype!r} is invalid: allowed 'auto' or one of "
+                      f"{DTYPES}")
+  return param_dtype
+
+
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
   """`(rope_theta, rope_scaling)` from either spelling.
 
@@ -257,14 +270,7 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
   n_layers = int(hf["num_hidden_layers"])
   _check_supported(hf, family, n_layers)
 
-  if param_dtype == "auto":
-    param_dtype = _hf_dtype(hf) or "float32"
-    if param_dtype not in DTYPES:
-      raise ConfigError(f"config.json: dtype={param_dtype!r} is unsupported: allowed one of "
-                        f"{DTYPES}")
-  elif param_dtype not in DTYPES:
-    raise ConfigError(f"param_dtype={param_dtype!r} is invalid: allowed 'auto' or one of "
-                      f"{DTYPES}")
+  param_dtype = _param_dtype(hf, param_dtype)
 
   n_heads = int(hf["num_attention_heads"])
   theta, scaling = _rope_from_hf(hf)
