@@ -125,7 +125,9 @@ class AcceptedWindow:
 
   A cached drafter whose layer at position p reads (a target feature at p, the token at
   p + 1) can commit the accepted path only once the next round's root is known; it records
-  the path here in `update` and commits it in the same pass that drafts depth 1.
+  the path here in `update` and commits it in the same pass that drafts depth 1. Rounds
+  that draft nothing (plain rounds of an adaptive policy) append to the window, which is
+  committed when the next one would not fit.
 
   Attributes:
     tokens: `[B, D + 1]` the token following each path entry (accepted drafts, then the root).
@@ -138,6 +140,39 @@ class AcceptedWindow:
   hidden: jax.Array
   start: jax.Array
   count: jax.Array
+
+  @classmethod
+  def empty(cls, batch: int, width: int, features: int, dtype: Any,
+            start: jax.Array) -> AcceptedWindow:
+    """A window of `width` entries with nothing pending; the first entry will be `start`."""
+    return cls(tokens=jnp.zeros((batch, width), jnp.int32),
+               hidden=jnp.zeros((batch, width, features), dtype), start=start,
+               count=jnp.zeros((batch,), jnp.int32))
+
+  def cleared(self) -> AcceptedWindow:
+    """The window after its entries were committed."""
+    return self.replace(count=jnp.zeros_like(self.count))
+
+  def overflows(self, count: jax.Array) -> jax.Array:
+    """Scalar: some row cannot append `count [B]` more entries without a commit first."""
+    return jnp.any(self.count + count > self.tokens.shape[1])
+
+  def append(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
+             count: jax.Array) -> AcceptedWindow:
+    """Add the first `count [B]` of `tokens [B, T]`, `hidden [B, T, E]` (positions start ..).
+
+    Rounds are contiguous, so a round's entries follow the pending ones; an empty window
+    starts at the round's `start`. The caller commits first when `overflows(count)`; a
+    round of plain decoding (one entry) can so wait in the window for a speculative round.
+    """
+    width = self.tokens.shape[1]
+    j = jnp.arange(tokens.shape[1])[None, :]
+    slot = jnp.where(j < count[:, None], self.count[:, None] + j, width)  # width: dropped
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    return AcceptedWindow(
+        tokens=self.tokens.at[rows, slot].set(tokens.astype(jnp.int32), mode="drop"),
+        hidden=self.hidden.at[rows, slot].set(hidden.astype(self.hidden.dtype), mode="drop"),
+        start=jnp.where(self.count > 0, self.start, start), count=self.count + count)
 
 
 class Drafter(abc.ABC):
@@ -193,6 +228,11 @@ class Drafter(abc.ABC):
     """The state after this round's verification accepted `result`."""
     del params, config, result
     return state
+
+
+def commit_if_full(state: State, count: jax.Array, commit: Callable[[State], State]) -> State:
+  """`commit(state)` when `state.window` cannot take `count [B]` more entries, else `state`."""
+  return jax.lax.cond(state.window.overflows(count), commit, lambda s: s, state)
 
 
 def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:

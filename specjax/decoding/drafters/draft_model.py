@@ -1,10 +1,12 @@
 """External draft model: a smaller `ModelConfig` sharing the target's tokenizer.
 
-The draft model keeps its own KV cache, committed in lockstep with the target's (everything
-before the root). To draft a tree it runs level by level: a pass over [root] + nodes with the
-tree mask (nothing committed) scores the nodes of depth d - 1, whose children are then drawn.
-After verification one pass over the accepted path commits exactly those entries, which is
-the rollback: rejected drafts were never committed.
+The draft model keeps its own KV cache, committed through the last accepted path. `update`
+records the accepted path in a window; `propose` commits it with one pass (the rollback:
+rejected drafts were never committed), then drafts the tree level by level: a pass over
+[root] + nodes with the tree mask (nothing committed) scores the nodes of depth d - 1, whose
+children are then drawn. Rounds that draft nothing (an adaptive policy's plain rounds) only
+append to the window, which is committed when full, so they cost the draft model almost
+nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decoding.drafters.base import Drafter, Proposal, draft_level_by_level
+from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, commit_if_full,
+                                            draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -27,10 +30,12 @@ from specjax.models.transformer import forward, unembed
 
 @struct.dataclass
 class DraftModelState:
-  """The draft model's parameters and its cache, committed through the root's predecessor."""
+  """The draft model's parameters, its cache, and the accepted tokens not yet committed
+  (`window.tokens` holds path tokens here; the model reads no target features)."""
 
   params: Any
   cache: KVCache
+  window: AcceptedWindow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +64,19 @@ class DraftModelDrafter(Drafter):
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (b, prompt_width))
     out = forward(drafter_params, self.config, ctx.seq[:, :prompt_width], positions, cache,
                   advance=ctx.seq_len - 1, compute_logits=False)
-    return DraftModelState(params=drafter_params, cache=out.cache)
+    window = AcceptedWindow.empty(b, tree.depth + 1, 0, jnp.float32, start=ctx.seq_len - 1)
+    return DraftModelState(params=drafter_params, cache=out.cache, window=window)
+
+  def _commit(self, state: DraftModelState) -> DraftModelState:
+    win = state.window
+    positions = win.start[:, None] + jnp.arange(win.tokens.shape[1])[None, :]
+    out = forward(state.params, self.config, win.tokens, positions, state.cache,
+                  advance=win.count, compute_logits=False)
+    return state.replace(cache=out.cache, window=win.cleared())
 
   def propose(self, params, config, state: DraftModelState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, DraftModelState]:
+    state = self._commit(state)
     positions = (ctx.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
     mask = jnp.asarray(tree.ancestor_mask)
 
@@ -77,8 +91,7 @@ class DraftModelDrafter(Drafter):
     return proposal, state
 
   def update(self, params, config, state: DraftModelState, result) -> DraftModelState:
-    width = result.path_tokens.shape[1]
-    positions = result.start[:, None] + jnp.arange(width)[None, :]
-    out = forward(state.params, self.config, result.path_tokens, positions, state.cache,
-                  advance=result.count, compute_logits=False)
-    return state.replace(cache=out.cache)
+    state = commit_if_full(state, result.count, self._commit)
+    b, width = result.path_tokens.shape
+    return state.replace(window=state.window.append(
+        result.path_tokens, jnp.zeros((b, width, 0)), result.start, result.count))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal,
-                                            draft_level_by_level)
+                                            commit_if_full, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -140,28 +140,28 @@ class Eagle3Drafter(Drafter):
     out, cache = self._layer(drafter_params, params, config, cache, features,
                              ctx.seq[:, 1:p + 1], positions, positions, causal)
     last = jnp.take_along_axis(out, (r - 1)[:, None, None], axis=1)[:, 0]
-    width = tree.depth + 1
-    window = AcceptedWindow(tokens=jnp.zeros((b, width), jnp.int32),
-                            hidden=jnp.zeros((b, width, e), features.dtype), start=r,
-                            count=jnp.zeros((b,), jnp.int32))
+    window = AcceptedWindow.empty(b, tree.depth + 1, e, features.dtype, start=r)
     return Eagle3State(weights=drafter_params, cache=cache.set_lengths(r), last=last,
                        window=window)
 
-  def propose(self, params, config: ModelConfig, state: Eagle3State, ctx, tree: DraftTree,
-              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, Eagle3State]:
-    weights, win = state.weights, state.window
+  def _commit(self, params: Params, config: ModelConfig, state: Eagle3State) -> Eagle3State:
+    """One layer pass over the pending window (positions start .. start + count - 1)."""
+    win = state.window
     b, width = win.tokens.shape
-
-    # Commit the accepted path (positions start .. start + count - 1).
-    lengths = state.cache.lengths
     offsets = jnp.arange(width)[None, :]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((width, width), bool)), (b, width, width))
-    out, cache = self._layer(weights, params, config, state.cache, win.hidden, win.tokens,
-                             win.start[:, None] + offsets, lengths[:, None] + offsets, causal)
+    out, cache = self._layer(state.weights, params, config, state.cache, win.hidden,
+                             win.tokens, win.start[:, None] + offsets,
+                             state.cache.lengths[:, None] + offsets, causal)
     newest = jnp.take_along_axis(out, jnp.maximum(win.count - 1, 0)[:, None, None], 1)[:, 0]
-    last = jnp.where((win.count > 0)[:, None], newest, state.last)
-    cache = cache.advance(win.count)
+    return state.replace(cache=cache.advance(win.count), window=win.cleared(),
+                         last=jnp.where((win.count > 0)[:, None], newest, state.last))
 
+  def propose(self, params, config: ModelConfig, state: Eagle3State, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, Eagle3State]:
+    state = self._commit(params, config, state)
+    weights, cache, last = state.weights, state.cache, state.last
+    b = last.shape[0]
     r = ctx.seq_len - 1
     # Node x's keys go to scratch slot committed + x - 1; x sees its ancestors' and its own.
     node_sees = jnp.asarray(tree.ancestor_mask[:, 1:])  # [N + 1, N]
@@ -179,16 +179,17 @@ class Eagle3Drafter(Drafter):
                                positions, slots, new_mask)
       return self._logits(weights, out), (cache, streams.at[:, parents].set(out))
 
-    streams = jnp.zeros((b, tree.num_nodes + 1, self.config.d_model), out.dtype)
+    streams = jnp.zeros((b, tree.num_nodes + 1, self.config.d_model), last.dtype)
     streams = streams.at[:, 0].set(last)
     proposal, (cache, _) = draft_level_by_level(tree, sampling, key, self.draws(sampling),
                                                 ctx.root, score, (cache, streams))
-    return proposal, state.replace(cache=cache, last=last,
-                                   window=win.replace(count=jnp.zeros_like(win.count)))
+    # The scratch slots hold the nodes' keys beyond `lengths`: the next commit overwrites them.
+    return proposal, state.replace(cache=cache)
 
   def update(self, params, config, state: Eagle3State, result) -> Eagle3State:
     """Record the accepted path with its fused target features; `propose` commits it."""
+    state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
     features = fuse(state.weights.params, self.config,
                     select_aux(self.config, result.features.layers))
-    return state.replace(window=AcceptedWindow(
-        tokens=result.next_tokens, hidden=features, start=result.start, count=result.count))
+    return state.replace(window=state.window.append(result.next_tokens, features,
+                                                    result.start, result.count))

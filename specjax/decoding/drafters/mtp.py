@@ -17,7 +17,10 @@ Both happen in one pass per round: `update` only records the window, and `propos
 module once over [its window ; one chain per node of its depth], committing the window's
 valid prefix. The mask lets a chain see the committed cache, the window's valid prefix and its
 own earlier entries; one forward per module per round instead of two halves the weight reads
-of the drafter, which is what a memory-bound decode step pays for.
+of the drafter, which is what a memory-bound decode step pays for. A round that drafts less
+deep than the deepest tree the state was built for (an adaptive policy's choice) still
+commits the window into the deeper modules, and a round that drafts nothing leaves its entry
+in the window until the window is full.
 
 Shape letters: see `specjax` (B batch, D depth, M nodes at one depth, E d_model, V vocab);
 r is the root position, d the depth being drafted, and a window has D + 1 entries.
@@ -33,7 +36,7 @@ import numpy as np
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, check_depth,
-                                            draft_level_by_level)
+                                            commit_if_full, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -118,73 +121,97 @@ class MTPDrafter(Drafter):
       last.append(jnp.take_along_axis(out.hidden, jnp.maximum(commit - 1, 0)[:, None, None],
                                       axis=1)[:, 0])
       state_in = out.hidden
-    width = tree.depth + 1
     # An empty pending window: nothing to commit before the first proposal.
-    window = AcceptedWindow(tokens=jnp.zeros((b, width), jnp.int32),
-                            hidden=jnp.zeros((b, width, e), prompt.hidden.dtype),
-                            start=r, count=jnp.zeros((b,), jnp.int32))
+    window = AcceptedWindow.empty(b, tree.depth + 1, e, prompt.hidden.dtype, start=r)
     return MTPState(caches=tuple(caches), last=tuple(last), window=window)
+
+  def _module(self, params, config: ModelConfig, state: MTPState, d: int,
+              carry: tuple, chains: tuple[jax.Array, jax.Array, jax.Array]) -> tuple:
+    """Run module d over [the pending window ; chains], committing the window's valid prefix.
+
+    `carry` is (caches, last, window_in): every module's cache and newest committed output
+    (modules < d already advanced this round) and module d's window state inputs. `chains`
+    are (states, tokens, positions) of M chains of d entries each, `[B, M * d, ...]`.
+    Returns the module's chain outputs `[B, M * d, E]` and the carry for module d + 1.
+    """
+    caches, last, window_in = carry
+    win = state.window
+    width = win.tokens.shape[1]
+    chain_states, chain_tokens, chain_pos = chains
+    window_pos = (win.start - d)[:, None] + jnp.arange(width)[None, :]
+    out = mtp_forward(
+        params, config, d, jnp.concatenate([window_in, chain_states], 1),
+        jnp.concatenate([win.tokens, chain_tokens], 1),
+        jnp.concatenate([window_pos, chain_pos], 1), caches[d],
+        new_mask=_window_and_chains_mask(win.count, width, chain_tokens.shape[1], d),
+        advance=win.count, compute_logits=False)
+    window_out = out.hidden[:, :width]
+    newest = jnp.take_along_axis(window_out, jnp.maximum(win.count - 1, 0)[:, None, None],
+                                 axis=1)[:, 0]
+    caches = caches[:d] + (out.cache,) + caches[d + 1:]
+    last = last[:d] + (jnp.where((win.count > 0)[:, None], newest, last[d]),) + last[d + 1:]
+    # Module d + 1's window states: module d's newest output before this window, then its
+    # window outputs shifted by one.
+    next_window_in = jnp.concatenate([state.last[d][:, None], window_out[:, :-1]], 1)
+    return out.hidden[:, width:], (caches, last, next_window_in)
+
+  def _commit_from(self, params, config: ModelConfig, state: MTPState, first: int,
+                   carry: tuple) -> MTPState:
+    """Commit the window into modules `first` .. D - 1 (those this round did not draft with)."""
+    b, e = state.window.hidden.shape[0], config.d_model
+    no_chains = (jnp.zeros((b, 0, e), state.window.hidden.dtype), jnp.zeros((b, 0), jnp.int32),
+                 jnp.zeros((b, 0), jnp.int32))
+    for d in range(first, len(state.caches)):
+      _, carry = self._module(params, config, state, d, carry, no_chains)
+    caches, last, _ = carry
+    return MTPState(caches=caches, last=last, window=state.window.cleared())
+
+  def _commit(self, params, config: ModelConfig, state: MTPState) -> MTPState:
+    return self._commit_from(params, config, state, 0,
+                             (state.caches, state.last, state.window.hidden))
 
   def propose(self, params, config: ModelConfig, state: MTPState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, MTPState]:
     b = ctx.seq.shape[0]
     r = ctx.seq_len - 1
-    win = state.window
-    width = win.tokens.shape[1]
 
     def score(d, parents, tokens, carry):
-      """Run module d over [its window ; one chain per depth-d node], committing the window.
+      """Module d over [its window ; one chain per depth-d node], committing the window.
 
       The chain of a depth-d node x sits at positions r - d .. r - 1: its tokens are x's
       ancestors at depths 1..d (x last), its states module d-1's newest committed output
       followed by module d-1's chain for x's parent (computed one depth earlier).
       """
-      caches, last, window_in, chain_out = carry
+      carry, chain_out = carry
       m = len(parents)
       if d > 0:
         anc = np.stack([tree.path_to(int(x)) for x in parents])  # [M, d]
         parent_slot = tree.level_slot[tree.parent_array[parents]]
+        last = carry[1]
         first = jnp.broadcast_to(last[d - 1][:, None, None], (b, m, 1, config.d_model))
         rest = chain_out[:, parent_slot, :d - 1] if d > 1 else first[:, :, :0]
-        chain_states = jnp.concatenate([first, rest], axis=2).reshape(b, m * d, -1)
-        chain_tokens = tokens[:, anc].reshape(b, m * d)
-        chain_pos = jnp.broadcast_to((r - d)[:, None, None] + jnp.arange(d)[None, None, :],
-                                     (b, m, d)).reshape(b, m * d)
+        chains = (jnp.concatenate([first, rest], axis=2).reshape(b, m * d, -1),
+                  tokens[:, anc].reshape(b, m * d),
+                  jnp.broadcast_to((r - d)[:, None, None] + jnp.arange(d)[None, None, :],
+                                   (b, m, d)).reshape(b, m * d))
       else:
-        chain_states = jnp.zeros((b, 0, config.d_model), window_in.dtype)
-        chain_tokens = jnp.zeros((b, 0), jnp.int32)
-        chain_pos = jnp.zeros((b, 0), jnp.int32)
-      window_pos = (win.start - d)[:, None] + jnp.arange(width)[None, :]
-      out = mtp_forward(
-          params, config, d, jnp.concatenate([window_in, chain_states], 1),
-          jnp.concatenate([win.tokens, chain_tokens], 1),
-          jnp.concatenate([window_pos, chain_pos], 1), caches[d],
-          new_mask=_window_and_chains_mask(win.count, width, m * d, d), advance=win.count,
-          compute_logits=False)
-      window_out = out.hidden[:, :width]
-      newest = jnp.take_along_axis(window_out, jnp.maximum(win.count - 1, 0)[:, None, None],
-                                   axis=1)[:, 0]
-      caches = caches[:d] + (out.cache,) + caches[d + 1:]
-      last = last[:d] + (jnp.where((win.count > 0)[:, None], newest, last[d]),) + last[d + 1:]
+        chains = (jnp.zeros((b, 0, config.d_model), state.window.hidden.dtype),
+                  jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.int32))
+      out, carry = self._module(params, config, state, d, carry, chains)
       if d == 0:
-        logits = mtp_head_logits(params, config, 0, last[0])[:, None]  # [B, 1, V]
-      else:
-        chain_out = out.hidden[:, width:].reshape(b, m, d, -1)
-        logits = mtp_head_logits(params, config, d, chain_out[:, :, -1])  # [B, M, V]
-      # Module d + 1's window states: module d's newest output before this round's window,
-      # then its window outputs shifted by one.
-      next_window_in = jnp.concatenate([state.last[d][:, None], window_out[:, :-1]], 1)
-      return logits, (caches, last, next_window_in, chain_out)
+        logits = mtp_head_logits(params, config, 0, carry[1][0])[:, None]  # [B, 1, V]
+        return logits, (carry, None)
+      chain_out = out.reshape(b, m, d, -1)
+      return mtp_head_logits(params, config, d, chain_out[:, :, -1]), (carry, chain_out)
 
-    carry = (state.caches, state.last, win.hidden, None)
-    proposal, (caches, last, _, _) = draft_level_by_level(
+    carry = ((state.caches, state.last, state.window.hidden), None)
+    proposal, (carry, _) = draft_level_by_level(
         tree, sampling, key, self.draws(sampling), ctx.root, score, carry)
-    # The window is committed now; `update` records the next one.
-    return proposal, MTPState(caches=caches, last=last,
-                              window=win.replace(count=jnp.zeros_like(win.count)))
+    # Modules deeper than this tree (an adaptive policy's shallower round) commit only.
+    return proposal, self._commit_from(params, config, state, tree.depth, carry)
 
   def update(self, params, config, state: MTPState, result) -> MTPState:
     """Record the accepted window; `propose` commits it in the same pass that drafts."""
-    return state.replace(window=AcceptedWindow(
-        tokens=result.next_tokens, hidden=result.features.hidden, start=result.start,
-        count=result.count))
+    state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
+    return state.replace(window=state.window.append(
+        result.next_tokens, result.features.hidden, result.start, result.count))
