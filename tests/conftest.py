@@ -3,12 +3,14 @@
 XLA_FLAGS must be set before jax is imported anywhere, which is why it lives here.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -16,6 +18,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
+from specjax.decoding import Adaptive  # noqa: E402
 from specjax.models import ModelConfig, init_params  # noqa: E402
 from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
 
@@ -69,3 +72,12 @@ def progression_eagle(progression_models):
   weights, _ = train_eagle3(m["params"], m["config"], config, ((t, mask) for t in data),
                             optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
   return {"config": config, "weights": weights}
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclingPolicy(Adaptive):
+  """Runs the menu's entries in turn, starting with the second (a speculative one): the
+  adversary of any state a drafter keeps for one tree only."""
+
+  def choose(self, counts, batch):
+    return ((counts.rounds + 1) % len(self.menu)).astype(jnp.int32)

@@ -5,7 +5,8 @@ test over 60,000 samples, with the exact target distribution computed by enumera
 continuation and processing the logits with an independent NumPy implementation of
 temperature / top-k / top-p. The drafters are deliberately different models, so a wrong
 acceptance rule would show; a verifier that accepts every draft is the negative control and
-must fail the same test. The EAGLE-3 cases use a 2-layer target (the head reads its inner
+must fail the same test. The switching cases change the tree every round (an adaptive
+policy's freedom). The EAGLE-3 cases use a 2-layer target (the head reads its inner
 residual streams) and a draft vocabulary of 6 of the 8 tokens, so the draft distribution
 has zero mass where the target has some.
 """
@@ -18,8 +19,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, SamplingConfig,
-                              generate, verify)
+from conftest import CyclingPolicy
+from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, MedusaDrafter,
+                              SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
 from specjax.models import Eagle3Config, ModelConfig, forward, init_eagle3, init_params
@@ -114,20 +116,26 @@ def _chi_square_pvalue(tokens: np.ndarray, expected_probs: np.ndarray) -> float:
 
 def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier(),
             config=TARGET):
+  """Sample with a fixed `tree`, or with a `CyclingPolicy` that changes it every round."""
   target, draft = models
   prompts = jnp.tile(jnp.array([PROMPT]), (SAMPLES, 1))
+  kwargs = {"speculation": tree} if isinstance(tree, CyclingPolicy) else {"tree": tree}
   out = generate(target, config, prompts, jnp.full((SAMPLES,), len(PROMPT)),
                  jax.random.key(seed), max_new_tokens=NEW, sampling=s, drafter=drafter,
-                 tree=tree, drafter_params=draft, verifier=verifier)
+                 drafter_params=draft, verifier=verifier, **kwargs)
   assert bool((out.lengths == NEW).all())
   return np.asarray(out.tokens), out.stats
 
 
 SAMPLINGS = {"t1": SamplingConfig(1.0), "t07_topk_topp": SamplingConfig(0.7, top_k=5, top_p=0.9)}
+SWITCHING = CyclingPolicy((DraftTree.chain(1), DraftTree.from_widths((3, 2))),
+                          costs=CostTable((SAMPLES,), ((1.0,),) * 3))
 CASES = {
     "sampled_chain": (DraftModelDrafter(DRAFT, sampled=True), DraftTree.chain(2)),
     "deterministic_tree": (MedusaDrafter(), DraftTree.from_widths((3, 2))),
     "sampled_tree": (DraftModelDrafter(DRAFT, sampled=True), DraftTree.from_widths((3, 2))),
+    # The tree changes from round to round (chain 1, then a (3, 2) tree, then plain).
+    "sampled_switching": (DraftModelDrafter(DRAFT, sampled=True), SWITCHING),
 }
 
 
@@ -148,6 +156,7 @@ EAGLE_CASES = {
     "eagle3_sampled_chain": (Eagle3Drafter(EAGLE, sampled=True), DraftTree.chain(2)),
     "eagle3_deterministic_tree": (Eagle3Drafter(EAGLE), DraftTree.from_widths((3, 2))),
     "eagle3_sampled_tree": (Eagle3Drafter(EAGLE, sampled=True), DraftTree.from_widths((3, 2))),
+    "eagle3_sampled_switching": (Eagle3Drafter(EAGLE, sampled=True), SWITCHING),
 }
 
 
@@ -183,7 +192,7 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
-                                  "eagle3_sampled_chain"])
+                                  "eagle3_sampled_chain", "sampled_switching"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
   if case.startswith("eagle3"):

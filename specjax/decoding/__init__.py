@@ -6,15 +6,17 @@ from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, Dr
                                        Eagle3Weights, MedusaDrafter, MTPDrafter, MTPState,
                                        NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, draft_level_by_level)
+from specjax.decoding.calibrate import calibrate
 from specjax.decoding.engine import (DecodeLoop, DecodeState, GenerationResult, GenerationStats,
                                      generate)
+from specjax.decoding.policy import AcceptanceCounts, Adaptive, CostTable
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, reported_logprobs
 from specjax.decoding.tree import DraftTree
 from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, verify_matching,
                                      verify_sampled)
 
 __all__ = [
-    "AcceptedWindow", "DecodeLoop", "DecodeState", "DraftContext", "DraftModelDrafter",
+    "AcceptanceCounts", "AcceptedWindow", "Adaptive", "CostTable", "calibrate", "DecodeLoop", "DecodeState", "DraftContext", "DraftModelDrafter",
     "DraftModelState", "DraftTree", "Drafter", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
     "GenerationResult", "GenerationStats", "LosslessVerifier", "MTPDrafter", "MTPState",
     "MedusaDrafter", "NGramDrafter", "NoState", "Proposal", "RoundResult", "SamplingConfig",

@@ -32,6 +32,7 @@ from flax import struct
 
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures)
+from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
                                        sample_tokens)
 from specjax.decoding.tree import DraftTree
@@ -54,12 +55,17 @@ class GenerationStats:
     accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted
       and emitted (drafts accepted beyond EOS or max_new_tokens are not counted).
     tokens_per_round: mean tokens emitted per row-round (mean acceptance length; 1 = plain).
+    tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
+    acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
+      call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
   """
 
   rounds: jax.Array
   row_rounds: jax.Array
   accepted_per_depth: jax.Array
   tokens_per_round: jax.Array
+  tree_rounds: jax.Array
+  acceptance: AcceptanceCounts
 
 
 @struct.dataclass
@@ -100,6 +106,8 @@ class DecodeState:
     row_rounds: `[B]`.
     accepted_at_depth: `[max(D, 1)]` accepted-draft counts per depth, summed over row-rounds.
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
+    tree_rounds: `[I]` rounds per menu entry.
+    acceptance: `AcceptanceCounts` the speculation policy reads.
   """
 
   seq: jax.Array
@@ -115,6 +123,8 @@ class DecodeState:
   row_rounds: jax.Array
   accepted_at_depth: jax.Array
   emitted: jax.Array
+  tree_rounds: jax.Array
+  acceptance: AcceptanceCounts
 
   @property
   def context(self) -> DraftContext:
@@ -163,7 +173,8 @@ class DecodeLoop:
     max_len: target cache slots (must hold prompt buffer + max_new_tokens + N + 1).
     sampling: temperature / top-k / top-p (temperature 0 = greedy).
     drafter: a `Drafter`, or None for plain decoding.
-    tree: the draft tree (empty: plain decoding).
+    tree: the draft tree of every round (empty: plain decoding); unused with `speculation`.
+    speculation: an `Adaptive` policy choosing each round's tree from its menu (needs costs).
     eos_id: stop a row after it emits this token (None: run to max_new_tokens).
     pad_id: filler of `GenerationResult.tokens` after each row's end.
     verifier: how a tree is verified; `LosslessVerifier` keeps the target distribution.
@@ -175,6 +186,7 @@ class DecodeLoop:
   sampling: SamplingConfig = SamplingConfig()
   drafter: Drafter | None = None
   tree: DraftTree = DraftTree.empty()
+  speculation: Adaptive | None = None
   eos_id: int | None = None
   pad_id: int = 0
   verifier: Verifier = LosslessVerifier()
@@ -183,13 +195,23 @@ class DecodeLoop:
     if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
                         ">= 1")
-    if self.tree.num_nodes and self.drafter is None:
+    if self.speculation is not None:
+      if not isinstance(self.speculation, Adaptive):
+        raise ConfigError(f"speculation={self.speculation!r} is invalid: must be "
+                          "specjax.decoding.Adaptive(menu=...) or None")
+      if self.tree.num_nodes:
+        raise ConfigError("pass either tree=... (a fixed tree) or speculation=Adaptive(menu) "
+                          "(a tree chosen per round), not both")
+      if self.drafter is None:
+        raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
+    if self.max_nodes and self.drafter is None:
       raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
     if self.drafter is not None and not isinstance(self.drafter, Drafter):
       raise ConfigError(f"drafter={self.drafter!r} is invalid: must be a "
                         "specjax.decoding.Drafter (MTPDrafter(), NGramDrafter(), ...)")
     if self.drafter is not None:
-      self.drafter.validate(self.config, self.tree)
+      for tree in self.menu:
+        self.drafter.validate(self.config, tree)
     vocab = self.config.vocab_size
     if self.eos_id is not None and not (isinstance(self.eos_id, (int, np.integer))
                                         and 0 <= self.eos_id < vocab):
@@ -199,8 +221,23 @@ class DecodeLoop:
       raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int")
 
   @property
+  def menu(self) -> tuple[DraftTree, ...]:
+    """The trees rounds may run: the policy's menu, or the one fixed tree."""
+    return self.speculation.menu if self.speculation is not None else (self.tree,)
+
+  @property
+  def envelope(self) -> DraftTree:
+    """The deepest tree of the menu: the drafter's state is built to serve it (and so every
+    shallower one)."""
+    return max(self.menu, key=lambda t: (t.depth, t.num_nodes))
+
+  @property
+  def max_nodes(self) -> int:
+    return max(t.num_nodes for t in self.menu)
+
+  @property
   def speculative(self) -> bool:
-    return self.drafter is not None and self.tree.num_nodes > 0
+    return self.drafter is not None and self.max_nodes > 0
 
   @property
   def hidden_layers(self) -> tuple[int, ...]:
@@ -217,24 +254,30 @@ class DecodeLoop:
                        f"got {prompt_lengths.shape}")
     if not isinstance(prompt_lengths, jax.core.Tracer):
       lengths = np.asarray(prompt_lengths)
-      shortest = self.drafter.min_prompt_length(self.tree) if self.speculative else 1
+      shortest = self.drafter.min_prompt_length(self.envelope) if self.speculative else 1
       if lengths.min() < shortest or lengths.max() > prompt_tokens.shape[1]:
         raise ValueError(f"prompt_lengths must be in [{shortest}, {prompt_tokens.shape[1]}] "
                          f"(the shortest prompt this drafter and tree can start from is "
                          f"{shortest}), got min {lengths.min()} max {lengths.max()}")
-    needed = prompt_tokens.shape[1] + self.max_new_tokens + self.tree.num_nodes + 1
+    needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
     if needed > self.max_len:
       raise ConfigError(
           f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {self.max_new_tokens} + "
-          f"draft tree nodes {self.tree.num_nodes} + 1 = {needed} does not fit the cache of "
+          f"draft tree nodes {self.max_nodes} + 1 = {needed} does not fit the cache of "
           f"{self.max_len} slots (config.max_position={self.config.max_position}); shorten "
           f"the prompt or max_new_tokens, or raise max_position")
 
   @functools.partial(jax.jit, static_argnums=0)
   def __call__(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-               key: jax.Array, drafter_params: Any = None) -> GenerationResult:
-    """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`)."""
+               key: jax.Array, drafter_params: Any = None,
+               acceptance: AcceptanceCounts | None = None) -> GenerationResult:
+    """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`).
+
+    `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
+    """
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
+    if acceptance is not None:
+      state = state.replace(acceptance=acceptance)
 
     def cond(s: DecodeState):
       return jnp.any(~s.done) & (s.rounds < self.max_new_tokens)
@@ -269,40 +312,52 @@ class DecodeLoop:
         seq=seq, seq_len=prompt_lengths + 1, logp=logp, generated=jnp.ones((b,), jnp.int32),
         done=done, cache=out.cache, last_hidden=last_hidden, drafter_state=None, key=key,
         rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
-        accepted_at_depth=jnp.zeros((max(self.tree.depth, 1),), jnp.int32),
-        emitted=jnp.zeros((), jnp.int32))
+        accepted_at_depth=jnp.zeros((max(self.envelope.depth, 1),), jnp.int32),
+        emitted=jnp.zeros((), jnp.int32), tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
+        acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)))
     if self.speculative:
       prompt = TargetFeatures(hidden=out.hidden, layers=out.intermediates)
       state = state.replace(drafter_state=self.drafter.init(
-          params, self.config, drafter_params, state.context, self.tree, self.max_len, prompt))
+          params, self.config, drafter_params, state.context, self.envelope, self.max_len,
+          prompt))
     return state
 
   # One round ------------------------------------------------------------------------------
 
   def round(self, params: Params, s: DecodeState) -> DecodeState:
-    """One draft -> verify -> emit -> commit round."""
+    """One round: the fixed tree's, or the one the speculation policy picks for it."""
+    if self.speculation is None:
+      return self.round_of(0, params, s)
+    entry = self.speculation.choose(s.acceptance, s.seq.shape[0])
+    branches = [functools.partial(self.round_of, i) for i in range(len(self.menu))]
+    return jax.lax.switch(entry, branches, params, s)
+
+  def round_of(self, entry: int, params: Params, s: DecodeState) -> DecodeState:
+    """One draft -> verify -> emit -> commit round with menu entry `entry`'s tree."""
+    tree = self.menu[entry]
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    proposal, drafter_state = self._draft(params, s, k_draft)
+    proposal, drafter_state = self._draft(tree, params, s, k_draft)
     node_tokens = jnp.concatenate([s.context.root[:, None], proposal.tokens], 1)
-    out, ver = self._verify(params, s, node_tokens, proposal, k_verify)
-    emission = self._emit(s, node_tokens, out, ver)
-    cache = self._commit(s, out.cache, ver)
+    out, ver = self._verify(tree, params, s, node_tokens, proposal, k_verify)
+    emission = self._emit(tree, s, node_tokens, out, ver)
+    cache = self._commit(tree, s, out.cache, ver)
     drafter_state = self._update_drafter(params, s, drafter_state, node_tokens, out, ver,
                                          emission)
     last_hidden = jnp.where(s.done[:, None], s.last_hidden,
                             _take_path(out.hidden, ver.path[:, -1:])[:, 0])
-    return self._count(s, ver, emission).replace(
+    return self._count(entry, s, ver, emission).replace(
         seq=_scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
         logp=_scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
         seq_len=s.seq_len + emission.count, generated=s.generated + emission.count,
         done=emission.done, cache=cache, last_hidden=last_hidden, drafter_state=drafter_state,
         key=key)
 
-  def _draft(self, params: Params, s: DecodeState, key: jax.Array) -> tuple[Proposal, Any]:
-    if not self.speculative:
+  def _draft(self, tree: DraftTree, params: Params, s: DecodeState,
+             key: jax.Array) -> tuple[Proposal, Any]:
+    if not (self.speculative and tree.num_nodes):
       return Proposal(tokens=jnp.zeros((s.seq.shape[0], 0), jnp.int32)), s.drafter_state
     proposal, state = self.drafter.propose(params, self.config, s.drafter_state, s.context,
-                                           self.tree, self.sampling, key)
+                                           tree, self.sampling, key)
     if self.drafter.draws(self.sampling) != (proposal.logprobs is not None):
       raise ConfigError(
           f"{type(self.drafter).__name__}.propose returned "
@@ -311,21 +366,21 @@ class DecodeLoop:
           "they were drawn from, deterministic drafts must not")
     return proposal.replace(tokens=proposal.tokens.astype(jnp.int32)), state
 
-  def _verify(self, params: Params, s: DecodeState, node_tokens: jax.Array,
+  def _verify(self, tree: DraftTree, params: Params, s: DecodeState, node_tokens: jax.Array,
               proposal: Proposal, key: jax.Array) -> tuple[ForwardOutput, VerifyResult]:
     """One target pass over [root] + nodes; nothing is committed until the path is known."""
-    positions = (s.seq_len - 1)[:, None] + jnp.asarray(self.tree.depths)[None, :]
+    positions = (s.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
     out = forward(params, self.config, node_tokens, positions, s.cache,
-                  new_mask=jnp.asarray(self.tree.ancestor_mask), advance=0,
+                  new_mask=jnp.asarray(tree.ancestor_mask), advance=0,
                   hidden_layers=self.hidden_layers)
-    return out, self.verifier(self.tree, node_tokens, out.logits, proposal.logprobs,
+    return out, self.verifier(tree, node_tokens, out.logits, proposal.logprobs,
                               self.sampling, key)
 
-  def _emit(self, s: DecodeState, node_tokens: jax.Array, out: ForwardOutput,
-            ver: VerifyResult) -> Emission:
+  def _emit(self, tree: DraftTree, s: DecodeState, node_tokens: jax.Array,
+            out: ForwardOutput, ver: VerifyResult) -> Emission:
     """Accepted drafts then the next token, cut after EOS and at max_new_tokens."""
     b, eos = s.seq.shape[0], self.eos_id
-    j = jnp.arange(self.tree.depth + 1)[None, :]
+    j = jnp.arange(tree.depth + 1)[None, :]
     a = ver.num_accepted
     path_tokens = _take_path(node_tokens, ver.path)
     shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
@@ -342,16 +397,18 @@ class DecodeLoop:
     logprobs = reported_logprobs(_take_path(out.logits, ver.path), tokens, self.sampling)
     return Emission(tokens=tokens, logprobs=logprobs, count=count, done=s.done | finished)
 
-  def _commit(self, s: DecodeState, cache: KVCache, ver: VerifyResult) -> KVCache:
+  def _commit(self, tree: DraftTree, s: DecodeState, cache: KVCache,
+              ver: VerifyResult) -> KVCache:
     """Move the accepted path's keys/values (root + a drafts) to contiguous slots."""
     base = s.cache.lengths[:, None]
-    if not self.tree.is_chain():  # in a chain the accepted path is already contiguous
-      cache = cache.gather_slots(base + ver.path, base + jnp.arange(self.tree.depth + 1))
+    if not tree.is_chain():  # in a chain the accepted path is already contiguous
+      cache = cache.gather_slots(base + ver.path, base + jnp.arange(tree.depth + 1))
     return cache.advance(jnp.where(s.done, 0, ver.num_accepted + 1))
 
   def _update_drafter(self, params: Params, s: DecodeState, drafter_state: Any,
                       node_tokens: jax.Array, out: ForwardOutput, ver: VerifyResult,
                       emission: Emission) -> Any:
+    """The drafter sees every round's accepted path, plain rounds of a menu included."""
     if not self.speculative:
       return drafter_state
     # The path repeats its last accepted node, so features past `count` are harmless.
@@ -363,14 +420,20 @@ class DecodeLoop:
                          count=jnp.where(s.done, 0, ver.num_accepted + 1))
     return self.drafter.update(params, self.config, drafter_state, result)
 
-  def _count(self, s: DecodeState, ver: VerifyResult, emission: Emission) -> DecodeState:
-    """Round statistics: drafts cut by EOS or max_new_tokens are not counted as accepted."""
+  def _count(self, entry: int, s: DecodeState, ver: VerifyResult,
+             emission: Emission) -> DecodeState:
+    """Round statistics: drafts cut by EOS or max_new_tokens are not counted as accepted
+    (the policy's acceptance counts, which estimate the drafter, count them)."""
     active = ~s.done
     emitted_drafts = jnp.minimum(ver.num_accepted, emission.count)
     depth_hits = (emitted_drafts[:, None] > jnp.arange(s.accepted_at_depth.shape[0])[None, :])
+    decay = self.speculation.decay if self.speculation is not None else 1.0
+    acceptance = s.acceptance.observe(entry, self.menu[entry].depth, ver.num_accepted, active,
+                                      decay)
     return s.replace(rounds=s.rounds + 1, row_rounds=s.row_rounds + active,
                      accepted_at_depth=s.accepted_at_depth + (depth_hits & active[:, None]).sum(0),
-                     emitted=s.emitted + emission.count.sum())
+                     emitted=s.emitted + emission.count.sum(),
+                     tree_rounds=s.tree_rounds.at[entry].add(1), acceptance=acceptance)
 
   def _result(self, s: DecodeState, prompt_lengths: jax.Array) -> GenerationResult:
     j = jnp.arange(self.max_new_tokens)[None, :]
@@ -380,7 +443,8 @@ class DecodeLoop:
     stats = GenerationStats(
         rounds=s.rounds, row_rounds=s.row_rounds,
         accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
-        tokens_per_round=s.emitted.astype(jnp.float32) / denom)
+        tokens_per_round=s.emitted.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
+        acceptance=s.acceptance)
     return GenerationResult(
         tokens=jnp.where(valid, jnp.take_along_axis(s.seq, idx, axis=1), self.pad_id),
         lengths=s.generated, logprobs=jnp.where(valid, jnp.take_along_axis(s.logp, idx, 1), 0.0),
@@ -390,9 +454,10 @@ class DecodeLoop:
 def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
-             tree: DraftTree | None = None, eos_id: int | None = None,
-             drafter_params: Any = None, max_len: int | None = None, pad_id: int = 0,
-             verifier: Verifier = LosslessVerifier()) -> GenerationResult:
+             tree: DraftTree | None = None, speculation: Adaptive | None = None,
+             eos_id: int | None = None, drafter_params: Any = None, max_len: int | None = None,
+             pad_id: int = 0, verifier: Verifier = LosslessVerifier(),
+             acceptance: AcceptanceCounts | None = None) -> GenerationResult:
   """Generate up to `max_new_tokens` per row, speculatively when a drafter is given.
 
   Args:
@@ -404,12 +469,16 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     max_new_tokens: exact upper bound of generated tokens per row.
     sampling: temperature / top-k / top-p (temperature 0 = greedy).
     drafter: a drafter (`specjax.decoding.drafters`), or None for plain decoding.
-    tree: the draft tree (default: empty, i.e. plain decoding).
+    tree: one draft tree for every round (default: empty, i.e. plain decoding).
+    speculation: `Adaptive(menu=...)`: each round runs the menu's tree (plain decoding
+      included) with the most expected tokens per second. Without `costs`, they are measured
+      first with `calibrate` (cached on disk), which needs concrete arguments (not under jit).
     eos_id: stop a row after it emits this token.
     drafter_params: parameters owned by the drafter (a draft model's, an EAGLE-3 head's).
     max_len: cache slots (default: just enough: P + max_new_tokens + N + 1).
     pad_id: filler of `tokens` after each row's end.
     verifier: the verification rule (default lossless; tests inject others).
+    acceptance: the policy's counts from an earlier call (`result.stats.acceptance`).
 
   Returns:
     A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
@@ -419,9 +488,21 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
   if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop
     new = max_new_tokens if isinstance(max_new_tokens, int) else 0
-    max_len = min(prompt_tokens.shape[1] + new + tree.num_nodes + 1, config.max_position)
+    nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)
+                                      else (tree,)))
+    max_len = min(prompt_tokens.shape[1] + new + nodes + 1, config.max_position)
   loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
-                    sampling=sampling, drafter=drafter, tree=tree, eos_id=eos_id,
-                    pad_id=pad_id, verifier=verifier)
+                    sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
+                    eos_id=eos_id, pad_id=pad_id, verifier=verifier)
   loop.check_prompts(prompt_tokens, prompt_lengths)
-  return loop(params, prompt_tokens, prompt_lengths, key, drafter_params)
+  if speculation is not None and speculation.costs is None:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):
+      raise ConfigError("speculation=Adaptive(menu) without costs cannot be calibrated under "
+                        "jit: measure them first, Adaptive(menu, costs=calibrate(...))")
+    from specjax.decoding.calibrate import calibrate  # it imports this module
+    costs = calibrate(params, config, drafter, speculation,
+                      batch_sizes=(prompt_tokens.shape[0],), prompt_len=prompt_tokens.shape[1],
+                      max_new_tokens=max_new_tokens, drafter_params=drafter_params,
+                      sampling=sampling, max_len=max_len)
+    loop = dataclasses.replace(loop, speculation=speculation.with_costs(costs))
+  return loop(params, prompt_tokens, prompt_lengths, key, drafter_params, acceptance)

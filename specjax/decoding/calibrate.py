@@ -1,0 +1,159 @@
+"""Measure what a decoding round of each menu entry costs on the device at hand.
+
+`calibrate` times the real round bodies of the adaptive loop (`DecodeLoop.round_of`: draft,
+verify, emit, commit, drafter update) for every entry of a menu at a few batch sizes, inside
+one compiled loop per entry and batch, as the difference between running n2 and n1 rounds
+(so the prefill and the dispatch cancel), median over repeats. The table is cached on disk,
+keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes
+and sampling, so a second run (or the next RL experiment on the same machine) reads it back.
+
+The cache lives in `$SPECJAX_CACHE_DIR/calibration` (default `~/.cache/specjax`); pass
+`cache_dir=None` to always measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.engine import DecodeLoop
+from specjax.decoding.policy import Adaptive, CostTable
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+
+Params = dict[str, Any]
+DEFAULT = "default"
+MIN_SECONDS = 0.05  # the least time one measurement of an entry runs for
+
+
+def default_cache_dir() -> pathlib.Path:
+  root = os.environ.get("SPECJAX_CACHE_DIR") or pathlib.Path.home() / ".cache" / "specjax"
+  return pathlib.Path(root) / "calibration"
+
+
+def _shapes(tree: Any) -> list:
+  return [[list(x.shape), str(x.dtype)] for x in jax.tree.leaves(tree)]
+
+
+def _cache_key(loop: DecodeLoop, batches: Sequence[int], prompt_len: int, params: Params,
+               drafter_params: Any, rounds: tuple[int, int]) -> str:
+  device = jax.devices()[0]
+  described = {
+      "device": [device.platform, device.device_kind, jax.device_count()],
+      "config": repr(loop.config), "drafter": repr(loop.drafter),
+      "menu": [list(t.parents) for t in loop.menu], "batches": list(batches),
+      "prompt_len": prompt_len, "max_new_tokens": loop.max_new_tokens, "max_len": loop.max_len,
+      "sampling": repr(loop.sampling), "params": _shapes(params),
+      "drafter_params": _shapes(drafter_params), "rounds": list(rounds),
+  }
+  return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _round_timer(loop: DecodeLoop, entry: int):
+  """A compiled `(params, prompts, lengths, key, drafter_params, n) -> done`: the prefill and
+  then exactly n rounds of `entry` (n traced, so one executable serves every n)."""
+
+  @jax.jit
+  def run(params, prompts, lengths, key, drafter_params, n):
+    state = loop.prefill(params, prompts, lengths, key, drafter_params)
+    state = jax.lax.fori_loop(0, n, lambda _, s: loop.round_of(entry, params, s), state)
+    return state.seq_len
+  return run
+
+
+def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
+              speculation: Adaptive | Sequence[DraftTree], *, batch_sizes: Sequence[int],
+              prompt_len: int, max_new_tokens: int, drafter_params: Any = None,
+              sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None,
+              rounds: int = 8, repeats: int = 3, cache_dir: Any = DEFAULT,
+              verbose: bool = False) -> CostTable:
+  """Seconds per round of each menu entry at each batch size, measured (or read from disk).
+
+  Args:
+    params, config, drafter, drafter_params, sampling: as for `generate`.
+    speculation: the `Adaptive` policy (its menu is measured) or a menu of trees.
+    batch_sizes: rows per compiled round to measure (the loop's batch; with compaction, each
+      bucket's).
+    prompt_len, max_new_tokens, max_len: the shapes of the calls the table is for (the cache
+      size is part of what a round costs).
+    rounds: the fewest rounds timed per measurement (more when rounds are so short that
+      `MIN_SECONDS` would not be reached).
+    repeats: measurements per entry; the median is kept.
+    cache_dir: where tables are kept (default: `default_cache_dir()`); None: no disk cache.
+    verbose: print the table.
+
+  Returns:
+    A `CostTable` with one row per entry of the normalised menu (plain decoding first).
+  """
+  menu = speculation.menu if isinstance(speculation, Adaptive) else Adaptive(tuple(speculation)).menu
+  batches = tuple(sorted(set(int(b) for b in batch_sizes)))
+  if not batches or batches[0] < 1:
+    raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be sizes >= 1")
+  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
+    raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
+  max_nodes = max(t.num_nodes for t in menu)
+  if max_len is None:
+    max_len = min(prompt_len + max_new_tokens + max_nodes + 1, config.max_position)
+  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
+                    sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
+  n1, n2 = 2, 2 + rounds
+  path = None
+  if cache_dir is not None:
+    root = default_cache_dir() if cache_dir == DEFAULT else pathlib.Path(cache_dir)
+    path = root / f"{_cache_key(loop, batches, prompt_len, params, drafter_params, (n1, n2))}.json"
+    if path.exists():
+      try:
+        table = CostTable(**json.loads(path.read_text()))
+        if len(table.seconds) == len(menu) and table.batches == batches:
+          if verbose:
+            print(f"calibration read from {path}\n{table.format(menu)}")
+          return table
+      except (ValueError, TypeError, ConfigError):
+        pass  # a damaged or stale file: measure again and overwrite it
+
+  key = jax.random.key(0)
+  seconds = [[0.0] * len(batches) for _ in menu]
+  for j, b in enumerate(batches):
+    prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
+                                 config.vocab_size, jnp.int32)
+    lengths = jnp.full((b,), prompt_len, jnp.int32)
+    loop.check_prompts(prompts, lengths)
+    for i in range(len(menu)):
+      run = _round_timer(loop, i)
+      args = (params, prompts, lengths, key, drafter_params)
+      jax.block_until_ready(run(*args, n2))  # compile and warm up
+      t0 = time.perf_counter()
+      jax.block_until_ready(run(*args, n2))
+      # Tiny rounds take microseconds: time enough of them to rise above the timer's noise.
+      n = max(n2, n1 + int(np.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-9) * n2)))
+      per_round = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args, n1))
+        t1 = time.perf_counter()
+        jax.block_until_ready(run(*args, n))
+        t2 = time.perf_counter()
+        per_round.append(((t2 - t1) - (t1 - t0)) / (n - n1))
+      seconds[i][j] = max(statistics.median(per_round), 1e-7)
+  table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds))
+  if path is not None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(table)))
+    tmp.replace(path)
+  if verbose:
+    print(f"calibration (seconds per round, median of {repeats})\n{table.format(menu)}")
+  return table

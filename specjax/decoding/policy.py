@@ -1,0 +1,195 @@
+"""Speculation that pays: choose each round's draft tree from a menu, inside the compiled loop.
+
+A round of entry i (a draft tree; the empty tree is plain decoding) costs `c_i` seconds at
+the loop's batch size (measured: `specjax.decoding.calibrate`) and emits, per row, an
+expected
+
+    E_i = 1 + sum_{j=1..D_i} P(at least j drafts accepted) = 1 + sum_j prod_{d<j} a_{i,d}
+
+tokens, where a_{i,d} is the probability that the path continues from depth d to depth
+d + 1 given that it reached depth d. `Adaptive` picks argmax_i E_i / c_i every round: the
+entry with the most expected tokens per second, plain decoding (E = 1) whenever nothing
+beats it. The a_{i,d} are running estimates from the rounds of this call (optionally
+carried over from earlier calls, e.g. across RL steps): exponentially decayed counts per
+entry and depth, shrunk towards the estimate pooled over all entries, which is itself
+shrunk towards a prior. The prior is optimistic on purpose: a depth no entry has tried
+yet, or one whose evidence has decayed while plain rounds ran, gets tried again.
+
+Choosing a tree from earlier rounds' outcomes keeps decoding lossless: each round's tree is
+fixed before its drafts and its verification draw, and verification is exact for any tree.
+
+Shape letters: see `specjax` (B batch, D depth); I is the number of menu entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+  """Measured seconds per decoding round of each menu entry, at a few batch sizes.
+
+  Attributes:
+    batches: increasing batch sizes (rows in the compiled round) that were measured.
+    seconds: `seconds[i][j]`, one round of menu entry i at `batches[j]` rows.
+  """
+
+  batches: tuple[int, ...]
+  seconds: tuple[tuple[float, ...], ...]
+
+  def __post_init__(self):
+    batches = tuple(int(b) for b in self.batches)
+    seconds = tuple(tuple(float(x) for x in row) for row in self.seconds)
+    if not batches or list(batches) != sorted(set(batches)) or batches[0] < 1:
+      raise ConfigError(f"CostTable.batches={self.batches!r} is invalid: must be increasing "
+                        "batch sizes >= 1")
+    if not seconds or any(len(row) != len(batches) for row in seconds):
+      raise ConfigError(f"CostTable.seconds must hold one row per menu entry with one cost per "
+                        f"batch size ({len(batches)}), got {self.seconds!r}")
+    if not all(np.isfinite(x) and x > 0 for row in seconds for x in row):
+      raise ConfigError(f"CostTable.seconds must be finite and > 0, got {self.seconds!r}")
+    object.__setattr__(self, "batches", batches)
+    object.__setattr__(self, "seconds", seconds)
+
+  def at(self, batch: int) -> np.ndarray:
+    """`[I]` seconds per round of each entry at `batch` rows (linear in between the measured
+    sizes; beyond them, the nearest measured size scaled by rows for the larger side)."""
+    table = np.asarray(self.seconds, np.float64)
+    if batch > self.batches[-1]:
+      return table[:, -1] * batch / self.batches[-1]
+    return np.array([np.interp(batch, self.batches, row) for row in table])
+
+  def format(self, menu: Sequence[DraftTree]) -> str:
+    """The table as text: one line per entry, milliseconds per round at each batch size."""
+    names = [describe(t) for t in menu]
+    width = max(len(n) for n in names + ["entry"])
+    lines = [f"{'entry':<{width}} " + " ".join(f"{f'B={b}':>9}" for b in self.batches)]
+    for name, row in zip(names, self.seconds):
+      lines.append(f"{name:<{width}} " + " ".join(f"{1e3 * x:7.2f}ms" for x in row))
+    return "\n".join(lines)
+
+
+def describe(tree: DraftTree) -> str:
+  """A short name for a tree: `plain`, `chain3`, or `tree(N=20,D=3)`."""
+  if not tree.num_nodes:
+    return "plain"
+  if tree.is_chain():
+    return f"chain{tree.depth}"
+  return f"tree(N={tree.num_nodes},D={tree.depth})"
+
+
+@struct.dataclass
+class AcceptanceCounts:
+  """Decayed row-round counts from which per-depth acceptance is estimated.
+
+  Attributes:
+    reached: `[I, D]` row-rounds of entry i whose path reached depth d (d drafts accepted)
+      while the tree had a depth d + 1 to try.
+    hits: `[I, D]` of those, the row-rounds that accepted the draft at depth d + 1 too.
+    rounds: scalar int32, rounds observed (not decayed).
+  """
+
+  reached: jax.Array
+  hits: jax.Array
+  rounds: jax.Array
+
+  @classmethod
+  def zeros(cls, entries: int, depth: int) -> AcceptanceCounts:
+    return cls(reached=jnp.zeros((entries, depth), jnp.float32),
+               hits=jnp.zeros((entries, depth), jnp.float32), rounds=jnp.zeros((), jnp.int32))
+
+  def observe(self, entry: int, tree_depth: int, accepted: jax.Array, active: jax.Array,
+              decay: float) -> AcceptanceCounts:
+    """Add one round of entry `entry` (a tree of depth `tree_depth`): `accepted [B]` drafts
+    accepted per row, counted for `active [B]` rows; older counts decay by `decay`."""
+    d = jnp.arange(self.reached.shape[1])[None, :]
+    tried = (d < tree_depth) & active[:, None]
+    reached = (tried & (accepted[:, None] >= d)).sum(0).astype(jnp.float32)
+    hits = (tried & (accepted[:, None] > d)).sum(0).astype(jnp.float32)
+    return AcceptanceCounts(reached=(decay * self.reached).at[entry].add(reached),
+                            hits=(decay * self.hits).at[entry].add(hits), rounds=self.rounds + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+  """Pick each round's draft tree from `menu` by expected tokens per second.
+
+  Attributes:
+    menu: the trees to choose from; plain decoding (the empty tree) is always an entry and is
+      put first when missing, so ties and a lack of evidence never cost a round.
+    costs: seconds per round of each entry (`calibrate`, or a table of your own; one row per
+      entry of the normalised `menu`). None: `generate` calibrates (cached on disk).
+    prior: acceptance probability assumed at a depth with no evidence. Optimistic on purpose:
+      an entry is tried as soon as it would pay at this acceptance, and tried again once the
+      evidence against it has decayed (a round in every few dozen, when it does not pay).
+    prior_rounds: weight of the prior, and of the pooled estimate in each entry's, in
+      row-rounds.
+    decay: factor applied to the counts every round, so that the estimates follow a drafter
+      whose acceptance changes along the generation (1: never forget).
+  """
+
+  menu: tuple[DraftTree, ...]
+  costs: CostTable | None = None
+  prior: float = 0.9
+  prior_rounds: float = 2.0
+  decay: float = 0.98
+
+  def __post_init__(self):
+    menu = tuple(self.menu)
+    if not menu or not all(isinstance(t, DraftTree) for t in menu):
+      raise ConfigError(f"Adaptive.menu={self.menu!r} is invalid: must be a non-empty sequence "
+                        "of DraftTree (e.g. (DraftTree.chain(2), DraftTree.chain(4)))")
+    if len(set(menu)) != len(menu):
+      raise ConfigError(f"Adaptive.menu has a tree twice: {[describe(t) for t in menu]}")
+    plain = DraftTree.empty()
+    menu = (plain,) + tuple(t for t in menu if t != plain)
+    object.__setattr__(self, "menu", menu)
+    if not 0.0 < self.prior < 1.0:
+      raise ConfigError(f"Adaptive.prior={self.prior!r} is invalid: must be in (0, 1)")
+    if not self.prior_rounds > 0:
+      raise ConfigError(f"Adaptive.prior_rounds={self.prior_rounds!r} is invalid: must be > 0")
+    if not 0.0 < self.decay <= 1.0:
+      raise ConfigError(f"Adaptive.decay={self.decay!r} is invalid: must be in (0, 1]")
+    if self.costs is not None and len(self.costs.seconds) != len(menu):
+      raise ConfigError(
+          f"Adaptive.costs has {len(self.costs.seconds)} rows for a menu of {len(menu)} "
+          f"entries {[describe(t) for t in menu]} (plain decoding first): measure the costs "
+          "with calibrate(...) for this menu")
+
+  @property
+  def depth(self) -> int:
+    return max(t.depth for t in self.menu)
+
+  def with_costs(self, costs: CostTable) -> Adaptive:
+    return dataclasses.replace(self, costs=costs)
+
+  def acceptance(self, counts: AcceptanceCounts) -> jax.Array:
+    """`[I, D]` estimated probability of continuing from depth d to d + 1 with entry i."""
+    s = self.prior_rounds
+    pooled = (counts.hits.sum(0) + s * self.prior) / (counts.reached.sum(0) + s)  # [D]
+    return (counts.hits + s * pooled[None, :]) / (counts.reached + s)
+
+  def expected_tokens(self, counts: AcceptanceCounts) -> jax.Array:
+    """`[I]` expected tokens a row emits in one round of each entry."""
+    depths = np.array([t.depth for t in self.menu])
+    reach = jnp.cumprod(self.acceptance(counts), axis=1)  # P(at least d + 1 accepted)
+    used = np.arange(counts.hits.shape[1])[None, :] < depths[:, None]
+    return 1.0 + jnp.where(used, reach, 0.0).sum(1)
+
+  def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
+    """The entry with the most expected tokens per second at `batch` rows (scalar int32)."""
+    if self.costs is None:
+      raise ConfigError("Adaptive.costs is None: pass costs=calibrate(...) (generate does this "
+                        "itself outside jit)")
+    cost = jnp.asarray(self.costs.at(batch), jnp.float32)
+    return jnp.argmax(self.expected_tokens(counts) / cost).astype(jnp.int32)

@@ -1,0 +1,181 @@
+"""Adaptive speculation: the policy's choice against a synthetic cost table, greedy output
+equal to plain decoding while the tree changes from round to round (for every drafter that
+keeps state), calibration and its disk cache, one executable across calls."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import CyclingPolicy, progression_batch
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DecodeLoop,
+                              DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
+                              NGramDrafter, SamplingConfig, calibrate, generate)
+from specjax.decoding.drafters.eagle3 import Eagle3Drafter
+from specjax.errors import ConfigError
+
+GREEDY = SamplingConfig(temperature=0.0)
+CHAINS = (DraftTree.chain(1), DraftTree.chain(2), DraftTree.chain(4))
+
+
+def _counts(policy: Adaptive, alpha: float, rows: float = 1e6) -> AcceptanceCounts:
+  """Counts that say: every entry continues from depth d to d + 1 with probability alpha."""
+  shape = (len(policy.menu), policy.depth)
+  return AcceptanceCounts(reached=jnp.full(shape, rows), hits=jnp.full(shape, alpha * rows),
+                          rounds=jnp.zeros((), jnp.int32))
+
+
+def test_expected_tokens_follow_the_acceptance_per_depth():
+  policy = Adaptive(CHAINS)
+  e = np.asarray(policy.expected_tokens(_counts(policy, 0.5)))
+  np.testing.assert_allclose(e, [1.0, 1.5, 1.75, 1.9375], rtol=1e-5)
+  # No evidence: the prior everywhere.
+  e0 = np.asarray(policy.expected_tokens(AcceptanceCounts.zeros(4, 4)))
+  np.testing.assert_allclose(e0[2], 1 + 0.9 + 0.81, rtol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+def test_the_policy_never_picks_an_entry_that_costs_more_than_it_brings(alpha):
+  rng = np.random.default_rng(int(alpha * 10))
+  policy = Adaptive(CHAINS)
+  for _ in range(20):
+    seconds = np.sort(rng.uniform(1.0, 4.0, size=4))  # deeper trees cost more
+    costs = CostTable(batches=(8,), seconds=tuple((float(x),) for x in seconds))
+    policy = policy.with_costs(costs)
+    counts = _counts(policy, alpha)
+    choice = int(policy.choose(counts, 8))
+    rate = np.asarray(policy.expected_tokens(counts)) / seconds
+    assert rate[choice] == rate.max()
+    assert rate[choice] >= 1.0 / seconds[0]  # never worse than plain decoding
+  if alpha == 0.0:
+    assert choice == 0
+
+
+def test_the_choice_moves_with_acceptance_and_with_the_batch_size():
+  # Verify cost barely grows with depth at 1 row, steeply at 64 (a compute-bound device).
+  costs = CostTable(batches=(1, 64), seconds=((1.0, 4.0), (1.1, 8.0), (1.2, 12.0),
+                                              (1.4, 20.0)))
+  policy = Adaptive(CHAINS, costs=costs)
+  assert int(policy.choose(_counts(policy, 0.9), 1)) == 3
+  assert int(policy.choose(_counts(policy, 0.9), 64)) == 0
+  assert int(policy.choose(_counts(policy, 0.05), 1)) == 0
+  np.testing.assert_allclose(costs.at(32), [1.0 + 3.0 * 31 / 63, 1.1 + 6.9 * 31 / 63,
+                                            1.2 + 10.8 * 31 / 63, 1.4 + 18.6 * 31 / 63])
+  np.testing.assert_allclose(costs.at(128), np.array([4.0, 8.0, 12.0, 20.0]) * 2)
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: Adaptive(()), "non-empty"),
+    (lambda: Adaptive((DraftTree.chain(2), DraftTree.chain(2))), "twice"),
+    (lambda: Adaptive(CHAINS, prior=1.5), "prior"),
+    (lambda: Adaptive(CHAINS, costs=CostTable((1,), ((1.0,),))), "rows for a menu of 4"),
+    (lambda: CostTable((4, 2), ((1.0, 1.0),)), "increasing"),
+    (lambda: CostTable((1,), ((float("nan"),),)), "finite"),
+])
+def test_bad_policies_raise_clear_errors(make, needle):
+  with pytest.raises(ConfigError, match=needle):
+    make()
+
+
+def _prompts():
+  tokens = progression_batch(np.random.default_rng(5), 4, 12)
+  tokens[1, 7:] = 3
+  return jnp.asarray(tokens), jnp.array([12, 7, 5, 9])
+
+
+def _drafters(m, e):
+  return {
+      "mtp": (MTPDrafter(), None, (DraftTree.chain(1), DraftTree.from_widths((2, 1, 1)))),
+      "eagle3": (Eagle3Drafter(e["config"]), e["weights"],
+                 (DraftTree.chain(2), DraftTree.from_widths((2, 2)), DraftTree.chain(5))),
+      "draft_model": (DraftModelDrafter(m["draft_config"]), m["draft_params"],
+                      (DraftTree.chain(3), DraftTree.from_widths((2, 1)))),
+      "medusa": (MedusaDrafter(), None, (DraftTree.chain(1), DraftTree.from_widths((3, 2)))),
+      "ngram": (NGramDrafter(), None, (DraftTree.chain(2), DraftTree.chain(4))),
+  }
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "draft_model", "medusa", "ngram"])
+def test_greedy_output_equals_plain_while_the_tree_changes_every_round(
+    progression_models, progression_eagle, name):
+  m = progression_models
+  drafter, drafter_params, menu = _drafters(m, progression_eagle)[name]
+  prompts, lengths = _prompts()
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=30, sampling=GREEDY, eos_id=5)
+  policy = CyclingPolicy(menu, costs=CostTable((4,), ((1.0,),) * (len(menu) + 1)))
+  spec = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                  max_new_tokens=30, sampling=GREEDY, eos_id=5, drafter=drafter,
+                  speculation=policy, drafter_params=drafter_params)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  np.testing.assert_array_equal(spec.lengths, plain.lengths)
+  np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
+  rounds = np.asarray(spec.stats.tree_rounds)
+  assert rounds.sum() == int(spec.stats.rounds) and (rounds >= 2).all(), rounds
+  if name != "ngram":  # plain rounds in between must not leave the drafter behind
+    assert float(spec.stats.tokens_per_round) > 1.5, spec.stats
+
+
+def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression_models,
+                                                                    tmp_path, monkeypatch):
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  m = progression_models
+  prompts, lengths = _prompts()
+  kwargs = dict(max_new_tokens=24, sampling=GREEDY, drafter=MTPDrafter(),
+                speculation=Adaptive((DraftTree.chain(1), DraftTree.chain(3))))
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=24, sampling=GREEDY)
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0), **kwargs)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  files = list((tmp_path / "calibration").glob("*.json"))
+  assert len(files) == 1
+  table = calibrate(m["params"], m["config"], MTPDrafter(), kwargs["speculation"],
+                    batch_sizes=(4,), prompt_len=12, max_new_tokens=24)
+  assert len(table.seconds) == 3 and all(x > 0 for row in table.seconds for x in row)
+  assert "chain3" in table.format(kwargs["speculation"].menu)
+  before = DecodeLoop.__call__._cache_size()
+  for seed in range(2):  # the same table from disk: the same static loop, no new compile
+    generate(m["params"], m["config"], prompts, lengths, jax.random.key(seed), **kwargs)
+  assert DecodeLoop.__call__._cache_size() == before
+
+
+@pytest.mark.parametrize("costs,expect", [
+    # Speculation as cheap as a plain step: the trained MTP stack accepts most drafts, so
+    # the deepest chain runs nearly every round.
+    (((1.0,), (1.0,), (1.0,)), 2),
+    # A chain-3 round as dear as 5 plain steps: no acceptance can pay for it, never tried.
+    (((1.0,), (3.0,), (5.0,)), 0),
+])
+def test_the_loop_runs_what_the_cost_table_makes_worthwhile(progression_models, costs, expect):
+  m = progression_models
+  prompts, lengths = _prompts()
+  policy = Adaptive((DraftTree.chain(1), DraftTree.chain(3)), costs=CostTable((4,), costs))
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=24, sampling=GREEDY)
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                 max_new_tokens=24, sampling=GREEDY, drafter=MTPDrafter(), speculation=policy)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  rounds = np.asarray(out.stats.tree_rounds)
+  assert rounds[expect] >= rounds.sum() - 1, rounds
+
+
+def test_adaptive_speculation_errors(progression_models):
+  m = progression_models
+  prompts, lengths = _prompts()
+  with pytest.raises(ConfigError, match="not both"):
+    generate(m["params"], m["config"], prompts, lengths, jax.random.key(0), max_new_tokens=4,
+             drafter=MTPDrafter(), tree=DraftTree.chain(2),
+             speculation=Adaptive((DraftTree.chain(1),)))
+  with pytest.raises(ConfigError, match="needs a drafter"):
+    generate(m["params"], m["config"], prompts, lengths, jax.random.key(0), max_new_tokens=4,
+             speculation=Adaptive((DraftTree.chain(1),)))
+  with pytest.raises(ConfigError, match="too deep"):
+    generate(m["params"], m["config"], prompts, lengths, jax.random.key(0), max_new_tokens=4,
+             drafter=MTPDrafter(), speculation=Adaptive((DraftTree.chain(4),)))
+
+  @jax.jit
+  def under_jit(params):
+    return generate(params, m["config"], prompts, lengths, jax.random.key(0), max_new_tokens=4,
+                    drafter=MTPDrafter(), speculation=Adaptive((DraftTree.chain(1),))).tokens
+  with pytest.raises(ConfigError, match="under jit"):
+    under_jit(m["params"])
