@@ -51,6 +51,14 @@ so a burst of load from other processes hits every column alike. Reported per ro
 - `eng eff`: `ratio` / `ideal` = `tail` x `verify` / `cost`: the share of the ideal that the
   drafter, the engine's per-round work and the stragglers leave.
 
+Adaptive rows (`tree` = `adaptive`) run `specjax.decoding.Adaptive` over a menu of chains:
+each round runs plain decoding or the chain with the most expected tokens per second, from
+costs that `calibrate` measured at the row's batch size just before (cached under
+`--cache-dir`/calibration) and acceptance counted as the run goes. The log and the table
+show the share of rounds each entry ran; the summary compares each adaptive row with plain
+decoding and with the best fixed row of its batch. Their `verify` probes the menu's deepest
+tree.
+
 Rows are `Variant`s (`variants()`); a drafter with its own parameters names them with
 `Variant.params_name`, a key of the `drafter_params` dict built in `main`. The JSON output
 (`--json`) holds every field of `Row`, plain rows included, with `verify_ms` / `step_ms`,
@@ -76,9 +84,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _spec_models as M  # noqa: E402
-from specjax.decoding import (DraftModelDrafter, DraftTree, Eagle3Drafter,  # noqa: E402
-                              MedusaDrafter, MTPDrafter, NGramDrafter, SamplingConfig,
-                              generate)
+from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree,  # noqa: E402
+                              Eagle3Drafter, MedusaDrafter, MTPDrafter, NGramDrafter,
+                              SamplingConfig, calibrate, generate)
+from specjax.decoding.policy import describe  # noqa: E402
 from specjax.models import KVCache, forward  # noqa: E402
 
 PROMPT_LEN = 32          # prompt buffer; each row's prompt length is drawn in [16, 32]
@@ -98,6 +107,10 @@ class Variant:
       parameters (MTP and Medusa heads live in the target's, n-gram has none); the draft
       model's and the EAGLE-3 head's (`Eagle3Weights`) are their own.
     quick: also run under `--quick`.
+    menu: for an adaptive row, the trees `Adaptive` chooses from every round (plain decoding
+      included); its costs are measured by `calibrate` at the row's batch size before the
+      row is timed (cached on disk under `--cache-dir`). `tree` is then the menu's deepest,
+      the one whose verify forward the `verify` column probes.
   """
 
   drafter_name: str
@@ -106,6 +119,7 @@ class Variant:
   tree: DraftTree
   params_name: str | None = None
   quick: bool = False
+  menu: tuple[DraftTree, ...] | None = None
 
 
 def variants(sampled: bool, quick: bool) -> list[Variant]:
@@ -114,6 +128,7 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
   mtp, medusa = MTPDrafter(sampled=sampled), MedusaDrafter(sampled=sampled)
   draft = DraftModelDrafter(M.DRAFT, sampled=sampled)
   eagle3 = Eagle3Drafter(M.EAGLE3, sampled=sampled)
+  chains = lambda *ks: tuple(DraftTree.chain(k) for k in ks)
   out = [
       Variant("plain", "-", None, DraftTree.empty(), quick=True),
       Variant("mtp", "chain1", mtp, DraftTree.chain(1)),
@@ -133,6 +148,14 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
       Variant("eagle3", "chain6", eagle3, DraftTree.chain(6), params_name="eagle3"),
       Variant("eagle3", "tree(3,1,1)", eagle3, DraftTree.from_widths((3, 1, 1)),
               params_name="eagle3"),
+      # Adaptive: each round picks plain decoding or one of the menu's chains, by measured
+      # cost and running acceptance (`specjax.decoding.Adaptive`).
+      Variant("mtp", "adaptive", mtp, DraftTree.chain(3), menu=chains(1, 2, 3), quick=True),
+      Variant("draft model", "chain6", draft, DraftTree.chain(6), params_name="draft model"),
+      Variant("draft model", "adaptive", draft, DraftTree.chain(8), params_name="draft model",
+              menu=chains(1, 2, 3, 4, 6, 8)),
+      Variant("eagle3", "adaptive", eagle3, DraftTree.chain(6), params_name="eagle3",
+              menu=chains(1, 2, 3, 4, 6), quick=True),
   ]
   return [v for v in out if v.quick] if quick else out
 
@@ -185,6 +208,7 @@ class Row:
   engine_eff: float   # ratio / ideal
   verify_ms: float    # median verify forward (the T=1 forward for plain)
   step_ms: float      # median T=1 forward timed alongside this row
+  tree_share: str = ""  # adaptive rows: share of rounds each menu entry ran
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -241,7 +265,7 @@ class ForwardProbe:
 
 def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: list[Variant], *,
                 max_new: int, repeats: int, forward_pairs: int, sampling: SamplingConfig,
-                log) -> list[Row]:
+                cache_dir: Path, log) -> list[Row]:
   """Rows for one batch size; `vs[0]` must be plain decoding (every ratio's baseline)."""
   if vs[0].drafter is not None:
     raise ValueError(f"the first variant must be plain decoding, got {vs[0].drafter_name}")
@@ -257,12 +281,22 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
         raise KeyError(f"variant {v.drafter_name} {v.tree_name}: no drafter params named "
                        f"{v.params_name!r}; have {sorted(drafter_params)}")
       kw["drafter_params"] = drafter_params[v.params_name]
+    if v.menu is not None:
+      policy = Adaptive(v.menu)
+      t = time.perf_counter()
+      costs = calibrate(target, M.TARGET, v.drafter, policy, batch_sizes=(batch,),
+                        prompt_len=PROMPT_LEN, max_new_tokens=max_new, sampling=sampling,
+                        drafter_params=kw.get("drafter_params"), cache_dir=cache_dir)
+      log(f"  batch {batch:3d} {v.drafter_name} adaptive: costs ({time.perf_counter() - t:.0f}s)"
+          "\n" + "\n".join("    " + line for line in costs.format(policy.menu).splitlines()))
+      kw |= dict(tree=None, speculation=policy.with_costs(costs))
     return lambda key: generate(target, M.TARGET, prompts, lengths, key, **kw)
 
   def probe(v: Variant, key: jax.Array) -> ForwardProbe:
     speculative = v.drafter is not None and v.tree.num_nodes > 0
     # The state halfway through the run, and the cache size `generate` allocates by default.
-    max_len = min(PROMPT_LEN + max_new + v.tree.num_nodes + 1, M.TARGET.max_position)
+    nodes = max(t.num_nodes for t in v.menu) if v.menu else v.tree.num_nodes
+    max_len = min(PROMPT_LEN + max_new + nodes + 1, M.TARGET.max_position)
     return ForwardProbe(target, v.tree,
                         v.drafter.hidden_layers(M.TARGET) if speculative else (),
                         lengths + max_new // 2, max_len, key)
@@ -283,6 +317,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
   tpr = [[] for _ in vs]
   depth = [[] for _ in vs]
   rounds = [[] for _ in vs]
+  tree_rounds = [[] for _ in vs]
   row_rounds = [[] for _ in vs]
   step_s = [[] for _ in vs]
   verify_s = [[] for _ in vs]
@@ -296,6 +331,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
       tpr[i].append(float(res.stats.tokens_per_round))
       depth[i].append(np.asarray(res.stats.accepted_per_depth))
       rounds[i].append(int(res.stats.rounds))
+      tree_rounds[i].append(np.asarray(res.stats.tree_rounds))
       row_rounds[i].append(float(np.mean(res.stats.row_rounds)))
       # The row's forwards right after its run, in (step, verify) pairs, so that they see
       # the same load as each other and as the run.
@@ -333,12 +369,24 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
                     plain_ms=1e3 * statistics.median(times[0]), rounds=n_rounds, tail=tail,
                     cost=cost, verify=verify, draft=cost - verify, ideal=ideal,
                     engine_eff=ratio / ideal, verify_ms=verify_ms,
-                    step_ms=1e3 * statistics.median(step_s[i])))
+                    step_ms=1e3 * statistics.median(step_s[i]),
+                    tree_share=_tree_share(v, tree_rounds[i])))
     log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
         f"acc len {acc_len:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
         f"{cost:4.2f} = verify {verify:4.2f} + draft {cost - verify:4.2f}; ideal "
-        f"{ideal:4.2f}, engine eff {ratio / ideal:4.2f} (compile {compile_s[i]:.1f}s)")
+        f"{ideal:4.2f}, engine eff {ratio / ideal:4.2f} (compile {compile_s[i]:.1f}s)"
+        + (f"; rounds by tree: {rows[-1].tree_share}" if v.menu else ""))
   return rows
+
+
+def _tree_share(v: Variant, tree_rounds: list[np.ndarray]) -> str:
+  """`plain 10% chain3 90%`: the share of rounds each menu entry ran (adaptive rows only)."""
+  if v.menu is None:
+    return ""
+  total = np.sum(tree_rounds, 0)
+  menu = Adaptive(v.menu).menu
+  return " ".join(f"{describe(t)} {100 * n / total.sum():.0f}%" for t, n in zip(menu, total)
+                  if n)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -355,7 +403,8 @@ def print_table(rows: list[Row]) -> None:
           f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.eff:5.2f} {r.rounds:6.1f} "
           f"{r.tail:5.2f} {r.cost:5.2f} {r.verify:6.2f} {r.draft:5.2f} {r.ideal:5.2f} "
           f"{r.engine_eff:7.2f}  "
-          + " ".join(f"{a:.2f}" for a in r.acc_depth))
+          + " ".join(f"{a:.2f}" for a in r.acc_depth)
+          + (f"  [{r.tree_share}]" if r.tree_share else ""))
 
 
 def main(argv=None) -> int:
@@ -434,7 +483,8 @@ def main(argv=None) -> int:
   rows: list[Row] = []
   for b in batches:
     rows += bench_batch(target, drafter_params, lang, b, vs, max_new=max_new, repeats=repeats,
-                        forward_pairs=args.forward_pairs, sampling=sampling, log=log)
+                        forward_pairs=args.forward_pairs, sampling=sampling,
+                        cache_dir=cache / "calibration", log=log)
   print()
   print_table(rows)
   by_batch = {}
@@ -446,6 +496,13 @@ def main(argv=None) -> int:
     print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {r.ratio:.2f}, acc len "
           f"{r.acc_len:.2f}, eff {r.eff:.2f}, ideal {r.ideal:.2f}, engine eff "
           f"{r.engine_eff:.2f}")
+  for r in rows:  # adaptive rows against plain and against the best fixed tree of their batch
+    if r.tree == "adaptive":
+      fixed = max((x for x in rows if x.batch == r.batch and x.tree != "adaptive"),
+                  key=lambda x: x.ratio)
+      print(f"adaptive {r.drafter} at batch {r.batch}: {r.ratio:.2f}x plain, "
+            f"{r.ratio / fixed.ratio:.2f}x the best fixed row ({fixed.drafter} {fixed.tree} "
+            f"{fixed.ratio:.2f}x) [{r.tree_share}]")
   print(f"load average at the end {os.getloadavg()[0]:.1f}; total "
         f"{time.perf_counter() - t_start:.0f}s")
   if args.json:

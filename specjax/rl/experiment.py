@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,9 @@ import optax
 import tqdm
 
 from specjax.checkpoint import Checkpointer
-from specjax.decoding import (DraftTree, Eagle3Drafter, Eagle3Weights, MedusaDrafter,
-                              MTPDrafter, SamplingConfig, generate)
+from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
+                              MedusaDrafter, MTPDrafter, SamplingConfig, calibrate, generate)
+from specjax.decoding.calibrate import default_cache_dir
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
@@ -57,6 +58,11 @@ class ExperimentConfig:
     temperature: rollout sampling temperature.
     drafter: draft source of the speculative rollouts ("none": plain decoding).
     tree_widths: draft tree, children per node at each depth.
+    speculation: "fixed": every round drafts the `tree_widths` tree; "adaptive": each round
+      runs plain decoding, a chain of 1 .. depth drafts, or that tree, whichever is expected
+      to produce the most tokens per second (`specjax.decoding.Adaptive`), with costs that
+      `calibrate` measures on this machine at the rollout's shapes before training (cached
+      on disk). Speculation then never costs more than it brings.
     eagle3_dir: with drafter "eagle3", an EAGLE-3 head in the public layout to start from
       (`specjax train-drafter` writes one); None distils one from the warm-started policy.
     eagle3_draft_vocab: draft vocabulary of a distilled head (None: the whole vocabulary).
@@ -96,6 +102,7 @@ class ExperimentConfig:
   temperature: float = 1.0
   drafter: Literal["none", "mtp", "medusa", "eagle3"] = "mtp"
   tree_widths: tuple[int, ...] = (1, 1)
+  speculation: Literal["fixed", "adaptive"] = "fixed"
   eagle3_dir: str | None = None
   eagle3_draft_vocab: int | None = None
   eagle3_steps: int = 300
@@ -144,21 +151,42 @@ class ExperimentConfig:
       return eagle3_config_from_hf(json.loads(path.read_text()), self.model)
     return Eagle3Config.for_target(self.model, draft_vocab_size=self.eagle3_draft_vocab)
 
-  def train_config(self, drafter: str | None = None) -> TrainConfig:
+  @property
+  def tree(self) -> DraftTree:
+    return DraftTree.from_widths(self.tree_widths)
+
+  def adaptive(self, costs: CostTable | None = None) -> Adaptive:
+    """The adaptive menu: plain decoding, chains of 1 .. depth drafts, and the tree."""
+    chains = tuple(DraftTree.chain(k) for k in range(1, self.tree.depth + 1))
+    return Adaptive(chains + ((self.tree,) if self.tree not in chains else ()), costs=costs)
+
+  def train_config(self, drafter: str | None = None,
+                   costs: CostTable | None = None) -> TrainConfig:
+    """The train step's configuration; adaptive speculation needs its `costs`
+    (`rollout_costs`)."""
     drafter = self.drafter if drafter is None else drafter
     if drafter == "eagle3":
       draft = Eagle3Drafter(self.eagle3_config())
     else:
       draft = {"none": None, "mtp": MTPDrafter(), "medusa": MedusaDrafter()}[drafter]
-    tree = None if draft is None else DraftTree.from_widths(self.tree_widths)
+    tree, speculation = None, None
+    if draft is not None and self.speculation == "adaptive":
+      speculation = self.adaptive(costs)
+    elif draft is not None:
+      tree = self.tree
     rollout = RolloutConfig(max_new_tokens=self.max_new_tokens,
                             eos_id=self.task.tokenizer.eos_id,
                             sampling=SamplingConfig(self.temperature), drafter=draft,
-                            tree=tree)
+                            tree=tree, speculation=speculation)
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_loss_weight=self.drafter_loss_weight,
                        drafter_learning_rate=self.drafter_learning_rate,
                        async_mode=self.async_mode)
+
+  def fixed_tree(self) -> ExperimentConfig:
+    """This config with every round drafting `tree_widths` (the train state's structure,
+    acceptance probes)."""
+    return dataclasses.replace(self, speculation="fixed")
 
   def optimizer(self) -> optax.GradientTransformation:
     schedule = optax.linear_schedule(0.0, self.learning_rate, max(self.warmup_steps, 1))
@@ -260,10 +288,11 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
 
 def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
                      tokens: int = 16, drafter_params: Eagle3Weights | None = None) -> float:
-  """Mean acceptance length of the speculative rollout on held-out prompts, generating a
-  fixed `tokens` per row (no EOS): it compares drafters on equal work even when the
-  policy's response lengths change during training."""
-  rc = config.train_config().rollout
+  """Mean acceptance length of the speculative rollout's tree (`tree_widths`, also with
+  adaptive speculation) on held-out prompts, generating a fixed `tokens` per row (no EOS):
+  it compares drafters on equal work even when the policy's response lengths change during
+  training."""
+  rc = config.fixed_tree().train_config().rollout
   if rc.drafter is None:
     return 1.0
   tok = config.task.tokenizer
@@ -276,19 +305,38 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   return float(out.stats.tokens_per_round)
 
 
+def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any = None,
+                  log=print) -> CostTable | None:
+  """With adaptive speculation: the seconds per round of each menu entry at the rollout's
+  shapes (`batch` prompts x G rows), measured here (or read from the calibration cache)."""
+  if config.speculation != "adaptive" or config.drafter == "none":
+    return None
+  rc = config.fixed_tree().train_config().rollout
+  start = time.perf_counter()
+  costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
+                    batch_sizes=(batch.tokens.shape[0] * config.grpo.group_size,),
+                    prompt_len=batch.tokens.shape[1], max_new_tokens=config.max_new_tokens,
+                    drafter_params=drafter_params, sampling=rc.sampling)
+  log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; cached in "
+      f"{default_cache_dir()}):\n{costs.format(config.adaptive().menu)}")
+  return costs
+
+
 def rollout_speedup(params, config: ExperimentConfig, batch,
-                    drafter_params: Eagle3Weights | None = None) -> dict[str, float]:
+                    drafter_params: Eagle3Weights | None = None,
+                    costs: CostTable | None = None) -> dict[str, float]:
   """Median rollout time, plain vs speculative, same engine, same prompts (B = prompts x G
-  rows)."""
+  rows); `costs` for adaptive speculation (`rollout_costs`)."""
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
   times, produced, accept = {}, {}, 1.0
   for name in ("none", config.drafter):
-    rc = config.train_config(name).rollout
+    rc = config.train_config(name, costs).rollout
     run = lambda seed: generate(params, config.model, tokens, lengths, jax.random.key(seed),
                                 max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
-                                drafter=rc.drafter, tree=rc.tree, eos_id=rc.eos_id,
+                                drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
+                                eos_id=rc.eos_id,
                                 drafter_params=drafter_params if rc.drafter else None)
     jax.block_until_ready(run(0))
     samples = []
@@ -334,7 +382,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
   """Run (or resume) the experiment; returns the final summary."""
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  tc = config.train_config()
+  # The state's structure does not depend on how each round's tree is chosen; adaptive
+  # speculation gets its measured costs once the parameters exist.
+  tc = config.fixed_tree().train_config()
   optimizer = config.optimizer()
   tok = config.task.tokenizer
   reward = config.task.reward
@@ -346,8 +396,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
   abstract = _abstract_state(config, tc, optimizer)
   if config.async_mode:
     # The pending rollout is part of the state from the first step on.
-    prime = make_prime_fn(tc, reward, pad_id=tok.pad_id)
-    abstract = jax.eval_shape(prime, abstract, reader.batch_at(0))
+    abstract = jax.eval_shape(make_prime_fn(tc, reward, pad_id=tok.pad_id), abstract,
+                              reader.batch_at(0))
   restored = ckpt.restore(abstract)
   metrics_file = run_dir / "metrics.jsonl"
   if restored is None:
@@ -359,9 +409,11 @@ def run(config: ExperimentConfig, log=print) -> dict:
       save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
                   np.asarray(head.d2t))
     state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
+    costs = rollout_costs(params, config, reader.batch_at(0), head, log)
+    tc = config.train_config(costs=costs)
     position = 0
     if config.async_mode:
-      state = prime(state, reader.batch_at(position))
+      state = make_prime_fn(tc, reward, pad_id=tok.pad_id)(state, reader.batch_at(position))
       position = reader.next_position(position)
     meta = {"step": 0, "position": position,
             "accuracy_before": evaluate(state.params, config, test_records),
@@ -374,6 +426,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
+    costs = rollout_costs(state.params, config, reader.batch_at(0), _drafter_params(state), log)
+    tc = config.train_config(costs=costs)
     # Drop metrics logged after the checkpoint: those steps run again, identically.
     kept = [line for line in metrics_file.read_text().splitlines()
             if line and json.loads(line)["step"] <= meta["step"]]
@@ -425,7 +479,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
     save_eagle3(run_dir / "eagle3", state.drafter.weights.params, tc.eagle3.config,
                 np.asarray(state.drafter.weights.d2t))
   summary |= rollout_speedup(state.params, config, reader.batch_at(0),
-                             _drafter_params(state))
+                             _drafter_params(state), costs)
   history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
   summary["acceptance_first"] = float(np.mean([h["acceptance_length"] for h in history[:5]]))
   summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))

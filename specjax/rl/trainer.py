@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax.decoding import generate
+from specjax.decoding import Adaptive, generate
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import SamplingConfig
@@ -59,7 +59,9 @@ class RolloutConfig:
     max_new_tokens: T, response tokens per row at most.
     sampling: the policy's sampling distribution (temperature 1 for on-policy RL).
     drafter: a drafter, or None for plain autoregressive rollouts.
-    tree: the draft tree (None with no drafter).
+    tree: the draft tree of every round (None with no drafter, or with `speculation`).
+    speculation: an `Adaptive` policy choosing each round's tree (with the drafter), with
+      its measured costs (`specjax.decoding.calibrate` at the rollout's shapes).
     eos_id: end-of-response token (None: every response runs to max_new_tokens).
   """
 
@@ -68,12 +70,22 @@ class RolloutConfig:
   sampling: SamplingConfig = SamplingConfig(1.0)
   drafter: Drafter | None = None
   tree: DraftTree | None = None
+  speculation: Adaptive | None = None
 
   def __post_init__(self):
     if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an "
                         "int >= 1")
-    if (self.drafter is None) != (self.tree is None or not self.tree.num_nodes):
+    fixed = self.tree is not None and self.tree.num_nodes > 0
+    if self.speculation is not None:
+      if fixed or self.drafter is None:
+        raise ConfigError("speculation=Adaptive(...) takes a drafter and no tree (the policy "
+                          "chooses the tree)")
+      if self.speculation.costs is None:
+        raise ConfigError("speculation=Adaptive(...) in a rollout needs its costs: the train "
+                          "step is compiled, so measure them first, Adaptive(menu, "
+                          "costs=calibrate(...)) at the rollout's batch and lengths")
+    elif (self.drafter is None) != (not fixed):
       raise ConfigError("drafter and tree go together: pass both, or neither for plain "
                         "rollouts")
 
@@ -248,7 +260,8 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   prompt_lengths = jnp.repeat(prompt_lengths, g, axis=0)
   out = generate(params, config.model, prompts, prompt_lengths, key,
                  max_new_tokens=rc.max_new_tokens, sampling=rc.sampling, drafter=rc.drafter,
-                 tree=rc.tree, eos_id=rc.eos_id, pad_id=pad_id, drafter_params=drafter_params)
+                 tree=rc.tree, speculation=rc.speculation, eos_id=rc.eos_id, pad_id=pad_id,
+                 drafter_params=drafter_params)
   tokens, response_mask, valid_mask, behaviour = _assemble(
       prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
   zeros = jnp.zeros(prompts.shape[:1], jnp.float32)
