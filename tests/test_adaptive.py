@@ -179,3 +179,27 @@ def test_adaptive_speculation_errors(progression_models):
                     drafter=MTPDrafter(), speculation=Adaptive((DraftTree.chain(1),))).tokens
   with pytest.raises(ConfigError, match="under jit"):
     under_jit(m["params"])
+
+
+@pytest.mark.parametrize("name", ["mtp", "eagle3", "draft_model"])
+def test_compacting_the_batch_as_rows_finish_keeps_every_row_exact(
+    progression_models, progression_eagle, name):
+  m = progression_models
+  drafter, drafter_params, menu = _drafters(m, progression_eagle)[name]
+  tokens = progression_batch(np.random.default_rng(9), 8, 10)
+  prompts, lengths = jnp.asarray(tokens), jnp.array([10, 4, 7, 10, 5, 9, 6, 8])
+  # An EOS that some rows meet early and others late or never: the batch shrinks 8 -> 4 -> 2.
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=40, sampling=GREEDY, eos_id=7)
+  assert len(set(np.asarray(plain.lengths).tolist())) >= 3, plain.lengths
+  policy = CyclingPolicy(menu, costs=CostTable((2, 8), ((1.0, 1.0),) * (len(menu) + 1)))
+  for kwargs in (dict(tree=menu[-1]), dict(speculation=policy)):
+    out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=40, sampling=GREEDY, eos_id=7, drafter=drafter,
+                   drafter_params=drafter_params, compaction=2, **kwargs)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)
+    assert bool(out.done.all())
+  assert DecodeLoop(config=m["config"], max_new_tokens=4, max_len=32,
+                    compaction=3).buckets(8) == (8, 4, 2, 1)

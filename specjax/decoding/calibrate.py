@@ -62,6 +62,28 @@ def _cache_key(loop: DecodeLoop, batches: Sequence[int], prompt_len: int, params
   return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
+  """Store `table` at `path` unless a table is there already, and return the stored one.
+
+  Processes that calibrate the same configuration at the same time (the runs of one sweep,
+  a run and its restart) then all decode with the table of whichever finished first, so
+  their tree choices, and with them their samples, agree.
+  """
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".tmp{os.getpid()}")
+  tmp.write_text(json.dumps(dataclasses.asdict(table)))
+  try:
+    os.link(tmp, path)  # atomic, and fails if the file exists
+  except FileExistsError:
+    try:
+      return CostTable(**json.loads(path.read_text()))
+    except (ValueError, TypeError, ConfigError):
+      tmp.replace(path)  # a damaged table: ours replaces it
+  finally:
+    tmp.unlink(missing_ok=True)
+  return table
+
+
 def _round_timer(loop: DecodeLoop, entry: int):
   """A compiled `(params, prompts, lengths, key, drafter_params, n) -> done`: the prefill and
   then exactly n rounds of `entry` (n traced, so one executable serves every n)."""
@@ -150,10 +172,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       seconds[i][j] = max(statistics.median(per_round), 1e-7)
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds))
   if path is not None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dataclasses.asdict(table)))
-    tmp.replace(path)
+    table = _keep_first(path, table)
   if verbose:
     print(f"calibration (seconds per round, median of {repeats})\n{table.format(menu)}")
   return table

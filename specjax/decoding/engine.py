@@ -158,6 +158,30 @@ def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array,
                                                            mode="drop")
 
 
+@struct.dataclass
+class RowOutputs:
+  """What the result needs of every row, kept at the full batch while the loop compacts.
+
+  Attributes:
+    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
+  """
+
+  seq: jax.Array
+  logp: jax.Array
+  generated: jax.Array
+  done: jax.Array
+  row_rounds: jax.Array
+
+  @classmethod
+  def of(cls, s: DecodeState) -> RowOutputs:
+    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
+               row_rounds=s.row_rounds)
+
+  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
+    """These outputs with rows `rows` replaced by `part`'s."""
+    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
+
+
 def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:
   """`x[b, path[b, j]]` for x `[B, N + 1, ...]` and path `[B, D + 1]`."""
   return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -175,6 +199,10 @@ class DecodeLoop:
     drafter: a `Drafter`, or None for plain decoding.
     tree: the draft tree of every round (empty: plain decoding); unused with `speculation`.
     speculation: an `Adaptive` policy choosing each round's tree from its menu (needs costs).
+    compaction: halvings of the batch as rows finish (0: none). With 2, the loop runs at B
+      rows until at most B/2 are still generating, gathers those into a batch of B/2 (one
+      copy of the caches), and so on down to B/4, so the long tail of a few slow rows runs
+      at small-batch cost. The policy sees each phase's batch size.
     eos_id: stop a row after it emits this token (None: run to max_new_tokens).
     pad_id: filler of `GenerationResult.tokens` after each row's end.
     verifier: how a tree is verified; `LosslessVerifier` keeps the target distribution.
@@ -187,6 +215,7 @@ class DecodeLoop:
   drafter: Drafter | None = None
   tree: DraftTree = DraftTree.empty()
   speculation: Adaptive | None = None
+  compaction: int = 0
   eos_id: int | None = None
   pad_id: int = 0
   verifier: Verifier = LosslessVerifier()
@@ -204,6 +233,9 @@ class DecodeLoop:
                           "(a tree chosen per round), not both")
       if self.drafter is None:
         raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
+    if not (isinstance(self.compaction, int) and self.compaction >= 0):
+      raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
+                        "(halvings of the batch)")
     if self.max_nodes and self.drafter is None:
       raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
     if self.drafter is not None and not isinstance(self.drafter, Drafter):
@@ -278,12 +310,39 @@ class DecodeLoop:
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
     if acceptance is not None:
       state = state.replace(acceptance=acceptance)
+    buckets = self.buckets(prompt_tokens.shape[0])
+    outputs, rows = RowOutputs.of(state), jnp.arange(prompt_tokens.shape[0])
+    for k in range(len(buckets)):
+      smaller = buckets[k + 1] if k + 1 < len(buckets) else 0
 
-    def cond(s: DecodeState):
-      return jnp.any(~s.done) & (s.rounds < self.max_new_tokens)
+      def cond(s: DecodeState, smaller=smaller):
+        return ((~s.done).sum() > smaller) & (s.rounds < self.max_new_tokens)
 
-    state = jax.lax.while_loop(cond, functools.partial(self.round, params), state)
-    return self._result(state, prompt_lengths)
+      state = jax.lax.while_loop(cond, functools.partial(self.round, params), state)
+      if smaller:  # file every row's output, then keep the live rows (and some finished)
+        outputs = outputs.put(rows, RowOutputs.of(state))
+        keep = jnp.argsort(state.done, stable=True)[:smaller]
+        rows, state = rows[keep], self._take_rows(state, keep)
+    outputs = outputs.put(rows, RowOutputs.of(state)) if len(buckets) > 1 else RowOutputs.of(state)
+    return self._result(state, outputs, prompt_lengths)
+
+  def buckets(self, batch: int) -> tuple[int, ...]:
+    """The batch sizes the loop runs at: B, then each halving (rounded up) while > 1."""
+    sizes = [batch]
+    for _ in range(self.compaction):
+      if sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // 2))
+    return tuple(sizes)
+
+  def _take_rows(self, s: DecodeState, rows: jax.Array) -> DecodeState:
+    """The loop's state for rows `rows` only (per-row arrays, caches, drafter state)."""
+    per_row = lambda x: jnp.take(x, rows, axis=0)
+    drafter_state = (self.drafter.take_rows(s.drafter_state, rows) if self.speculative
+                     else s.drafter_state)
+    return s.replace(seq=per_row(s.seq), seq_len=per_row(s.seq_len), logp=per_row(s.logp),
+                     generated=per_row(s.generated), done=per_row(s.done),
+                     cache=jax.tree.map(per_row, s.cache), last_hidden=per_row(s.last_hidden),
+                     row_rounds=per_row(s.row_rounds), drafter_state=drafter_state)
 
   # The prefill ----------------------------------------------------------------------------
 
@@ -435,20 +494,23 @@ class DecodeLoop:
                      emitted=s.emitted + emission.count.sum(),
                      tree_rounds=s.tree_rounds.at[entry].add(1), acceptance=acceptance)
 
-  def _result(self, s: DecodeState, prompt_lengths: jax.Array) -> GenerationResult:
+  def _result(self, s: DecodeState, out: RowOutputs,
+              prompt_lengths: jax.Array) -> GenerationResult:
+    """The result from every row's outputs `out` and the loop-wide counters of `s`."""
     j = jnp.arange(self.max_new_tokens)[None, :]
-    idx = jnp.minimum(prompt_lengths[:, None] + j, s.seq.shape[1] - 1)
-    valid = j < s.generated[:, None]
-    denom = jnp.maximum(s.row_rounds.sum(), 1).astype(jnp.float32)
+    idx = jnp.minimum(prompt_lengths[:, None] + j, out.seq.shape[1] - 1)
+    valid = j < out.generated[:, None]
+    denom = jnp.maximum(out.row_rounds.sum(), 1).astype(jnp.float32)
     stats = GenerationStats(
-        rounds=s.rounds, row_rounds=s.row_rounds,
+        rounds=s.rounds, row_rounds=out.row_rounds,
         accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
         tokens_per_round=s.emitted.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
         acceptance=s.acceptance)
     return GenerationResult(
-        tokens=jnp.where(valid, jnp.take_along_axis(s.seq, idx, axis=1), self.pad_id),
-        lengths=s.generated, logprobs=jnp.where(valid, jnp.take_along_axis(s.logp, idx, 1), 0.0),
-        done=s.done, stats=stats)
+        tokens=jnp.where(valid, jnp.take_along_axis(out.seq, idx, axis=1), self.pad_id),
+        lengths=out.generated,
+        logprobs=jnp.where(valid, jnp.take_along_axis(out.logp, idx, 1), 0.0),
+        done=out.done, stats=stats)
 
 
 def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
@@ -457,7 +519,8 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              tree: DraftTree | None = None, speculation: Adaptive | None = None,
              eos_id: int | None = None, drafter_params: Any = None, max_len: int | None = None,
              pad_id: int = 0, verifier: Verifier = LosslessVerifier(),
-             acceptance: AcceptanceCounts | None = None) -> GenerationResult:
+             acceptance: AcceptanceCounts | None = None,
+             compaction: int = 0) -> GenerationResult:
   """Generate up to `max_new_tokens` per row, speculatively when a drafter is given.
 
   Args:
@@ -479,6 +542,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     pad_id: filler of `tokens` after each row's end.
     verifier: the verification rule (default lossless; tests inject others).
     acceptance: the policy's counts from an earlier call (`result.stats.acceptance`).
+    compaction: halve the batch this many times as rows finish (`DecodeLoop.compaction`).
 
   Returns:
     A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
@@ -493,7 +557,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     max_len = min(prompt_tokens.shape[1] + new + nodes + 1, config.max_position)
   loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
                     sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
-                    eos_id=eos_id, pad_id=pad_id, verifier=verifier)
+                    compaction=compaction, eos_id=eos_id, pad_id=pad_id, verifier=verifier)
   loop.check_prompts(prompt_tokens, prompt_lengths)
   if speculation is not None and speculation.costs is None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):
@@ -501,7 +565,8 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
                         "jit: measure them first, Adaptive(menu, costs=calibrate(...))")
     from specjax.decoding.calibrate import calibrate  # it imports this module
     costs = calibrate(params, config, drafter, speculation,
-                      batch_sizes=(prompt_tokens.shape[0],), prompt_len=prompt_tokens.shape[1],
+                      batch_sizes=loop.buckets(prompt_tokens.shape[0]),
+                      prompt_len=prompt_tokens.shape[1],
                       max_new_tokens=max_new_tokens, drafter_params=drafter_params,
                       sampling=sampling, max_len=max_len)
     loop = dataclasses.replace(loop, speculation=speculation.with_costs(costs))

@@ -25,6 +25,7 @@ N draft nodes, D tree depth, M nodes at one depth, E d_model, V vocab).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -228,6 +229,28 @@ class Drafter(abc.ABC):
     """The state after this round's verification accepted `result`."""
     del params, config, result
     return state
+
+  def take_rows(self, state: State, rows: jax.Array) -> State:
+    """The state of rows `rows [B']` only (the loop compacts its batch as rows finish).
+
+    The default takes every array of the state along its first axis, except the fields a
+    state class names in `UNBATCHED` (parameters the drafter carries, shared by all rows).
+    """
+    return take_rows(state, rows)
+
+
+def take_rows(tree: Any, rows: jax.Array) -> Any:
+  """`x[rows]` for every array of `tree`, skipping the fields of any dataclass in it whose
+  class lists them in `UNBATCHED`."""
+  if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    unbatched = getattr(type(tree), "UNBATCHED", ())
+    return tree.replace(**{f.name: take_rows(getattr(tree, f.name), rows)
+                           for f in dataclasses.fields(tree) if f.name not in unbatched})
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(take_rows(x, rows) for x in tree)
+  if tree is None:
+    return None
+  return jnp.take(tree, rows, axis=0)
 
 
 def commit_if_full(state: State, count: jax.Array, commit: Callable[[State], State]) -> State:

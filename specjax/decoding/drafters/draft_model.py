@@ -12,7 +12,7 @@ nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ from specjax.models.transformer import forward, unembed
 class DraftModelState:
   """The draft model's parameters, its cache, and the accepted tokens not yet committed
   (`window.tokens` holds path tokens here; the model reads no target features)."""
+
+  UNBATCHED: ClassVar[tuple[str, ...]] = ("params",)
 
   params: Any
   cache: KVCache

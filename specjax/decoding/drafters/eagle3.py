@@ -26,7 +26,7 @@ M nodes at one depth, S cache slots, E d_model, V vocab, W draft vocab).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,8 @@ class Eagle3State:
     last: `[B, E]` the layer's output at the newest committed position.
     window: `AcceptedWindow` whose `hidden` holds fused target features.
   """
+
+  UNBATCHED: ClassVar[tuple[str, ...]] = ("weights",)
 
   weights: Eagle3Weights
   cache: KVCache
