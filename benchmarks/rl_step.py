@@ -7,9 +7,11 @@ The policy is `spec_decode.py`'s >= 25M-parameter target (trained on the phrase 
 with MTP heads and an EAGLE-3 head trained on its own samples; cached in benchmarks/.cache).
 Each arm is the fused program of `specjax.rl.trainer.make_train_step`: rollout of G responses
 per prompt at temperature 1 -> JAX reward -> group advantages -> update -> online drafter
-update. The arms differ only in the rollout: plain autoregressive, MTP chain, or EAGLE-3
-chain (its head trained online, detached) — in the same engine, from the same state, on the
-same prompts.
+update. The arms differ only in the rollout: plain autoregressive, MTP chain, EAGLE-3 chain
+(its head trained online, detached), or EAGLE-3 with adaptive speculation (each round runs
+plain decoding or one of the menu's chains, by costs `calibrate` measured on this machine
+before the run and acceptance counted during the rollout) — in the same engine, from the
+same state, on the same prompts.
 
 Arms are interleaved step by step (step i of every arm, then step i + 1), so a burst of load
 hits all arms alike. Each step is also timed as its two halves, each its own compiled
@@ -39,7 +41,8 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _spec_models as M  # noqa: E402
 
-from specjax.decoding import DraftTree, Eagle3Drafter, MTPDrafter, SamplingConfig  # noqa: E402
+from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, MTPDrafter,  # noqa: E402
+                              SamplingConfig, calibrate)
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
   parser.add_argument("--max-new", type=int, default=128, help="response tokens T")
   parser.add_argument("--mtp-depth", type=int, default=3, help="MTP chain length")
   parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE-3 chain length")
+  parser.add_argument("--adaptive-menu", default="1,2,3,4,6",
+                      help="chain lengths of the adaptive EAGLE-3 arm's menu ('' : no such arm)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per arm")
   parser.add_argument("--cache-dir", type=Path,
                       default=Path(__file__).resolve().parent / ".cache")
@@ -135,15 +140,24 @@ def main(argv=None) -> int:
 
   grpo = GRPOConfig(group_size=args.group_size)
   reward_fn = number_reward(lang)
+  sampling = SamplingConfig(1.0)
+  setups = [("plain", None, None, None),
+            (f"mtp chain{args.mtp_depth}", MTPDrafter(), DraftTree.chain(args.mtp_depth), None),
+            (f"eagle3 chain{args.eagle_depth}", Eagle3Drafter(M.EAGLE3),
+             DraftTree.chain(args.eagle_depth), None)]
+  if args.adaptive_menu:
+    policy = Adaptive(tuple(DraftTree.chain(int(k)) for k in args.adaptive_menu.split(",")))
+    costs = calibrate(target, M.TARGET, Eagle3Drafter(M.EAGLE3), policy,
+                      batch_sizes=(args.prompts * args.group_size,), prompt_len=32,
+                      max_new_tokens=args.max_new, drafter_params=head, sampling=sampling,
+                      cache_dir=args.cache_dir / "calibration")
+    print("adaptive arm's costs per round:\n" + costs.format(policy.menu))
+    setups.append(("eagle3 adaptive", Eagle3Drafter(M.EAGLE3), None, policy.with_costs(costs)))
   arms = []
-  for name, drafter, tree in (
-      ("plain", None, None),
-      (f"mtp chain{args.mtp_depth}", MTPDrafter(), DraftTree.chain(args.mtp_depth)),
-      (f"eagle3 chain{args.eagle_depth}", Eagle3Drafter(M.EAGLE3),
-       DraftTree.chain(args.eagle_depth))):
+  for name, drafter, tree, speculation in setups:
     config = TrainConfig(model=M.TARGET, grpo=grpo, rollout=RolloutConfig(
-        max_new_tokens=args.max_new, eos_id=None, sampling=SamplingConfig(1.0), drafter=drafter,
-        tree=tree))
+        max_new_tokens=args.max_new, eos_id=None, sampling=sampling, drafter=drafter,
+        tree=tree, speculation=speculation))
     optimizer = optax.adam(1e-5)
     state = init_train_state(
         config, jax.tree.map(jnp.array, target), optimizer, seed=0,

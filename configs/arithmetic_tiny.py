@@ -29,6 +29,7 @@ def get_config() -> ExperimentConfig:
       max_new_tokens=task.max_answer_tokens,
       drafter="mtp",
       tree_widths=(1, 1),
+      speculation="adaptive",
       steps=300,
       prompts_per_step=16,
       learning_rate=3e-4,

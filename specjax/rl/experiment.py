@@ -308,17 +308,32 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
 def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any = None,
                   log=print) -> CostTable | None:
   """With adaptive speculation: the seconds per round of each menu entry at the rollout's
-  shapes (`batch` prompts x G rows), measured here (or read from the calibration cache)."""
+  shapes (`batch` prompts x G rows).
+
+  Measured once per run (or read from the calibration cache) and kept in the run directory
+  (`speculation_costs.json`): a resumed run chooses its trees from the same table, so it
+  reproduces the uninterrupted run.
+  """
   if config.speculation != "adaptive" or config.drafter == "none":
     return None
+  kept = Path(config.run_dir) / "speculation_costs.json"
+  menu = config.adaptive().menu
+  if kept.exists():
+    costs = CostTable(**json.loads(kept.read_text()))
+    log(f"speculation costs per round, as measured when this run started ({kept}):\n"
+        f"{costs.format(menu)}")
+    return costs
   rc = config.fixed_tree().train_config().rollout
   start = time.perf_counter()
   costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
                     batch_sizes=(batch.tokens.shape[0] * config.grpo.group_size,),
                     prompt_len=batch.tokens.shape[1], max_new_tokens=config.max_new_tokens,
                     drafter_params=drafter_params, sampling=rc.sampling)
-  log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; cached in "
-      f"{default_cache_dir()}):\n{costs.format(config.adaptive().menu)}")
+  tmp = kept.with_suffix(".tmp")  # a kill mid-write must not leave half a table
+  tmp.write_text(json.dumps(dataclasses.asdict(costs)))
+  tmp.replace(kept)
+  log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; also cached in "
+      f"{default_cache_dir()}):\n{costs.format(menu)}")
   return costs
 
 
