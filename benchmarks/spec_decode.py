@@ -423,6 +423,9 @@ def main(argv=None) -> int:
                   help="deterministic top-w drafts + matching verification instead of sampled "
                        "drafts + rejection verification")
   ap.add_argument("--json", default=None, help="also write the rows to this file")
+  ap.add_argument("--rows", default=None,
+                  help="only these rows, comma-separated 'drafter tree' names (e.g. "
+                       "'eagle3 chain4,eagle3 adaptive'); plain decoding always runs")
   args = ap.parse_args(argv)
   batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,16,64")).split(",")]
   repeats = args.repeats or (2 if args.quick else 5)
@@ -475,6 +478,13 @@ def main(argv=None) -> int:
 
   sampling = SamplingConfig(temperature=1.0)
   vs = variants(sampled=not args.argmax_drafts, quick=args.quick)
+  if args.rows:
+    wanted = {name.strip() for name in args.rows.split(",")}
+    unknown = wanted - {f"{v.drafter_name} {v.tree_name}" for v in vs}
+    if unknown:
+      ap.error(f"--rows: no such rows {sorted(unknown)}; rows are "
+               f"{[f'{v.drafter_name} {v.tree_name}' for v in vs[1:]]}")
+    vs = [vs[0]] + [v for v in vs[1:] if f"{v.drafter_name} {v.tree_name}" in wanted]
   log(f"temperature 1.0, prompts {PROMPT_LEN // 2}-{PROMPT_LEN} tokens, max_new_tokens "
       f"{max_new}, {repeats} repeats, drafts "
       f"{'argmax (matching)' if args.argmax_drafts else 'sampled (rejection)'}")

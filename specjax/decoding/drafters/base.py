@@ -258,6 +258,11 @@ def commit_if_full(state: State, count: jax.Array, commit: Callable[[State], Sta
   return jax.lax.cond(state.window.overflows(count), commit, lambda s: s, state)
 
 
+def commit_if_pending(state: State, commit: Callable[[State], State]) -> State:
+  """`commit(state)` when some row has entries waiting in `state.window`, else `state`."""
+  return jax.lax.cond(jnp.any(state.window.count > 0), commit, lambda s: s, state)
+
+
 def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:
   if tree.depth > limit:
     raise ConfigError(

@@ -1,12 +1,12 @@
 """External draft model: a smaller `ModelConfig` sharing the target's tokenizer.
 
-The draft model keeps its own KV cache, committed through the last accepted path. `update`
-records the accepted path in a window; `propose` commits it with one pass (the rollback:
-rejected drafts were never committed), then drafts the tree level by level: a pass over
-[root] + nodes with the tree mask (nothing committed) scores the nodes of depth d - 1, whose
-children are then drawn. Rounds that draft nothing (an adaptive policy's plain rounds) only
-append to the window, which is committed when full, so they cost the draft model almost
-nothing.
+The draft model keeps its own KV cache, committed in lockstep with the target's (everything
+before the root). To draft a tree it runs level by level: a pass over [root] + nodes with the
+tree mask (nothing committed) scores the nodes of depth d - 1, whose children are then drawn.
+After verification one pass over the accepted path commits exactly those entries, which is
+the rollback: rejected drafts were never committed. Rounds that draft nothing (an adaptive
+policy's plain rounds) only append their token to a window, committed in one pass when it is
+full or before the next proposal, so they cost the draft model almost nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, commit_if_full,
-                                            draft_level_by_level)
+                                            commit_if_pending, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -30,7 +30,7 @@ from specjax.models.transformer import forward, unembed
 
 @struct.dataclass
 class DraftModelState:
-  """The draft model's parameters, its cache, and the accepted tokens not yet committed
+  """The draft model's parameters, its cache, and the plain rounds' tokens not yet committed
   (`window.tokens` holds path tokens here; the model reads no target features)."""
 
   UNBATCHED: ClassVar[tuple[str, ...]] = ("params",)
@@ -78,7 +78,7 @@ class DraftModelDrafter(Drafter):
 
   def propose(self, params, config, state: DraftModelState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, DraftModelState]:
-    state = self._commit(state)
+    state = commit_if_pending(state, self._commit)
     positions = (ctx.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
     mask = jnp.asarray(tree.ancestor_mask)
 
@@ -93,7 +93,13 @@ class DraftModelDrafter(Drafter):
     return proposal, state
 
   def update(self, params, config, state: DraftModelState, result) -> DraftModelState:
-    state = commit_if_full(state, result.count, self._commit)
     b, width = result.path_tokens.shape
-    return state.replace(window=state.window.append(
-        result.path_tokens, jnp.zeros((b, width, 0)), result.start, result.count))
+    if width == 1:  # a round that drafted nothing: its token waits in the window
+      state = commit_if_full(state, result.count, self._commit)
+      return state.replace(window=state.window.append(
+          result.path_tokens, jnp.zeros((b, 1, 0)), result.start, result.count))
+    state = commit_if_pending(state, self._commit)
+    positions = result.start[:, None] + jnp.arange(width)[None, :]
+    out = forward(state.params, self.config, result.path_tokens, positions, state.cache,
+                  advance=result.count, compute_logits=False)
+    return state.replace(cache=out.cache)

@@ -5,9 +5,11 @@ The layer at position p reads (feature at p, token t_{p+1}) and predicts t_{p+2}
 
 - positions <= r - 1 are *committed* in the drafter's one-layer KV cache, computed from the
   target's own features (three residual streams fused by `fc`). The target computes those
-  features for free in the verify forward (`hidden_layers`), and `update` records the
-  accepted path; `propose` commits it in the same layer pass that drafts depth 1, so a round
-  costs one layer pass per tree depth and nothing more;
+  features for free in the verify forward (`hidden_layers`), and `update` commits the
+  accepted path in one layer pass over its entries, so a round costs one layer pass per tree
+  depth (the commit, then one per depth beyond the first) and nothing more. A round that
+  drafted nothing (an adaptive policy's plain round) leaves its entry in a window, committed
+  in one pass when full or before the next proposal;
 - the depth-1 drafts come from the layer's output at r - 1;
 - a node x at depth d >= 1 runs the layer at position r + d - 1 on (its parent's output
   stream, x's token) and drafts x's children. Its keys/values go to scratch slots beyond the
@@ -33,7 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal,
-                                            commit_if_full, draft_level_by_level)
+                                            commit_if_full, commit_if_pending,
+                                            draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -146,22 +149,28 @@ class Eagle3Drafter(Drafter):
     return Eagle3State(weights=drafter_params, cache=cache.set_lengths(r), last=last,
                        window=window)
 
-  def _commit(self, params: Params, config: ModelConfig, state: Eagle3State) -> Eagle3State:
-    """One layer pass over the pending window (positions start .. start + count - 1)."""
-    win = state.window
-    b, width = win.tokens.shape
+  def _commit_entries(self, params: Params, config: ModelConfig, state: Eagle3State,
+                      entries: AcceptedWindow) -> Eagle3State:
+    """One layer pass committing `entries` (positions start .. start + count - 1)."""
+    b, width = entries.tokens.shape
     offsets = jnp.arange(width)[None, :]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((width, width), bool)), (b, width, width))
-    out, cache = self._layer(state.weights, params, config, state.cache, win.hidden,
-                             win.tokens, win.start[:, None] + offsets,
+    out, cache = self._layer(state.weights, params, config, state.cache, entries.hidden,
+                             entries.tokens, entries.start[:, None] + offsets,
                              state.cache.lengths[:, None] + offsets, causal)
-    newest = jnp.take_along_axis(out, jnp.maximum(win.count - 1, 0)[:, None, None], 1)[:, 0]
-    return state.replace(cache=cache.advance(win.count), window=win.cleared(),
-                         last=jnp.where((win.count > 0)[:, None], newest, state.last))
+    newest = jnp.take_along_axis(out, jnp.maximum(entries.count - 1, 0)[:, None, None],
+                                 1)[:, 0]
+    return state.replace(cache=cache.advance(entries.count),
+                         last=jnp.where((entries.count > 0)[:, None], newest, state.last))
+
+  def _commit(self, params: Params, config: ModelConfig, state: Eagle3State) -> Eagle3State:
+    """Commit the window of plain rounds' entries."""
+    state = self._commit_entries(params, config, state, state.window)
+    return state.replace(window=state.window.cleared())
 
   def propose(self, params, config: ModelConfig, state: Eagle3State, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, Eagle3State]:
-    state = self._commit(params, config, state)
+    state = commit_if_pending(state, lambda s: self._commit(params, config, s))
     weights, cache, last = state.weights, state.cache, state.last
     b = last.shape[0]
     r = ctx.seq_len - 1
@@ -189,9 +198,14 @@ class Eagle3Drafter(Drafter):
     return proposal, state.replace(cache=cache)
 
   def update(self, params, config, state: Eagle3State, result) -> Eagle3State:
-    """Record the accepted path with its fused target features; `propose` commits it."""
-    state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
+    """Commit the accepted path with its fused target features; a round that drafted
+    nothing leaves its entry in the window (committed when full or before a proposal)."""
     features = fuse(state.weights.params, self.config,
                     select_aux(self.config, result.features.layers))
-    return state.replace(window=state.window.append(result.next_tokens, features,
-                                                    result.start, result.count))
+    if result.path_tokens.shape[1] == 1:
+      state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
+      return state.replace(window=state.window.append(result.next_tokens, features,
+                                                      result.start, result.count))
+    state = commit_if_pending(state, lambda s: self._commit(params, config, s))
+    return self._commit_entries(params, config, state, AcceptedWindow(
+        tokens=result.next_tokens, hidden=features, start=result.start, count=result.count))
