@@ -111,6 +111,7 @@ class Variant:
       included); its costs are measured by `calibrate` at the row's batch size before the
       row is timed (cached on disk under `--cache-dir`). `tree` is then the menu's deepest,
       the one whose verify forward the `verify` column probes.
+    compaction: halvings of the batch as rows finish (`generate(compaction=...)`).
   """
 
   drafter_name: str
@@ -120,6 +121,7 @@ class Variant:
   params_name: str | None = None
   quick: bool = False
   menu: tuple[DraftTree, ...] | None = None
+  compaction: int = 0
 
 
 def variants(sampled: bool, quick: bool) -> list[Variant]:
@@ -156,6 +158,9 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
               menu=chains(1, 2, 3, 4, 6, 8)),
       Variant("eagle3", "adaptive", eagle3, DraftTree.chain(6), params_name="eagle3",
               menu=chains(1, 2, 3, 4, 6), quick=True),
+      # The same, gathering the live rows into B/2 and then B/4 rows as rows finish.
+      Variant("eagle3", "adaptive+compact", eagle3, DraftTree.chain(6), params_name="eagle3",
+              menu=chains(1, 2, 3, 4, 6), compaction=2),
   ]
   return [v for v in out if v.quick] if quick else out
 
@@ -284,12 +289,15 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
     if v.menu is not None:
       policy = Adaptive(v.menu)
       t = time.perf_counter()
-      costs = calibrate(target, M.TARGET, v.drafter, policy, batch_sizes=(batch,),
+      buckets = [batch]
+      for _ in range(v.compaction):
+        buckets.append(max(1, -(-buckets[-1] // 2)))
+      costs = calibrate(target, M.TARGET, v.drafter, policy, batch_sizes=buckets,
                         prompt_len=PROMPT_LEN, max_new_tokens=max_new, sampling=sampling,
                         drafter_params=kw.get("drafter_params"), cache_dir=cache_dir)
       log(f"  batch {batch:3d} {v.drafter_name} adaptive: costs ({time.perf_counter() - t:.0f}s)"
           "\n" + "\n".join("    " + line for line in costs.format(policy.menu).splitlines()))
-      kw |= dict(tree=None, speculation=policy.with_costs(costs))
+      kw |= dict(tree=None, speculation=policy.with_costs(costs), compaction=v.compaction)
     return lambda key: generate(target, M.TARGET, prompts, lengths, key, **kw)
 
   def probe(v: Variant, key: jax.Array) -> ForwardProbe:
@@ -507,10 +515,10 @@ def main(argv=None) -> int:
           f"{r.acc_len:.2f}, eff {r.eff:.2f}, ideal {r.ideal:.2f}, engine eff "
           f"{r.engine_eff:.2f}")
   for r in rows:  # adaptive rows against plain and against the best fixed tree of their batch
-    if r.tree == "adaptive":
-      fixed = max((x for x in rows if x.batch == r.batch and x.tree != "adaptive"),
+    if r.tree.startswith("adaptive"):
+      fixed = max((x for x in rows if x.batch == r.batch and not x.tree.startswith("adaptive")),
                   key=lambda x: x.ratio)
-      print(f"adaptive {r.drafter} at batch {r.batch}: {r.ratio:.2f}x plain, "
+      print(f"{r.tree} {r.drafter} at batch {r.batch}: {r.ratio:.2f}x plain, "
             f"{r.ratio / fixed.ratio:.2f}x the best fixed row ({fixed.drafter} {fixed.tree} "
             f"{fixed.ratio:.2f}x) [{r.tree_share}]")
   print(f"load average at the end {os.getloadavg()[0]:.1f}; total "

@@ -5,6 +5,7 @@
   specjax train-drafter --target-dir HF_DIR --gsm8k-file train.jsonl --run-dir runs/head
   specjax generate --demo                      # train the built-in tiny model, then decode
   specjax generate --checkpoint DIR --prompt "Hello" --drafter mtp --widths 2 1
+  specjax generate --demo --adaptive --widths 1 1 1  # each round picks plain / chain 1-3
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
-                              NGramDrafter, SamplingConfig, generate)
+from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree, MedusaDrafter,
+                              MTPDrafter, NGramDrafter, SamplingConfig, calibrate, generate)
+from specjax.decoding.policy import describe
 
 DrafterName = Literal["none", "mtp", "medusa", "ngram", "draft-model"]
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -60,6 +62,7 @@ def generate_command(
     drafter: DrafterName = "mtp",
     draft_checkpoint: str | None = None,
     widths: tuple[int, ...] = (1, 1, 1),
+    adaptive: bool = False,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -77,6 +80,8 @@ def generate_command(
     drafter: where drafts come from; "none" is plain autoregressive decoding.
     draft_checkpoint: HF directory of the external draft model (--drafter draft-model).
     widths: draft tree, children per node at each depth; (1, 1, 1) is a chain of 3.
+    adaptive: each round runs plain decoding, a chain of 1 .. depth drafts or the widths
+      tree, whichever is expected to be fastest (costs measured first, cached on disk).
     temperature: 0 for greedy.
     top_k: keep the k most likely tokens (0 = off).
     top_p: nucleus mass (1 = off).
@@ -110,12 +115,22 @@ def generate_command(
   sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
   draft, draft_params = _drafter(drafter, draft_checkpoint)
   tree = DraftTree.from_widths(widths) if draft is not None else None
+  speculation = None
+  if adaptive and draft is not None:
+    chains = tuple(DraftTree.chain(k) for k in range(1, tree.depth + 1))
+    speculation = Adaptive(chains + ((tree,) if tree not in chains else ()))
+    speculation = speculation.with_costs(calibrate(
+        params, config, draft, speculation, batch_sizes=(len(encoded),), prompt_len=width,
+        max_new_tokens=max_new_tokens, drafter_params=draft_params, sampling=sampling,
+        verbose=True))
+    tree = None
   key = jax.random.key(seed)
-  run = lambda d, t: generate(params, config, jnp.asarray(tokens), jnp.asarray(lengths), key,
-                              max_new_tokens=max_new_tokens, sampling=sampling, drafter=d,
-                              tree=t, eos_id=tokenizer.eos_id, drafter_params=draft_params)
+  run = lambda d, t, spec=None: generate(
+      params, config, jnp.asarray(tokens), jnp.asarray(lengths), key,
+      max_new_tokens=max_new_tokens, sampling=sampling, drafter=d, tree=t, speculation=spec,
+      eos_id=tokenizer.eos_id, drafter_params=draft_params)
 
-  spec, spec_s = _timed(lambda: run(draft, tree))
+  spec, spec_s = _timed(lambda: run(draft, tree, speculation))
   for p, row, n in zip(prompt, np.asarray(spec.tokens), np.asarray(spec.lengths)):
     print(f"{p!r} -> {tokenizer.decode(row[:n].tolist())!r}")
   generated = int(np.asarray(spec.lengths).sum())
@@ -124,6 +139,9 @@ def generate_command(
         f"{spec_s:.3f}s ({generated / spec_s:.0f} tok/s), {int(stats.rounds)} rounds, "
         f"{float(stats.tokens_per_round):.2f} tokens per row-round, acceptance per depth "
         f"{np.round(np.asarray(stats.accepted_per_depth), 2).tolist()}")
+  if speculation is not None:
+    print("rounds per tree: " + ", ".join(
+        f"{describe(t)} {n}" for t, n in zip(speculation.menu, np.asarray(stats.tree_rounds))))
   if compare and draft is not None:
     plain, plain_s = _timed(lambda: run(None, None))
     plain_tokens = int(np.asarray(plain.lengths).sum())

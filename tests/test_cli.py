@@ -13,6 +13,16 @@ def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
   assert "speculative / plain throughput" in out
 
 
+def test_generate_demo_with_adaptive_speculation_prints_costs_and_rounds_per_tree(
+    capsys, tmp_path, monkeypatch):
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  generate_command(demo=True, demo_steps=30, max_new_tokens=8, widths=(1, 1), adaptive=True)
+  out = capsys.readouterr().out
+  assert "calibration" in out and "chain2" in out
+  assert "rounds per tree: plain" in out
+  assert "speculative / plain throughput" in out
+
+
 def test_generate_without_a_model_explains_what_to_pass():
   with pytest.raises(SystemExit, match="--checkpoint DIR or --demo"):
     generate_command()

@@ -3,9 +3,11 @@
 `calibrate` times the real round bodies of the adaptive loop (`DecodeLoop.round_of`: draft,
 verify, emit, commit, drafter update) for every entry of a menu at a few batch sizes, inside
 one compiled loop per entry and batch, as the difference between running n2 and n1 rounds
-(so the prefill and the dispatch cancel), median over repeats. The table is cached on disk,
-keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes
-and sampling, so a second run (or the next RL experiment on the same machine) reads it back.
+(so the prefill and the dispatch cancel), median over repeats that visit the entries in
+turn (a burst of load from other processes then hits every entry alike). The table is cached on disk,
+keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
+sampling, the jax version and a hash of the decoding and model code, so a second run (or the
+next RL experiment on the same machine) reads it back, and a code change measures anew.
 
 The cache lives in `$SPECJAX_CACHE_DIR/calibration` (default `~/.cache/specjax`); pass
 `cache_dir=None` to always measure.
@@ -36,7 +38,7 @@ from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
 DEFAULT = "default"
-MIN_SECONDS = 0.05  # the least time one measurement of an entry runs for
+MIN_SECONDS = 0.1  # the least time one measurement of an entry runs for
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -48,10 +50,21 @@ def _shapes(tree: Any) -> list:
   return [[list(x.shape), str(x.dtype)] for x in jax.tree.leaves(tree)]
 
 
+def _code_version() -> str:
+  """A hash of the code a round runs (decoding and model sources): a table measured before
+  the code changed is not reused."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  digest = hashlib.sha256()
+  for path in sorted([*root.glob("decoding/**/*.py"), *root.glob("models/*.py")]):
+    digest.update(path.read_bytes())
+  return digest.hexdigest()[:16]
+
+
 def _cache_key(loop: DecodeLoop, batches: Sequence[int], prompt_len: int, params: Params,
                drafter_params: Any, rounds: tuple[int, int]) -> str:
   device = jax.devices()[0]
   described = {
+      "code": _code_version(), "jax": jax.__version__,
       "device": [device.platform, device.device_kind, jax.device_count()],
       "config": repr(loop.config), "drafter": repr(loop.drafter),
       "menu": [list(t.parents) for t in loop.menu], "batches": list(batches),
@@ -100,7 +113,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
               speculation: Adaptive | Sequence[DraftTree], *, batch_sizes: Sequence[int],
               prompt_len: int, max_new_tokens: int, drafter_params: Any = None,
               sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None,
-              rounds: int = 8, repeats: int = 3, cache_dir: Any = DEFAULT,
+              rounds: int = 8, repeats: int = 5, cache_dir: Any = DEFAULT,
               verbose: bool = False) -> CostTable:
   """Seconds per round of each menu entry at each batch size, measured (or read from disk).
 
@@ -153,23 +166,28 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
                                  config.vocab_size, jnp.int32)
     lengths = jnp.full((b,), prompt_len, jnp.int32)
     loop.check_prompts(prompts, lengths)
-    for i in range(len(menu)):
+    args = (params, prompts, lengths, key, drafter_params)
+    runs, counts = [], []
+    for i in range(len(menu)):  # compile and warm up every entry first
       run = _round_timer(loop, i)
-      args = (params, prompts, lengths, key, drafter_params)
-      jax.block_until_ready(run(*args, n2))  # compile and warm up
+      jax.block_until_ready(run(*args, n2))
       t0 = time.perf_counter()
       jax.block_until_ready(run(*args, n2))
       # Tiny rounds take microseconds: time enough of them to rise above the timer's noise.
-      n = max(n2, n1 + int(np.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-9) * n2)))
-      per_round = []
-      for _ in range(repeats):
+      runs.append(run)
+      counts.append(max(n2, n1 + int(np.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-9)
+                                             * n2))))
+    per_round = [[] for _ in menu]
+    for _ in range(repeats):  # entries interleaved, so a burst of load hits them alike
+      for i, (run, n) in enumerate(zip(runs, counts)):
         t0 = time.perf_counter()
         jax.block_until_ready(run(*args, n1))
         t1 = time.perf_counter()
         jax.block_until_ready(run(*args, n))
         t2 = time.perf_counter()
-        per_round.append(((t2 - t1) - (t1 - t0)) / (n - n1))
-      seconds[i][j] = max(statistics.median(per_round), 1e-7)
+        per_round[i].append(((t2 - t1) - (t1 - t0)) / (n - n1))
+    for i in range(len(menu)):
+      seconds[i][j] = max(statistics.median(per_round[i]), 1e-7)
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds))
   if path is not None:
     table = _keep_first(path, table)

@@ -318,7 +318,7 @@ class DecodeLoop:
       def cond(s: DecodeState, smaller=smaller):
         return ((~s.done).sum() > smaller) & (s.rounds < self.max_new_tokens)
 
-      state = jax.lax.while_loop(cond, functools.partial(self.round, params), state)
+      state = jax.lax.while_loop(cond, functools.partial(self.segment, params, cond), state)
       if smaller:  # file every row's output, then keep the live rows (and some finished)
         outputs = outputs.put(rows, RowOutputs.of(state))
         keep = jnp.argsort(state.done, stable=True)[:smaller]
@@ -378,18 +378,31 @@ class DecodeLoop:
       prompt = TargetFeatures(hidden=out.hidden, layers=out.intermediates)
       state = state.replace(drafter_state=self.drafter.init(
           params, self.config, drafter_params, state.context, self.envelope, self.max_len,
-          prompt))
+          prompt, plain_rounds=self.speculation is not None))
     return state
 
   # One round ------------------------------------------------------------------------------
 
-  def round(self, params: Params, s: DecodeState) -> DecodeState:
-    """One round: the fixed tree's, or the one the speculation policy picks for it."""
+  def segment(self, params: Params, more: Any, s: DecodeState) -> DecodeState:
+    """Rounds of one tree: the fixed tree's one round, or, with a speculation policy, the
+    entry it picks, for as long as `more(state)` holds and the policy keeps picking it.
+
+    Running a segment rather than a round per `lax.switch` matters: XLA copies the caches
+    into and out of the switch, a full pass over them, which per round cost more than the
+    speculation saved at batch 16 (see `benchmarks/spec_decode.py`); per segment it is paid
+    only when the choice changes.
+    """
     if self.speculation is None:
       return self.round_of(0, params, s)
-    entry = self.speculation.choose(s.acceptance, s.seq.shape[0])
-    branches = [functools.partial(self.round_of, i) for i in range(len(self.menu))]
-    return jax.lax.switch(entry, branches, params, s)
+    batch = s.seq.shape[0]
+
+    def run(entry: int, s: DecodeState) -> DecodeState:
+      keep = lambda s: more(s) & (self.speculation.choose(s.acceptance, batch) == entry)
+      return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
+                                self.round_of(entry, params, s))
+
+    entry = self.speculation.choose(s.acceptance, batch)
+    return jax.lax.switch(entry, [functools.partial(run, i) for i in range(len(self.menu))], s)
 
   def round_of(self, entry: int, params: Params, s: DecodeState) -> DecodeState:
     """One draft -> verify -> emit -> commit round with menu entry `entry`'s tree."""

@@ -208,14 +208,17 @@ class Drafter(abc.ABC):
     return 1
 
   def init(self, params: Params, config: ModelConfig, drafter_params: Any, ctx: DraftContext,
-           tree: DraftTree, max_len: int, prompt: TargetFeatures) -> Any:
+           tree: DraftTree, max_len: int, prompt: TargetFeatures, *,
+           plain_rounds: bool = False) -> Any:
     """Initial state after the target's prefill.
 
     `ctx` holds the prompt and the first generated token (the root); `prompt` holds the
     target's activations over the prompt buffer `[B, P, E]` (the prompt occupies the first
-    P columns of `ctx.seq`).
+    P columns of `ctx.seq`). `tree` is the deepest tree `propose` will be asked for; with
+    `plain_rounds`, some rounds draft nothing (an adaptive policy's) and `update` then sees
+    a one-entry path.
     """
-    del params, config, drafter_params, ctx, tree, max_len, prompt
+    del params, config, drafter_params, ctx, tree, max_len, prompt, plain_rounds
     return NoState()
 
   @abc.abstractmethod
@@ -259,8 +262,17 @@ def commit_if_full(state: State, count: jax.Array, commit: Callable[[State], Sta
 
 
 def commit_if_pending(state: State, commit: Callable[[State], State]) -> State:
-  """`commit(state)` when some row has entries waiting in `state.window`, else `state`."""
+  """`commit(state)` when some row has entries waiting in `state.window`, else `state`.
+
+  A window of width 0 (no plain rounds) has nothing to commit and costs nothing: no
+  `lax.cond`, whose pass-through branch makes XLA copy the caches it carries.
+  """
+  if not state.window.tokens.shape[1]:
+    return state
   return jax.lax.cond(jnp.any(state.window.count > 0), commit, lambda s: s, state)
+
+
+PLAIN_WINDOW = 8  # plain rounds whose entries wait for one commit pass (EAGLE-3, draft model)
 
 
 def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:

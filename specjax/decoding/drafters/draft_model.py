@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, commit_if_full,
-                                            commit_if_pending, draft_level_by_level)
+from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
+                                            commit_if_full, commit_if_pending,
+                                            draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -58,7 +59,8 @@ class DraftModelDrafter(Drafter):
           f"draft model vocab_size={self.config.vocab_size} differs from the target's "
           f"{config.vocab_size}: a draft model must share the target's tokenizer")
 
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt):
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
+           plain_rounds=False):
     if drafter_params is None:
       raise ConfigError("DraftModelDrafter needs generate(..., drafter_params=<draft params>)")
     b, prompt_width = prompt.hidden.shape[:2]
@@ -66,7 +68,8 @@ class DraftModelDrafter(Drafter):
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (b, prompt_width))
     out = forward(drafter_params, self.config, ctx.seq[:, :prompt_width], positions, cache,
                   advance=ctx.seq_len - 1, compute_logits=False)
-    window = AcceptedWindow.empty(b, tree.depth + 1, 0, jnp.float32, start=ctx.seq_len - 1)
+    window = AcceptedWindow.empty(b, PLAIN_WINDOW if plain_rounds else 0, 0, jnp.float32,
+                                  start=ctx.seq_len - 1)
     return DraftModelState(params=drafter_params, cache=out.cache, window=window)
 
   def _commit(self, state: DraftModelState) -> DraftModelState:
@@ -98,7 +101,7 @@ class DraftModelDrafter(Drafter):
       state = commit_if_full(state, result.count, self._commit)
       return state.replace(window=state.window.append(
           result.path_tokens, jnp.zeros((b, 1, 0)), result.start, result.count))
-    state = commit_if_pending(state, self._commit)
+    # `propose` committed the window: only this round's path is pending.
     positions = result.start[:, None] + jnp.arange(width)[None, :]
     out = forward(state.params, self.config, result.path_tokens, positions, state.cache,
                   advance=result.count, compute_logits=False)

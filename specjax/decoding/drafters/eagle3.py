@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal,
-                                            commit_if_full, commit_if_pending,
+                                            PLAIN_WINDOW, commit_if_full, commit_if_pending,
                                             draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -133,7 +133,8 @@ class Eagle3Drafter(Drafter):
         mask=mask, kv=(cache.keys[0], cache.values[0]), slots=slots)
     return out, cache.replace(keys=(keys,), values=(values,))
 
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt) -> Eagle3State:
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
+           plain_rounds=False) -> Eagle3State:
     """Run the layer over the prompt on the target's features and commit r positions."""
     _check_weights(drafter_params, self.config)
     b, p, e = prompt.hidden.shape
@@ -145,7 +146,8 @@ class Eagle3Drafter(Drafter):
     out, cache = self._layer(drafter_params, params, config, cache, features,
                              ctx.seq[:, 1:p + 1], positions, positions, causal)
     last = jnp.take_along_axis(out, (r - 1)[:, None, None], axis=1)[:, 0]
-    window = AcceptedWindow.empty(b, tree.depth + 1, e, features.dtype, start=r)
+    window = AcceptedWindow.empty(b, PLAIN_WINDOW if plain_rounds else 0, e, features.dtype,
+                                  start=r)
     return Eagle3State(weights=drafter_params, cache=cache.set_lengths(r), last=last,
                        window=window)
 
@@ -206,6 +208,6 @@ class Eagle3Drafter(Drafter):
       state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
       return state.replace(window=state.window.append(result.next_tokens, features,
                                                       result.start, result.count))
-    state = commit_if_pending(state, lambda s: self._commit(params, config, s))
+    # `propose` committed the window: only this round's path is pending.
     return self._commit_entries(params, config, state, AcceptedWindow(
         tokens=result.next_tokens, hidden=features, start=result.start, count=result.count))

@@ -104,7 +104,8 @@ class MTPDrafter(Drafter):
     # Module k's committed frontier is r - k - 1 >= 0 at the first round (r = prompt length).
     return max(tree.depth, 1)
 
-  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt) -> MTPState:
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
+           plain_rounds=False) -> MTPState:
     """Teacher-force the used modules over the prompt (ragged) and commit their frontiers."""
     b, p, e = prompt.hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
@@ -212,6 +213,9 @@ class MTPDrafter(Drafter):
 
   def update(self, params, config, state: MTPState, result) -> MTPState:
     """Record the accepted window; `propose` commits it in the same pass that drafts."""
+    if result.path_tokens.shape[1] > 1:  # `propose` emptied the window
+      return state.replace(window=state.window.cleared().append(
+          result.next_tokens, result.features.hidden, result.start, result.count))
     state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
     return state.replace(window=state.window.append(
         result.next_tokens, result.features.hidden, result.start, result.count))
