@@ -87,6 +87,7 @@ import _spec_models as M  # noqa: E402
 from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree,  # noqa: E402
                               Eagle3Drafter, MedusaDrafter, MTPDrafter, NGramDrafter,
                               SamplingConfig, calibrate, generate)
+from specjax.decoding.engine import compaction_buckets  # noqa: E402
 from specjax.decoding.policy import describe  # noqa: E402
 from specjax.models import KVCache, forward  # noqa: E402
 
@@ -289,10 +290,8 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
     if v.menu is not None:
       policy = Adaptive(v.menu)
       t = time.perf_counter()
-      buckets = [batch]
-      for _ in range(v.compaction):
-        buckets.append(max(1, -(-buckets[-1] // 2)))
-      costs = calibrate(target, M.TARGET, v.drafter, policy, batch_sizes=buckets,
+      costs = calibrate(target, M.TARGET, v.drafter, policy,
+                        batch_sizes=compaction_buckets(batch, v.compaction),
                         prompt_len=PROMPT_LEN, max_new_tokens=max_new, sampling=sampling,
                         drafter_params=kw.get("drafter_params"), cache_dir=cache_dir)
       log(f"  batch {batch:3d} {v.drafter_name} adaptive: costs ({time.perf_counter() - t:.0f}s)"

@@ -117,8 +117,7 @@ def generate_command(
   tree = DraftTree.from_widths(widths) if draft is not None else None
   speculation = None
   if adaptive and draft is not None:
-    chains = tuple(DraftTree.chain(k) for k in range(1, tree.depth + 1))
-    speculation = Adaptive(chains + ((tree,) if tree not in chains else ()))
+    speculation = Adaptive.up_to(tree)
     speculation = speculation.with_costs(calibrate(
         params, config, draft, speculation, batch_sizes=(len(encoded),), prompt_len=width,
         max_new_tokens=max_new_tokens, drafter_params=draft_params, sampling=sampling,

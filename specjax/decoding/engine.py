@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
-                                            TargetFeatures)
+                                            TargetFeatures, take_rows)
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
                                        sample_tokens)
@@ -126,6 +126,11 @@ class DecodeState:
   tree_rounds: jax.Array
   acceptance: AcceptanceCounts
 
+  # Loop-wide fields, and the drafter's state (which `Drafter.take_rows` selects rows of).
+  UNBATCHED: ClassVar[tuple[str, ...]] = ("drafter_state", "key", "rounds",
+                                          "accepted_at_depth", "emitted", "tree_rounds",
+                                          "acceptance")
+
   @property
   def context(self) -> DraftContext:
     return DraftContext(seq=self.seq, seq_len=self.seq_len, last_hidden=self.last_hidden,
@@ -180,6 +185,15 @@ class RowOutputs:
   def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
     """These outputs with rows `rows` replaced by `part`'s."""
     return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
+
+
+def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
+  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
+  sizes = [batch]
+  for _ in range(halvings):
+    if sizes[-1] > 1:
+      sizes.append(-(-sizes[-1] // 2))
+  return tuple(sizes)
 
 
 def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:
@@ -323,26 +337,19 @@ class DecodeLoop:
         outputs = outputs.put(rows, RowOutputs.of(state))
         keep = jnp.argsort(state.done, stable=True)[:smaller]
         rows, state = rows[keep], self._take_rows(state, keep)
-    outputs = outputs.put(rows, RowOutputs.of(state)) if len(buckets) > 1 else RowOutputs.of(state)
-    return self._result(state, outputs, prompt_lengths)
+    last = RowOutputs.of(state)
+    return self._result(state, outputs.put(rows, last) if len(buckets) > 1 else last,
+                        prompt_lengths)
 
   def buckets(self, batch: int) -> tuple[int, ...]:
-    """The batch sizes the loop runs at: B, then each halving (rounded up) while > 1."""
-    sizes = [batch]
-    for _ in range(self.compaction):
-      if sizes[-1] > 1:
-        sizes.append(-(-sizes[-1] // 2))
-    return tuple(sizes)
+    """The batch sizes the loop runs at (`compaction_buckets`)."""
+    return compaction_buckets(batch, self.compaction)
 
   def _take_rows(self, s: DecodeState, rows: jax.Array) -> DecodeState:
     """The loop's state for rows `rows` only (per-row arrays, caches, drafter state)."""
-    per_row = lambda x: jnp.take(x, rows, axis=0)
     drafter_state = (self.drafter.take_rows(s.drafter_state, rows) if self.speculative
                      else s.drafter_state)
-    return s.replace(seq=per_row(s.seq), seq_len=per_row(s.seq_len), logp=per_row(s.logp),
-                     generated=per_row(s.generated), done=per_row(s.done),
-                     cache=jax.tree.map(per_row, s.cache), last_hidden=per_row(s.last_hidden),
-                     row_rounds=per_row(s.row_rounds), drafter_state=drafter_state)
+    return take_rows(s, rows).replace(drafter_state=drafter_state)
 
   # The prefill ----------------------------------------------------------------------------
 

@@ -166,6 +166,12 @@ class Adaptive:
           f"entries {[describe(t) for t in menu]} (plain decoding first): measure the costs "
           "with calibrate(...) for this menu")
 
+  @classmethod
+  def up_to(cls, tree: DraftTree, costs: CostTable | None = None) -> Adaptive:
+    """The menu plain decoding, chains of 1 .. `tree.depth` drafts, and `tree` itself."""
+    chains = tuple(DraftTree.chain(k) for k in range(1, tree.depth + 1))
+    return cls(chains + ((tree,) if tree not in chains else ()), costs=costs)
+
   @property
   def depth(self) -> int:
     return max(t.depth for t in self.menu)

@@ -157,8 +157,7 @@ class ExperimentConfig:
 
   def adaptive(self, costs: CostTable | None = None) -> Adaptive:
     """The adaptive menu: plain decoding, chains of 1 .. depth drafts, and the tree."""
-    chains = tuple(DraftTree.chain(k) for k in range(1, self.tree.depth + 1))
-    return Adaptive(chains + ((self.tree,) if self.tree not in chains else ()), costs=costs)
+    return Adaptive.up_to(self.tree, costs)
 
   def train_config(self, drafter: str | None = None,
                    costs: CostTable | None = None) -> TrainConfig:

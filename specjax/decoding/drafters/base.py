@@ -120,15 +120,18 @@ class RoundResult:
   count: jax.Array
 
 
+PLAIN_WINDOW = 8  # plain rounds whose entries wait for one commit pass (EAGLE-3, draft model)
+
+
 @struct.dataclass
 class AcceptedWindow:
   """The last round's accepted path, not yet committed to a drafter's cache.
 
-  A cached drafter whose layer at position p reads (a target feature at p, the token at
-  p + 1) can commit the accepted path only once the next round's root is known; it records
-  the path here in `update` and commits it in the same pass that drafts depth 1. Rounds
-  that draft nothing (plain rounds of an adaptive policy) append to the window, which is
-  committed when the next one would not fit.
+  MTP records the accepted path here in `update` and commits it in the same module passes
+  that draft. Rounds that draft nothing (plain rounds of an adaptive policy) append their
+  one entry, and the window is committed when the next one would not fit (MTP, EAGLE-3 and
+  the draft model; the last two commit a speculative round's path in `update` directly and
+  keep only plain rounds here, `PLAIN_WINDOW` of them).
 
   Attributes:
     tokens: `[B, D + 1]` the token following each path entry (accepted drafts, then the root).
@@ -270,9 +273,6 @@ def commit_if_pending(state: State, commit: Callable[[State], State]) -> State:
   if not state.window.tokens.shape[1]:
     return state
   return jax.lax.cond(jnp.any(state.window.count > 0), commit, lambda s: s, state)
-
-
-PLAIN_WINDOW = 8  # plain rounds whose entries wait for one commit pass (EAGLE-3, draft model)
 
 
 def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:

@@ -85,6 +85,13 @@ def _window_and_chains_mask(count: jax.Array, width: int, chain_len: int,
   return mask | sees_window
 
 
+def _no_chains(state: MTPState, config: ModelConfig) -> tuple[jax.Array, ...]:
+  """Empty (states, tokens, positions) chains: a module pass that only commits."""
+  b = state.window.tokens.shape[0]
+  return (jnp.zeros((b, 0, config.d_model), state.window.hidden.dtype),
+          jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class MTPDrafter(Drafter):
   """Drafts depth d with MTP module d - 1 (the tree depth is at most num_mtp_modules).
@@ -159,11 +166,8 @@ class MTPDrafter(Drafter):
   def _commit_from(self, params, config: ModelConfig, state: MTPState, first: int,
                    carry: tuple) -> MTPState:
     """Commit the window into modules `first` .. D - 1 (those this round did not draft with)."""
-    b, e = state.window.hidden.shape[0], config.d_model
-    no_chains = (jnp.zeros((b, 0, e), state.window.hidden.dtype), jnp.zeros((b, 0), jnp.int32),
-                 jnp.zeros((b, 0), jnp.int32))
     for d in range(first, len(state.caches)):
-      _, carry = self._module(params, config, state, d, carry, no_chains)
+      _, carry = self._module(params, config, state, d, carry, _no_chains(state, config))
     caches, last, _ = carry
     return MTPState(caches=caches, last=last, window=state.window.cleared())
 
@@ -196,8 +200,7 @@ class MTPDrafter(Drafter):
                   jnp.broadcast_to((r - d)[:, None, None] + jnp.arange(d)[None, None, :],
                                    (b, m, d)).reshape(b, m * d))
       else:
-        chains = (jnp.zeros((b, 0, config.d_model), state.window.hidden.dtype),
-                  jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.int32))
+        chains = _no_chains(state, config)
       out, carry = self._module(params, config, state, d, carry, chains)
       if d == 0:
         logits = mtp_head_logits(params, config, 0, carry[1][0])[:, None]  # [B, 1, V]
@@ -213,9 +216,8 @@ class MTPDrafter(Drafter):
 
   def update(self, params, config, state: MTPState, result) -> MTPState:
     """Record the accepted window; `propose` commits it in the same pass that drafts."""
-    if result.path_tokens.shape[1] > 1:  # `propose` emptied the window
-      return state.replace(window=state.window.cleared().append(
-          result.next_tokens, result.features.hidden, result.start, result.count))
-    state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
+    if result.path_tokens.shape[1] == 1:  # a plain round: the window may be full
+      state = commit_if_full(state, result.count, lambda s: self._commit(params, config, s))
+    # After a speculative round the window is empty: `propose` committed it.
     return state.replace(window=state.window.append(
         result.next_tokens, result.features.hidden, result.start, result.count))
