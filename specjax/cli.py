@@ -175,8 +175,14 @@ def train_command(argv: list[str]) -> dict:
   print(f"drafter acceptance length on a fixed 16-token probe: "
         f"{summary['probe_acceptance_before']:.2f} before RL -> "
         f"{summary['probe_acceptance_after']:.2f} after (online drafter training)")
-  print(f"rollout speedup, speculative / plain in the same engine and run: "
-        f"{summary['speedup']:.2f}x at acceptance length {summary['acceptance_length']:.2f}")
+  line = (f"rollout speedup, speculative / plain in the same engine and run: "
+          f"{summary['speedup']:.2f}x at acceptance length {summary['acceptance_length']:.2f}")
+  if summary.get("plain_share", 0.0) == 1.0:
+    line += (" (the speculation policy ran plain decoding in every round: at this batch size "
+             "no draft tree's measured cost is paid back by its expected tokens)")
+  elif "plain_share" in summary:
+    line += f" (plain decoding in {100 * summary['plain_share']:.0f}% of rounds)"
+  print(line)
   return summary
 
 

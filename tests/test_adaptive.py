@@ -159,6 +159,36 @@ def test_the_loop_runs_what_the_cost_table_makes_worthwhile(progression_models, 
   assert rounds[expect] >= rounds.sum() - 1, rounds
 
 
+def test_a_call_the_policy_would_run_plain_throughout_runs_without_the_drafter(
+    progression_models):
+  m = progression_models
+  prompts, lengths = _prompts()
+  menu = (DraftTree.chain(1), DraftTree.chain(3))
+  # Even at the prior acceptance (0.9) no chain pays at 4 rows; one would at 1 row.
+  dear = Adaptive(menu, costs=CostTable((1, 4), ((1.0, 1.0), (1.2, 3.0), (1.5, 5.0))))
+  assert dear.plain_throughout((4,)) and not dear.plain_throughout((4, 1))
+  sampling = SamplingConfig(temperature=1.0)
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
+                   max_new_tokens=24, sampling=sampling)
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
+                 max_new_tokens=24, sampling=sampling, drafter=MTPDrafter(), speculation=dear)
+  # The very same program as plain decoding: same draws, same tokens and log-probs.
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-6)
+  rounds = int(plain.stats.rounds)
+  np.testing.assert_array_equal(out.stats.tree_rounds, [rounds, 0, 0])
+  assert out.stats.acceptance.hits.shape == (3, 3) and int(out.stats.acceptance.rounds) == rounds
+  assert out.stats.accepted_per_depth.shape == (3,)
+  # Counts carried from an earlier call may favour a chain: the policy then decides per round.
+  carried = AcceptanceCounts(reached=jnp.full((3, 3), 1e6), hits=jnp.full((3, 3), 1e6),
+                             rounds=jnp.zeros((), jnp.int32))
+  cheap = dear.with_costs(CostTable((4,), ((1.0,), (1.01,), (1.02,))))
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
+                 max_new_tokens=24, sampling=sampling, drafter=MTPDrafter(), speculation=cheap,
+                 acceptance=carried)
+  assert int(np.asarray(out.stats.tree_rounds)[1:].sum()) > 0
+
+
 def test_adaptive_speculation_errors(progression_models):
   m = progression_models
   prompts, lengths = _prompts()

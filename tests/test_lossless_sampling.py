@@ -6,11 +6,12 @@ continuation and processing the logits with an independent NumPy implementation 
 temperature / top-k / top-p. The drafters are deliberately different models, so a wrong
 acceptance rule would show; a verifier that accepts every draft is the negative control and
 must fail the same test. The switching cases change the tree every round (an adaptive
-policy's freedom). The EAGLE-3 cases use a 2-layer target (the head reads its inner
+policy's freedom); the early-stop cases cut each row's chain where the draft is unsure. The EAGLE-3 cases use a 2-layer target (the head reads its inner
 residual streams) and a draft vocabulary of 6 of the 8 tokens, so the draft distribution
 has zero mass where the target has some.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -136,7 +137,24 @@ CASES = {
     "sampled_tree": (DraftModelDrafter(DRAFT, sampled=True), DraftTree.from_widths((3, 2))),
     # The tree changes from round to round (chain 1, then a (3, 2) tree, then plain).
     "sampled_switching": (DraftModelDrafter(DRAFT, sampled=True), SWITCHING),
+    # Rows stop drafting where the draft is unsure: the chain's length varies by row.
+    "sampled_chain_early_stop": (DraftModelDrafter(DRAFT, sampled=True), DraftTree.chain(2)),
+    "deterministic_chain_early_stop": (DraftModelDrafter(DRAFT), DraftTree.chain(2)),
 }
+# Thresholds that cut some chains and not all (the sharper t07 distribution needs a higher).
+STOP_BELOW = {"t1": 0.4, "t07_topk_topp": 0.6}
+
+
+def _early_stop(case, drafter, sampling_name):
+  if not case.endswith("early_stop"):
+    return drafter
+  return dataclasses.replace(drafter, confidence=STOP_BELOW[sampling_name])
+
+
+def _check_early_stops(drafter, tree, stats):
+  """A case with a confidence threshold must have cut some chains, and not all."""
+  if getattr(drafter, "confidence", 0.0):
+    assert 1.05 < float(stats.drafts_per_round) < tree.num_nodes - 0.05, stats.drafts_per_round
 
 
 @pytest.mark.slow
@@ -145,9 +163,11 @@ CASES = {
 def test_speculative_samples_follow_the_exact_target_distribution(models, case, sampling_name):
   s = SAMPLINGS[sampling_name]
   drafter, tree = CASES[case]
+  drafter = _early_stop(case, drafter, sampling_name)
   tokens, stats = _sample(models, s, drafter, tree)
   # The drafter differs from the target but is not useless: both outcomes get exercised.
   assert 0.05 < float(stats.accepted_per_depth[0]) < 0.95, stats.accepted_per_depth
+  _check_early_stops(drafter, tree, stats)
   p = _chi_square_pvalue(tokens, _exact_joint(models[0], s))
   assert p > 1e-3, f"{case}/{sampling_name}: chi-square p={p:.2e}"
 
@@ -157,6 +177,8 @@ EAGLE_CASES = {
     "eagle3_deterministic_tree": (Eagle3Drafter(EAGLE), DraftTree.from_widths((3, 2))),
     "eagle3_sampled_tree": (Eagle3Drafter(EAGLE, sampled=True), DraftTree.from_widths((3, 2))),
     "eagle3_sampled_switching": (Eagle3Drafter(EAGLE, sampled=True), SWITCHING),
+    "eagle3_sampled_chain_early_stop": (Eagle3Drafter(EAGLE, sampled=True),
+                                        DraftTree.chain(2)),
 }
 
 
@@ -167,8 +189,10 @@ def test_eagle3_samples_follow_the_exact_target_distribution(eagle_models, case,
                                                             sampling_name):
   s = SAMPLINGS[sampling_name]
   drafter, tree = EAGLE_CASES[case]
+  drafter = _early_stop(case, drafter, sampling_name)
   tokens, stats = _sample(eagle_models, s, drafter, tree, config=EAGLE_TARGET)
   assert 0.05 < float(stats.accepted_per_depth[0]) < 0.95, stats.accepted_per_depth
+  _check_early_stops(drafter, tree, stats)
   p = _chi_square_pvalue(tokens, _exact_joint(eagle_models[0], s, EAGLE_TARGET))
   assert p > 1e-3, f"{case}/{sampling_name}: chi-square p={p:.2e}"
 

@@ -55,6 +55,8 @@ class GenerationStats:
     accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted
       and emitted (drafts accepted beyond EOS or max_new_tokens are not counted).
     tokens_per_round: mean tokens emitted per row-round (mean acceptance length; 1 = plain).
+    drafts_per_round: mean draft tokens verified per row-round (the tree's nodes, fewer when a
+      drafter stops early: `confidence`).
     tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
     acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
       call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
@@ -64,6 +66,7 @@ class GenerationStats:
   row_rounds: jax.Array
   accepted_per_depth: jax.Array
   tokens_per_round: jax.Array
+  drafts_per_round: jax.Array
   tree_rounds: jax.Array
   acceptance: AcceptanceCounts
 
@@ -106,6 +109,7 @@ class DecodeState:
     row_rounds: `[B]`.
     accepted_at_depth: `[max(D, 1)]` accepted-draft counts per depth, summed over row-rounds.
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
+    drafts: scalar draft tokens verified in rows' rounds.
     tree_rounds: `[I]` rounds per menu entry.
     acceptance: `AcceptanceCounts` the speculation policy reads.
   """
@@ -123,12 +127,13 @@ class DecodeState:
   row_rounds: jax.Array
   accepted_at_depth: jax.Array
   emitted: jax.Array
+  drafts: jax.Array
   tree_rounds: jax.Array
   acceptance: AcceptanceCounts
 
   # Loop-wide fields, and the drafter's state (which `Drafter.take_rows` selects rows of).
   UNBATCHED: ClassVar[tuple[str, ...]] = ("drafter_state", "key", "rounds",
-                                          "accepted_at_depth", "emitted", "tree_rounds",
+                                          "accepted_at_depth", "emitted", "drafts", "tree_rounds",
                                           "acceptance")
 
   @property
@@ -321,6 +326,9 @@ class DecodeLoop:
 
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
     """
+    if (acceptance is None and self.speculation is not None
+        and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]))):
+      return self._without_drafter(params, prompt_tokens, prompt_lengths, key)
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
     if acceptance is not None:
       state = state.replace(acceptance=acceptance)
@@ -340,6 +348,24 @@ class DecodeLoop:
     last = RowOutputs.of(state)
     return self._result(state, outputs.put(rows, last) if len(buckets) > 1 else last,
                         prompt_lengths)
+
+  def _without_drafter(self, params: Params, prompt_tokens: jax.Array,
+                       prompt_lengths: jax.Array, key: jax.Array) -> GenerationResult:
+    """Plain decoding with no drafter state at all, its statistics shaped as the policy's
+    (every round counted as the menu's plain entry): what a call runs when the policy would
+    choose plain decoding in every round (`Adaptive.plain_throughout`)."""
+    # Nor the cache slots the trees would need: attention reads every slot.
+    slots = prompt_tokens.shape[1] + self.max_new_tokens + 1
+    plain = dataclasses.replace(self, drafter=None, speculation=None,
+                                max_len=min(self.max_len, slots))
+    result = plain(params, prompt_tokens, prompt_lengths, key)
+    stats = result.stats
+    depth = max(self.envelope.depth, 1)
+    acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
+    return result.replace(stats=stats.replace(
+        accepted_per_depth=jnp.zeros((depth,), jnp.float32),
+        tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
+        acceptance=acceptance.replace(rounds=stats.rounds)))
 
   def buckets(self, batch: int) -> tuple[int, ...]:
     """The batch sizes the loop runs at (`compaction_buckets`)."""
@@ -379,7 +405,7 @@ class DecodeLoop:
         done=done, cache=out.cache, last_hidden=last_hidden, drafter_state=None, key=key,
         rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
         accepted_at_depth=jnp.zeros((max(self.envelope.depth, 1),), jnp.int32),
-        emitted=jnp.zeros((), jnp.int32), tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
+        emitted=jnp.zeros((), jnp.int32), drafts=jnp.zeros((), jnp.int32), tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
         acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)))
     if self.speculative:
       prompt = TargetFeatures(hidden=out.hidden, layers=out.intermediates)
@@ -424,7 +450,7 @@ class DecodeLoop:
                                          emission)
     last_hidden = jnp.where(s.done[:, None], s.last_hidden,
                             _take_path(out.hidden, ver.path[:, -1:])[:, 0])
-    return self._count(entry, s, ver, emission).replace(
+    return self._count(entry, s, proposal, ver, emission).replace(
         seq=_scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
         logp=_scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
         seq_len=s.seq_len + emission.count, generated=s.generated + emission.count,
@@ -452,6 +478,9 @@ class DecodeLoop:
     out = forward(params, self.config, node_tokens, positions, s.cache,
                   new_mask=jnp.asarray(tree.ancestor_mask), advance=0,
                   hidden_layers=self.hidden_layers)
+    if proposal.drafted is not None:  # nodes left out are marked -1: never accepted
+      drafted = jnp.concatenate([jnp.ones_like(proposal.drafted[:, :1]), proposal.drafted], 1)
+      node_tokens = jnp.where(drafted, node_tokens, -1)
     return out, self.verifier(tree, node_tokens, out.logits, proposal.logprobs,
                               self.sampling, key)
 
@@ -499,11 +528,13 @@ class DecodeLoop:
                          count=jnp.where(s.done, 0, ver.num_accepted + 1))
     return self.drafter.update(params, self.config, drafter_state, result)
 
-  def _count(self, entry: int, s: DecodeState, ver: VerifyResult,
+  def _count(self, entry: int, s: DecodeState, proposal: Proposal, ver: VerifyResult,
              emission: Emission) -> DecodeState:
     """Round statistics: drafts cut by EOS or max_new_tokens are not counted as accepted
     (the policy's acceptance counts, which estimate the drafter, count them)."""
     active = ~s.done
+    drafts = (proposal.tokens.shape[1] if proposal.drafted is None
+              else proposal.drafted.sum(1, dtype=jnp.int32))
     emitted_drafts = jnp.minimum(ver.num_accepted, emission.count)
     depth_hits = (emitted_drafts[:, None] > jnp.arange(s.accepted_at_depth.shape[0])[None, :])
     decay = self.speculation.decay if self.speculation is not None else 1.0
@@ -512,6 +543,7 @@ class DecodeLoop:
     return s.replace(rounds=s.rounds + 1, row_rounds=s.row_rounds + active,
                      accepted_at_depth=s.accepted_at_depth + (depth_hits & active[:, None]).sum(0),
                      emitted=s.emitted + emission.count.sum(),
+                     drafts=s.drafts + jnp.where(active, drafts, 0).sum(),
                      tree_rounds=s.tree_rounds.at[entry].add(1), acceptance=acceptance)
 
   def _result(self, s: DecodeState, out: RowOutputs,
@@ -524,7 +556,8 @@ class DecodeLoop:
     stats = GenerationStats(
         rounds=s.rounds, row_rounds=out.row_rounds,
         accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
-        tokens_per_round=s.emitted.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
+        tokens_per_round=s.emitted.astype(jnp.float32) / denom,
+        drafts_per_round=s.drafts.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
         acceptance=s.acceptance)
     return GenerationResult(
         tokens=jnp.where(valid, jnp.take_along_axis(out.seq, idx, axis=1), self.pad_id),

@@ -192,10 +192,27 @@ class Adaptive:
     used = np.arange(counts.hits.shape[1])[None, :] < depths[:, None]
     return 1.0 + jnp.where(used, reach, 0.0).sum(1)
 
-  def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
-    """The entry with the most expected tokens per second at `batch` rows (scalar int32)."""
+  def plain_throughout(self, batches: Sequence[int]) -> bool:
+    """Whether a call that starts without evidence runs plain decoding in every round.
+
+    With no counts every acceptance estimate is the prior, and plain rounds add no
+    evidence; so when plain decoding has the most expected tokens per second at the prior
+    for each of the loop's `batches`, the policy's first choice is its choice for the whole
+    call, and the loop can leave the drafter out altogether (no drafter state to keep).
+    """
+    self._check_costs()
+    depths = np.array([t.depth for t in self.menu])
+    reach = np.float32(self.prior) ** np.arange(1, self.depth + 1, dtype=np.float32)
+    expected = 1.0 + np.where(np.arange(self.depth)[None, :] < depths[:, None], reach, 0.0).sum(1)
+    return all(int(np.argmax(expected / self.costs.at(b))) == 0 for b in batches)
+
+  def _check_costs(self) -> None:
     if self.costs is None:
       raise ConfigError("Adaptive.costs is None: pass costs=calibrate(...) (generate does this "
                         "itself outside jit)")
+
+  def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
+    """The entry with the most expected tokens per second at `batch` rows (scalar int32)."""
+    self._check_costs()
     cost = jnp.asarray(self.costs.at(batch), jnp.float32)
     return jnp.argmax(self.expected_tokens(counts) / cost).astype(jnp.int32)

@@ -120,11 +120,12 @@ def verify_sampled(tree: DraftTree, node_tokens: jax.Array, target_logits: jax.A
     chosen = jnp.full((b,), -1, jnp.int32)
     for j in range(c_max):
       child = kids[:, j]
-      trying = active & (child >= 0) & (chosen < 0)
       x = _row_take(node_tokens, jnp.maximum(child, 0))
+      trying = active & (child >= 0) & (x >= 0) & (chosen < 0)
       px, qx = p[rows, x], q[rows, x]
       # u in (0, 1]: accept with probability min(1, px / qx) without dividing; qx = 0 means
-      # the drafter could not have proposed x, so such a child is never accepted.
+      # the drafter could not have proposed x, so such a child is never accepted. A child
+      # left out (x < 0) is not tried: p stays as it is, as if the tree ended here.
       u = 1.0 - jax.random.uniform(jax.random.fold_in(key, d * c_max + j), (b,))
       accept = trying & (qx > 0) & (u * qx <= px)
       reject = trying & ~accept
@@ -153,7 +154,8 @@ class Verifier(Protocol):
 
   Args:
     tree: the draft tree (static).
-    node_tokens: `[B, N + 1]` tokens of [root] + nodes.
+    node_tokens: `[B, N + 1]` tokens of [root] + nodes; a negative token marks a node the
+      drafter left out (`Proposal.drafted`), which is never accepted.
     target_logits: `[B, N + 1, V]` target logits at every node.
     draft_logprobs: `[B, N + 1, V]` log q of sampled drafts, or None for deterministic ones.
     sampling: the target's sampling configuration.

@@ -94,10 +94,14 @@ class Proposal:
       node's children were sampled from (without replacement). Present exactly when the
       drafter samples (`Drafter.draws`); None for deterministic drafts (argmax / top-w /
       lookup), which are verified by matching.
+    drafted: `[B, N]` whether each node was drafted (None: all were). A drafter that stops
+      early for some rows leaves the rest of their tree out: such a node (and so every
+      descendant) is never accepted, and its parent's next token is drawn from the target.
   """
 
   tokens: jax.Array
   logprobs: jax.Array | None = None
+  drafted: jax.Array | None = None
 
 
 @struct.dataclass
@@ -286,8 +290,8 @@ LevelScorer = Callable[[int, np.ndarray, jax.Array, Carry], tuple[jax.Array, Car
 
 
 def draft_level_by_level(tree: DraftTree, sampling: SamplingConfig, key: jax.Array,
-                         draw: bool, root: jax.Array, score: LevelScorer, carry: Carry
-                         ) -> tuple[Proposal, Carry]:
+                         draw: bool, root: jax.Array, score: LevelScorer, carry: Carry, *,
+                         confidence: float = 0.0) -> tuple[Proposal, Carry]:
   """Fill a tree one depth at a time: the drafting loop every model-based drafter shares.
 
   For each depth d = 0 .. D - 1, `score(d, parents, tokens, carry)` returns the draft logits
@@ -296,25 +300,59 @@ def draft_level_by_level(tree: DraftTree, sampling: SamplingConfig, key: jax.Arr
   updated carry. The children of each parent get its top-w tokens, or, when `draw`, w tokens
   sampled without replacement (Gumbel top-w, an independent key per depth).
 
+  With a `confidence` threshold, a row stops drafting after the first depth at which no
+  drafted token has a draft probability of at least `confidence`; its deeper nodes are left
+  out (`Proposal.drafted`), and a depth at which every row has stopped is not scored at all
+  (`lax.cond`). The first depth is always drafted. Stopping depends on the drafts alone, never
+  on the target, so verification stays exact.
+
   Args:
     root: `[B]` root tokens (node 0).
     carry: whatever `score` threads from one depth to the next (caches, hidden states).
+    confidence: draft probability below which a row stops (0: every row drafts the tree).
 
   Returns:
-    The `Proposal` (with `logprobs` exactly when `draw`) and the final carry.
+    The `Proposal` (with `logprobs` exactly when `draw`, `drafted` exactly with a
+    `confidence`) and the final carry.
   """
-  tokens = jnp.zeros((root.shape[0], tree.num_nodes + 1), jnp.int32).at[:, 0].set(root)
+  b = root.shape[0]
+  tokens = jnp.zeros((b, tree.num_nodes + 1), jnp.int32).at[:, 0].set(root)
+  live = jnp.ones((b,), bool)  # rows still drafting
+  drafted = jnp.zeros((b, tree.num_nodes + 1), bool)
   node_logprobs = None
   for d in range(tree.depth):
     parents = tree.nodes_at_depth(d)
-    logits, carry = score(d, parents, tokens, carry)
-    logprobs = processed_logprobs(logits, sampling)
-    if draw:
-      if node_logprobs is None:
-        node_logprobs = jnp.zeros(tokens.shape + logprobs.shape[-1:], jnp.float32)
-      node_logprobs = node_logprobs.at[:, parents].set(logprobs)
-    candidates = top_w(jax.random.fold_in(key, d) if draw else None, logprobs,
-                       tree.max_children_of(parents))  # [B, M, w]
     children, owner, rank = tree.children_of(parents)
-    tokens = tokens.at[:, children].set(candidates[:, owner, rank])
-  return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs), carry
+
+    def level(operands, d=d, parents=parents, children=children, owner=owner, rank=rank):
+      tokens, node_logprobs, carry = operands
+      logits, carry = score(d, parents, tokens, carry)
+      logprobs = processed_logprobs(logits, sampling)
+      if draw:
+        if node_logprobs is None:
+          node_logprobs = jnp.zeros(tokens.shape + logprobs.shape[-1:], jnp.float32)
+        node_logprobs = node_logprobs.at[:, parents].set(logprobs)
+      candidates = top_w(jax.random.fold_in(key, d) if draw else None, logprobs,
+                         tree.max_children_of(parents))  # [B, M, w]
+      tokens = tokens.at[:, children].set(candidates[:, owner, rank])
+      best = jnp.take_along_axis(logprobs, candidates, -1).max((1, 2))  # [B]
+      return (tokens, node_logprobs, carry), jnp.exp(best)
+
+    operands = (tokens, node_logprobs, carry)
+    if d == 0 or not confidence:
+      operands, best = level(operands)
+    else:
+      skip = lambda operands: (operands, jnp.zeros((b,), jnp.float32))
+      operands, best = jax.lax.cond(jnp.any(live), level, skip, operands)
+    tokens, node_logprobs, carry = operands
+    drafted = drafted.at[:, children].set(live[:, None])
+    live &= best >= confidence
+  return Proposal(tokens=tokens[:, 1:], logprobs=node_logprobs,
+                  drafted=drafted[:, 1:] if confidence else None), carry
+
+
+def check_confidence(drafter: Drafter, confidence: float) -> None:
+  """Raise a `ConfigError` unless `confidence` is a valid early-stop threshold."""
+  if not (isinstance(confidence, (int, float)) and 0.0 <= confidence < 1.0):
+    raise ConfigError(f"{type(drafter).__name__}.confidence={confidence!r} is invalid: must be "
+                      "a draft probability in [0, 1) (0: always draft the whole tree)")

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
-                                            commit_if_full, commit_if_pending,
-                                            draft_level_by_level)
+                                            check_confidence, commit_if_full,
+                                            commit_if_pending, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -48,12 +48,17 @@ class DraftModelDrafter(Drafter):
   Attributes:
     config: the draft model's configuration (same vocabulary as the target).
     sampled: sample siblings without replacement (rejection verification) instead of top-w.
+    confidence: a row stops drafting once no token it drafted at a depth has at least this
+      draft probability (0: draft the whole tree); see `draft_level_by_level`. With a deep
+      chain this gives each row and round the draft length its drafter is confident about.
   """
 
   config: ModelConfig
   sampled: bool = False
+  confidence: float = 0.0
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
+    check_confidence(self, self.confidence)
     if self.config.vocab_size != config.vocab_size:
       raise ConfigError(
           f"draft model vocab_size={self.config.vocab_size} differs from the target's "
@@ -92,7 +97,7 @@ class DraftModelDrafter(Drafter):
       return unembed(state.params, self.config, out.hidden[:, parents]), carry
 
     proposal, _ = draft_level_by_level(tree, sampling, key, self.draws(sampling), ctx.root,
-                                       score, None)
+                                       score, None, confidence=self.confidence)
     return proposal, state
 
   def update(self, params, config, state: DraftModelState, result) -> DraftModelState:

@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal,
-                                            PLAIN_WINDOW, commit_if_full, commit_if_pending,
-                                            draft_level_by_level)
+from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
+                                            check_confidence, commit_if_full,
+                                            commit_if_pending, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -105,15 +105,20 @@ class Eagle3Drafter(Drafter):
   Attributes:
     config: the head's architecture (`Eagle3Config.for_target(target_config, ...)`).
     sampled: sample siblings without replacement (rejection verification) instead of top-w.
+    confidence: a row stops drafting once no token it drafted at a depth has at least this
+      draft probability (0: draft the whole tree); see `draft_level_by_level`. With a deep
+      chain this gives each row and round the draft length its drafter is confident about.
   """
 
   config: Eagle3Config
   sampled: bool = False
+  confidence: float = 0.0
 
   def hidden_layers(self, config: ModelConfig) -> tuple[int, ...]:
     return self.config.hidden_layers
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
+    check_confidence(self, self.confidence)
     self.config.check_target(config)
 
   def _logits(self, weights: Eagle3Weights, stream: jax.Array) -> jax.Array:
@@ -195,7 +200,8 @@ class Eagle3Drafter(Drafter):
     streams = jnp.zeros((b, tree.num_nodes + 1, self.config.d_model), last.dtype)
     streams = streams.at[:, 0].set(last)
     proposal, (cache, _) = draft_level_by_level(tree, sampling, key, self.draws(sampling),
-                                                ctx.root, score, (cache, streams))
+                                                ctx.root, score, (cache, streams),
+                                                confidence=self.confidence)
     # The scratch slots hold the nodes' keys beyond `lengths`: the next commit overwrites them.
     return proposal, state.replace(cache=cache)
 
