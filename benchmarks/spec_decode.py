@@ -1,9 +1,10 @@
-"""Speculative vs plain decoding at temperature 1, side by side in one engine and one run.
+"""Speculative vs plain decoding (temperature 1, or greedy), side by side in one engine and run.
 
     python benchmarks/spec_decode.py                  # full run: ~13 min on 2 quiet cores, plus
                                                       # ~8-14 min of training on first use
     python benchmarks/spec_decode.py --quick          # smoke: batch 1/4, 6 variants, 32 tokens
     python benchmarks/spec_decode.py --batches 16 --repeats 7 --json out.json
+    python benchmarks/spec_decode.py --batches 1 --temperature 0   # greedy
 
 Models (see `_spec_models.py`): a float32 Llama-style GQA target whose trunk alone has > 25M
 parameters, with 3 MTP modules and 3 Medusa heads, a 2-layer draft model sharing its
@@ -27,6 +28,8 @@ so a burst of load from other processes hits every column alike. Reported per ro
   spec/plain time ratios, to show how noisy the machine was.
 - `acc len`: mean acceptance length, `stats.tokens_per_round` (tokens emitted per row-round;
   1 for plain decoding), and `acc@d`, the fraction of row-rounds whose depth-d draft was kept.
+- `drafts`: mean draft tokens verified per row-round, `stats.drafts_per_round` (the tree's
+  nodes; fewer when a drafter with a `confidence` threshold stops rows early).
 - `eff`: engine efficiency = ratio / acc len. It factors exactly into `tail` x 1 / `cost`:
   - `rounds`: loop iterations of the speculative run (the plain run takes max_new - 1);
     `tail` = mean rounds a row needed / `rounds`. Rows accept different numbers of tokens and
@@ -93,6 +96,7 @@ from specjax.models import KVCache, forward  # noqa: E402
 
 PROMPT_LEN = 32          # prompt buffer; each row's prompt length is drawn in [16, 32]
 EVAL_SEED = 10_000       # held-out documents (training uses seeds < 100)
+CONFIDENCE = 0.4         # rows with a per-row draft length stop below this draft probability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +135,8 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
   mtp, medusa = MTPDrafter(sampled=sampled), MedusaDrafter(sampled=sampled)
   draft = DraftModelDrafter(M.DRAFT, sampled=sampled)
   eagle3 = Eagle3Drafter(M.EAGLE3, sampled=sampled)
+  confident_draft = dataclasses.replace(draft, confidence=CONFIDENCE)
+  confident_eagle3 = dataclasses.replace(eagle3, confidence=CONFIDENCE)
   chains = lambda *ks: tuple(DraftTree.chain(k) for k in ks)
   out = [
       Variant("plain", "-", None, DraftTree.empty(), quick=True),
@@ -162,6 +168,16 @@ def variants(sampled: bool, quick: bool) -> list[Variant]:
       # The same, gathering the live rows into B/2 and then B/4 rows as rows finish.
       Variant("eagle3", "adaptive+compact", eagle3, DraftTree.chain(6), params_name="eagle3",
               menu=chains(1, 2, 3, 4, 6), compaction=2),
+      # Draft length per row and round: each row stops drafting once the draft's own
+      # probability falls below CONFIDENCE; the rounds' tree is the cap (`confidence`).
+      Variant("draft model", f"chain8 c{CONFIDENCE}", confident_draft, DraftTree.chain(8),
+              params_name="draft model"),
+      Variant("draft model", f"adaptive c{CONFIDENCE}", confident_draft, DraftTree.chain(8),
+              params_name="draft model", menu=chains(1, 2, 3, 4, 6, 8)),
+      Variant("eagle3", f"chain8 c{CONFIDENCE}", confident_eagle3, DraftTree.chain(8),
+              params_name="eagle3"),
+      Variant("eagle3", f"adaptive c{CONFIDENCE}", confident_eagle3, DraftTree.chain(8),
+              params_name="eagle3", menu=chains(1, 2, 3, 4, 6, 8)),
   ]
   return [v for v in out if v.quick] if quick else out
 
@@ -200,6 +216,7 @@ class Row:
   ratio: float
   spread: float
   acc_len: float
+  drafts: float
   eff: float
   acc_depth: list[float]
   compile_s: float
@@ -322,6 +339,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
   times = [[] for _ in vs]
   tokens = [[] for _ in vs]
   tpr = [[] for _ in vs]
+  drafts = [[] for _ in vs]
   depth = [[] for _ in vs]
   rounds = [[] for _ in vs]
   tree_rounds = [[] for _ in vs]
@@ -336,6 +354,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
       times[i].append(time.perf_counter() - t)
       tokens[i].append(int(res.lengths.sum()))
       tpr[i].append(float(res.stats.tokens_per_round))
+      drafts[i].append(float(res.stats.drafts_per_round))
       depth[i].append(np.asarray(res.stats.accepted_per_depth))
       rounds[i].append(int(res.stats.rounds))
       tree_rounds[i].append(np.asarray(res.stats.tree_rounds))
@@ -371,6 +390,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
     ideal = acc_len / verify
     rows.append(Row(drafter=v.drafter_name, tree=v.tree_name, batch=batch, plain_tps=plain_tps,
                     spec_tps=tps, ratio=ratio, spread=spread, acc_len=acc_len,
+                    drafts=float(np.mean(drafts[i])),
                     eff=ratio / acc_len, acc_depth=[float(x) for x in np.mean(depth[i], 0)],
                     compile_s=compile_s[i], spec_ms=1e3 * statistics.median(times[i]),
                     plain_ms=1e3 * statistics.median(times[0]), rounds=n_rounds, tail=tail,
@@ -379,7 +399,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
                     step_ms=1e3 * statistics.median(step_s[i]),
                     tree_share=_tree_share(v, tree_rounds[i])))
     log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
-        f"acc len {acc_len:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
+        f"acc len {acc_len:4.2f} drafts {rows[-1].drafts:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
         f"{cost:4.2f} = verify {verify:4.2f} + draft {cost - verify:4.2f}; ideal "
         f"{ideal:4.2f}, engine eff {ratio / ideal:4.2f} (compile {compile_s[i]:.1f}s)"
         + (f"; rounds by tree: {rows[-1].tree_share}" if v.menu else ""))
@@ -398,7 +418,8 @@ def _tree_share(v: Variant, tree_rounds: list[np.ndarray]) -> str:
 
 def print_table(rows: list[Row]) -> None:
   head = (f"{'drafter':12s} {'tree':12s} {'batch':>5s} {'plain tok/s':>11s} "
-          f"{'spec tok/s':>10s} {'ratio':>6s} {'spread':>6s} {'acc len':>7s} {'eff':>5s} "
+          f"{'spec tok/s':>10s} {'ratio':>6s} {'spread':>6s} {'acc len':>7s} {'drafts':>6s} "
+          f"{'eff':>5s} "
           f"{'rounds':>6s} {'tail':>5s} {'cost':>5s} {'verify':>6s} {'draft':>5s} "
           f"{'ideal':>5s} {'eng eff':>7s}  acc@d")
   print(head)
@@ -407,7 +428,8 @@ def print_table(rows: list[Row]) -> None:
     if r.drafter == "plain":
       continue
     print(f"{r.drafter:12s} {r.tree:12s} {r.batch:5d} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
-          f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.eff:5.2f} {r.rounds:6.1f} "
+          f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.drafts:6.2f} {r.eff:5.2f} "
+          f"{r.rounds:6.1f} "
           f"{r.tail:5.2f} {r.cost:5.2f} {r.verify:6.2f} {r.draft:5.2f} {r.ideal:5.2f} "
           f"{r.engine_eff:7.2f}  "
           + " ".join(f"{a:.2f}" for a in r.acc_depth)
@@ -429,6 +451,8 @@ def main(argv=None) -> int:
   ap.add_argument("--argmax-drafts", action="store_true",
                   help="deterministic top-w drafts + matching verification instead of sampled "
                        "drafts + rejection verification")
+  ap.add_argument("--temperature", type=float, default=1.0,
+                  help="sampling temperature of every row (0: greedy) (1.0)")
   ap.add_argument("--json", default=None, help="also write the rows to this file")
   ap.add_argument("--rows", default=None,
                   help="only these rows, comma-separated 'drafter tree' names (e.g. "
@@ -483,7 +507,7 @@ def main(argv=None) -> int:
       f"{quality['draft_top1']:.2f}); process entropy of the language "
       f"{quality['process_entropy']:.3f}")
 
-  sampling = SamplingConfig(temperature=1.0)
+  sampling = SamplingConfig(temperature=args.temperature)
   vs = variants(sampled=not args.argmax_drafts, quick=args.quick)
   if args.rows:
     wanted = {name.strip() for name in args.rows.split(",")}
@@ -492,7 +516,7 @@ def main(argv=None) -> int:
       ap.error(f"--rows: no such rows {sorted(unknown)}; rows are "
                f"{[f'{v.drafter_name} {v.tree_name}' for v in vs[1:]]}")
     vs = [vs[0]] + [v for v in vs[1:] if f"{v.drafter_name} {v.tree_name}" in wanted]
-  log(f"temperature 1.0, prompts {PROMPT_LEN // 2}-{PROMPT_LEN} tokens, max_new_tokens "
+  log(f"temperature {args.temperature}, prompts {PROMPT_LEN // 2}-{PROMPT_LEN} tokens, max_new_tokens "
       f"{max_new}, {repeats} repeats, drafts "
       f"{'argmax (matching)' if args.argmax_drafts else 'sampled (rejection)'}")
   # Parameters owned by drafters, by `Variant.params_name`.

@@ -3,6 +3,8 @@
 The draft model keeps its own KV cache, committed in lockstep with the target's (everything
 before the root). To draft a tree it runs level by level: a pass over [root] + nodes with the
 tree mask (nothing committed) scores the nodes of depth d - 1, whose children are then drawn.
+A chain needs one token per level instead: each node's keys wait in a scratch slot past the
+committed entries, where the next level reads them.
 After verification one pass over the accepted path commits exactly those entries, which is
 the rollback: rejected drafts were never committed. Rounds that draft nothing (an adaptive
 policy's plain rounds) only append their token to a window, committed in one pass when it is
@@ -88,6 +90,8 @@ class DraftModelDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, DraftModelState]:
     state = commit_if_pending(state, self._commit)
     positions = (ctx.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
+    if tree.is_chain():
+      return self._propose_chain(state, ctx, tree, sampling, key, positions)
     mask = jnp.asarray(tree.ancestor_mask)
 
     def score(d, parents, tokens, carry):
@@ -99,6 +103,26 @@ class DraftModelDrafter(Drafter):
     proposal, _ = draft_level_by_level(tree, sampling, key, self.draws(sampling), ctx.root,
                                        score, None, confidence=self.confidence)
     return proposal, state
+
+  def _propose_chain(self, state: DraftModelState, ctx, tree: DraftTree,
+                     sampling: SamplingConfig, key: jax.Array,
+                     positions: jax.Array) -> tuple[Proposal, DraftModelState]:
+    """A chain one token per depth: node d's keys go to scratch slot `committed + d`, where
+    the next depth sees them as its ancestors' (as the committed entries, by moving the
+    cache's lengths there for that pass). The accepted path's commit in `update` overwrites
+    the scratch slots."""
+    committed = state.cache.lengths
+
+    def score(d, parents, tokens, cache):
+      out = forward(state.params, self.config, tokens[:, d:d + 1], positions[:, d:d + 1],
+                    cache.set_lengths(committed + d), advance=0, compute_logits=False)
+      return (unembed(state.params, self.config, out.hidden),
+              out.cache.set_lengths(committed))
+
+    proposal, cache = draft_level_by_level(tree, sampling, key, self.draws(sampling),
+                                           ctx.root, score, state.cache,
+                                           confidence=self.confidence)
+    return proposal, state.replace(cache=cache)
 
   def update(self, params, config, state: DraftModelState, result) -> DraftModelState:
     b, width = result.path_tokens.shape
