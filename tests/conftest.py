@@ -81,3 +81,6 @@ class CyclingPolicy(Adaptive):
 
   def choose(self, counts, batch):
     return ((counts.rounds + 1) % len(self.menu)).astype(jnp.int32)
+
+  def keeps(self, entry, counts, batch):
+    return self.choose(counts, batch) == entry

@@ -2,6 +2,8 @@
 equal to plain decoding while the tree changes from round to round (for every drafter that
 keeps state), calibration and its disk cache, one executable across calls."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,20 @@ def test_the_choice_moves_with_acceptance_and_with_the_batch_size():
   np.testing.assert_allclose(costs.at(32), [1.0 + 3.0 * 31 / 63, 1.1 + 6.9 * 31 / 63,
                                             1.2 + 10.8 * 31 / 63, 1.4 + 18.6 * 31 / 63])
   np.testing.assert_allclose(costs.at(128), np.array([4.0, 8.0, 12.0, 20.0]) * 2)
+
+
+def test_the_running_entry_keeps_its_place_within_the_switch_margin():
+  costs = CostTable((4,), ((1.0,), (1.0,), (1.35,), (3.0,)))
+  policy = Adaptive(CHAINS, costs=costs)
+  counts = _counts(policy, 0.5)  # E = 1, 1.5, 1.75, 1.94: rates 1.0, 1.5, 1.30, 0.65
+  assert int(policy.choose(counts, 4)) == 1
+  assert bool(policy.keeps(1, counts, 4))
+  assert not bool(policy.keeps(0, counts, 4)) and not bool(policy.keeps(3, counts, 4))
+  close = policy.with_costs(CostTable((4,), ((1.0,), (1.0,), (1.2,), (3.0,))))
+  assert int(close.choose(counts, 4)) == 1  # rates 1.5, 1.458: chain2 within 5% of chain1
+  assert bool(close.keeps(2, counts, 4))
+  strict = dataclasses.replace(close, switch_margin=0.0)
+  assert not bool(strict.keeps(2, counts, 4)) and bool(strict.keeps(1, counts, 4))
 
 
 @pytest.mark.parametrize("make,needle", [

@@ -418,7 +418,8 @@ class DecodeLoop:
 
   def segment(self, params: Params, more: Any, s: DecodeState) -> DecodeState:
     """Rounds of one tree: the fixed tree's one round, or, with a speculation policy, the
-    entry it picks, for as long as `more(state)` holds and the policy keeps picking it.
+    entry it picks, for as long as `more(state)` holds and the policy keeps it
+    (`Adaptive.keeps`).
 
     Running a segment rather than a round per `lax.switch` matters: XLA copies the caches
     into and out of the switch, a full pass over them, which per round cost more than the
@@ -430,7 +431,7 @@ class DecodeLoop:
     batch = s.seq.shape[0]
 
     def run(entry: int, s: DecodeState) -> DecodeState:
-      keep = lambda s: more(s) & (self.speculation.choose(s.acceptance, batch) == entry)
+      keep = lambda s: more(s) & self.speculation.keeps(entry, s.acceptance, batch)
       return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
                                 self.round_of(entry, params, s))
 

@@ -9,7 +9,8 @@ expected
 tokens, where a_{i,d} is the probability that the path continues from depth d to depth
 d + 1 given that it reached depth d. `Adaptive` picks argmax_i E_i / c_i every round: the
 entry with the most expected tokens per second, plain decoding (E = 1) whenever nothing
-beats it. The a_{i,d} are running estimates from the rounds of this call (optionally
+beats it; the entry that ran the last round keeps running while it is within a small margin
+of the best (hysteresis against switching on noise). The a_{i,d} are running estimates from the rounds of this call (optionally
 carried over from earlier calls, e.g. across RL steps): exponentially decayed counts per
 entry and depth, shrunk towards the estimate pooled over all entries, which is itself
 shrunk towards a prior. The prior is optimistic on purpose: a depth no entry has tried
@@ -136,6 +137,10 @@ class Adaptive:
       row-rounds.
     decay: factor applied to the counts every round, so that the estimates follow a drafter
       whose acceptance changes along the generation (1: never forget).
+    switch_margin: the entry that ran the last round runs again while its expected tokens per
+      second are within this fraction of the best entry's (hysteresis): the estimates are
+      noisy, and a switch driven by noise costs a worse round (and, in the compiled loop, a
+      pass over the caches).
   """
 
   menu: tuple[DraftTree, ...]
@@ -143,6 +148,7 @@ class Adaptive:
   prior: float = 0.9
   prior_rounds: float = 2.0
   decay: float = 0.98
+  switch_margin: float = 0.05
 
   def __post_init__(self):
     menu = tuple(self.menu)
@@ -160,6 +166,9 @@ class Adaptive:
       raise ConfigError(f"Adaptive.prior_rounds={self.prior_rounds!r} is invalid: must be > 0")
     if not 0.0 < self.decay <= 1.0:
       raise ConfigError(f"Adaptive.decay={self.decay!r} is invalid: must be in (0, 1]")
+    if not 0.0 <= self.switch_margin < 1.0:
+      raise ConfigError(f"Adaptive.switch_margin={self.switch_margin!r} is invalid: must be in "
+                        "[0, 1)")
     if self.costs is not None and len(self.costs.seconds) != len(menu):
       raise ConfigError(
           f"Adaptive.costs has {len(self.costs.seconds)} rows for a menu of {len(menu)} "
@@ -211,8 +220,17 @@ class Adaptive:
       raise ConfigError("Adaptive.costs is None: pass costs=calibrate(...) (generate does this "
                         "itself outside jit)")
 
+  def rates(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
+    """`[I]` expected tokens per second of each entry at `batch` rows."""
+    self._check_costs()
+    return self.expected_tokens(counts) / jnp.asarray(self.costs.at(batch), jnp.float32)
+
   def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
     """The entry with the most expected tokens per second at `batch` rows (scalar int32)."""
-    self._check_costs()
-    cost = jnp.asarray(self.costs.at(batch), jnp.float32)
-    return jnp.argmax(self.expected_tokens(counts) / cost).astype(jnp.int32)
+    return jnp.argmax(self.rates(counts, batch)).astype(jnp.int32)
+
+  def keeps(self, entry: int, counts: AcceptanceCounts, batch: int) -> jax.Array:
+    """Whether entry `entry`, which ran the last round, runs the next one too: while its
+    rate is within `switch_margin` of the best (scalar bool)."""
+    rates = self.rates(counts, batch)
+    return rates[entry] >= (1.0 - self.switch_margin) * rates.max()
