@@ -19,23 +19,34 @@ of `config.json`; transformers ignores both, so the directory still loads there 
 Both the transformers v5 (`rope_parameters`, `dtype`) and v4 (`rope_theta` + `rope_scaling`,
 `torch_dtype`) spellings are read, and both are written.
 
+Saves are atomic: the export is written and fsynced in a temporary sibling directory that then
+replaces `path`, so a crash or a full disk never leaves a half-written export (see `save_hf`).
+Loading refuses what it cannot represent exactly (an active sliding window, an unsupported
+`model_type`, non-integral sizes, non-float weights, shards outside the directory) and names
+the file of any malformed JSON or unreadable safetensors.
+
 Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, H head_dim,
 F MLP width).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import glob
 import json
 import os
-from collections.abc import Mapping
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from specjax.errors import CheckpointError, ConfigError
@@ -56,6 +67,12 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 # Tensors some checkpoints carry that the model recomputes rather than reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtype codes that load exactly into a float parameter.
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+# transformers' Qwen2 / Qwen3 config defaults, used where config.json omits the key.
+_HF_SLIDING_WINDOW = 4096
+_HF_MAX_WINDOW_LAYERS = 28
+_REQUIRED = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +189,33 @@ def _get(tree: Any, key: tuple) -> Any:
 # config.json
 
 
+def _read_json(file: Path) -> dict[str, Any]:
+  """The JSON object in `file`, or a `CheckpointError` naming the file and the bad position."""
+  try:
+    value = json.loads(file.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as err:
+    raise CheckpointError(f"{file}: malformed JSON at line {err.lineno} column {err.colno} "
+                          f"(char {err.pos}): {err.msg}; re-download or re-export the "
+                          "checkpoint") from None
+  except UnicodeDecodeError as err:
+    raise CheckpointError(f"{file}: not UTF-8 text (byte {err.start}): {err.reason}; "
+                          "re-download or re-export the checkpoint") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{file}: holds a JSON {type(value).__name__}, expected an object")
+  return value
+
+
+def _int_field(hf: Mapping[str, Any], name: str, default: Any = _REQUIRED, *,
+               where: str = "config.json") -> int:
+  """`hf[name]` as an int; an integral float (64.0) is accepted, 64.5 or "64" is not."""
+  value = hf[name] if default is _REQUIRED else hf.get(name, default)
+  integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+  if isinstance(value, bool) or not integral:
+    raise ConfigError(f"{where}: {name}={value!r} is invalid: allowed an integer (an "
+                      "integral float such as 64.0 is accepted)")
+  return int(value)
+
+
 def _hf_dtype(hf: Mapping[str, Any]) -> str | None:
   value = hf.get("dtype", hf.get("torch_dtype"))
   return None if value is None else str(value).removeprefix("torch.")
@@ -217,11 +261,13 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | Non
       factor=float(params["factor"]),
       low_freq_factor=float(params["low_freq_factor"]),
       high_freq_factor=float(params["high_freq_factor"]),
-      original_max_position=int(original),
+      original_max_position=_int_field({"original_max_position_embeddings": original},
+                                       "original_max_position_embeddings"),
   )
 
 
-def _check_supported(hf: Mapping[str, Any], family: str, n_layers: int) -> None:
+def _check_supported(hf: Mapping[str, Any], family: str, n_layers: int,
+                     max_position: int) -> None:
   """Reject HF options that change the math in ways the specjax model does not implement."""
   act = hf.get("hidden_act", "silu")
   if act != "silu":
@@ -235,10 +281,55 @@ def _check_supported(hf: Mapping[str, Any], family: str, n_layers: int) -> None:
     if other:
       raise ConfigError(f"config.json: layer_types contains {other}: allowed only "
                         "'full_attention'")
-  elif family == "qwen2" and hf.get("use_sliding_window", False):
-    if hf.get("sliding_window") is not None and hf.get("max_window_layers", 28) < n_layers:
-      raise ConfigError("config.json: use_sliding_window=True is unsupported: allowed False "
-                        "(every layer attends to the whole prefix)")
+  elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+    _check_no_sliding_window(hf, n_layers, max_position)
+
+
+def _check_no_sliding_window(hf: Mapping[str, Any], n_layers: int, max_position: int) -> None:
+  """Reject a Qwen2 / Qwen3 sliding window that transformers would apply.
+
+  transformers (Qwen2Config / Qwen3Config) keeps `sliding_window` only when
+  `use_sliding_window` is set, and then makes layers `max_window_layers..` sliding. A window
+  of at least `max_position_embeddings` never masks a key (`q - k < window` always holds), so
+  it is the same model. Llama has no sliding window in transformers, which ignores the keys.
+  """
+  window = hf.get("sliding_window", _HF_SLIDING_WINDOW)
+  if window is None:
+    return
+  window = _int_field({"sliding_window": window}, "sliding_window")
+  first = _int_field(hf, "max_window_layers", _HF_MAX_WINDOW_LAYERS)
+  if first < n_layers and window < max_position:
+    raise ConfigError(
+        f"config.json: use_sliding_window=True with sliding_window={window} on layers "
+        f"{first}..{n_layers - 1} (max_window_layers={first}) is unsupported: allowed "
+        "use_sliding_window=False, sliding_window=null or >= max_position_embeddings "
+        f"({max_position}), or max_window_layers >= num_hidden_layers ({n_layers}); every "
+        "specjax layer attends to the whole prefix")
+
+
+def _family(hf: Mapping[str, Any]) -> str:
+  """The checkpoint family, from `model_type` (what transformers' Auto classes dispatch on)
+  checked against `architectures`, or from `architectures` alone when `model_type` is absent."""
+  archs = hf.get("architectures") or []
+  model_type = hf.get("model_type")
+  allowed = (f"allowed model_type one of {sorted(_FAMILY_ARCH)} with architectures one of "
+             f"{sorted(ARCHITECTURES)}")
+  if not isinstance(archs, list):
+    raise ConfigError(f"config.json: architectures={archs!r} is invalid: allowed a list such "
+                      "as ['LlamaForCausalLM']")
+  families = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
+  if (model_type is not None and model_type not in _FAMILY_ARCH) or (archs and not families):
+    raise ConfigError(f"config.json: architectures={archs!r} (model_type={model_type!r}) is "
+                      f"unsupported: {allowed}")
+  if model_type is None:
+    if not families:  # neither key names the model
+      raise ConfigError(f"config.json: has neither model_type nor architectures: {allowed}")
+    return families[0]
+  if families and model_type not in families:
+    raise ConfigError(f"config.json: model_type={model_type!r} disagrees with "
+                      f"architectures={archs!r}: allowed matching pairs "
+                      f"{sorted(ARCHITECTURES.items(), key=lambda kv: kv[1])}")
+  return model_type
 
 
 def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
@@ -252,37 +343,35 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
     dtype: compute dtype; defaults to the parameter dtype.
 
   Raises:
-    ConfigError: an unsupported architecture, rope type, activation or option.
+    ConfigError: an unsupported architecture or model_type, rope type, activation or option
+      (such as an active sliding window), or a non-integral integer field.
   """
-  archs = hf.get("architectures") or []
-  arch = next((a for a in archs if a in ARCHITECTURES), None)
-  if not archs:  # some hand-written configs name only the model_type
-    arch = _FAMILY_ARCH.get(hf.get("model_type"))
-  if arch is None:
-    raise ConfigError(f"config.json: architectures={archs!r} (model_type="
-                      f"{hf.get('model_type')!r}) is unsupported: allowed one of "
-                      f"{sorted(ARCHITECTURES)}")
-  family = ARCHITECTURES[arch]
+  family = _family(hf)
   missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads") if f not in hf]
   if missing:
-    raise ConfigError(f"config.json: missing required fields {missing} for {arch}")
-  n_layers = int(hf["num_hidden_layers"])
-  _check_supported(hf, family, n_layers)
+    raise ConfigError(f"config.json: missing required fields {missing} for "
+                      f"{_FAMILY_ARCH[family]}")
+  n_layers = _int_field(hf, "num_hidden_layers")
+  max_position = _int_field(hf, "max_position_embeddings", 2048)
+  _check_supported(hf, family, n_layers, max_position)
 
   param_dtype = _param_dtype(hf, param_dtype)
 
-  n_heads = int(hf["num_attention_heads"])
+  d_model = _int_field(hf, "hidden_size")
+  n_heads = _int_field(hf, "num_attention_heads")
   theta, scaling = _rope_from_hf(hf)
   heads = hf.get("specjax") or {}
+  int_head = lambda name, default: _int_field(heads, name, default, where="config.json specjax")
   return ModelConfig(
-      vocab_size=int(hf["vocab_size"]),
-      d_model=int(hf["hidden_size"]),
+      vocab_size=_int_field(hf, "vocab_size"),
+      d_model=d_model,
       n_layers=n_layers,
       n_heads=n_heads,
-      n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-      head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_heads),
-      mlp_dim=int(hf["intermediate_size"]),
+      n_kv_heads=(_int_field(hf, "num_key_value_heads") if hf.get("num_key_value_heads")
+                  else n_heads),
+      head_dim=_int_field(hf, "head_dim") if hf.get("head_dim") else d_model // n_heads,
+      mlp_dim=_int_field(hf, "intermediate_size"),
       rope_theta=theta,
       rope_scaling=scaling,
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -291,12 +380,12 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
       qkv_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
       qk_norm=family == "qwen3",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_position=int(hf.get("max_position_embeddings", 2048)),
+      max_position=max_position,
       dtype=dtype or param_dtype,
       param_dtype=param_dtype,
-      num_mtp_modules=int(heads.get("num_mtp_modules", 0)),
-      num_medusa_heads=int(heads.get("num_medusa_heads", 0)),
-      medusa_layers=int(heads.get("medusa_layers", 1)),
+      num_mtp_modules=int_head("num_mtp_modules", 0),
+      num_medusa_heads=int_head("num_medusa_heads", 0),
+      medusa_layers=int_head("medusa_layers", 1),
       family=family,
   )
 
@@ -358,15 +447,50 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 # Loading
 
 
+def _corrupt(file: Path, err: Exception) -> CheckpointError:
+  return CheckpointError(f"{file}: unreadable safetensors file ({err}); it is corrupt or "
+                         "truncated: re-download or re-export the checkpoint")
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+  """`safe_open(file)`, turning safetensors' parse errors into a `CheckpointError`."""
+  try:
+    handle = safe_open(file, framework="np")
+  except SafetensorError as err:
+    raise _corrupt(file, err) from None
+  with handle:
+    try:
+      yield handle
+    except SafetensorError as err:
+      raise _corrupt(file, err) from None
+
+
+def _shard_file(path: Path, index: Path, name: Any, file: Any) -> Path:
+  """The shard `file` the index lists for tensor `name`; it must lie inside `path`."""
+  if not isinstance(file, str) or not file:
+    raise CheckpointError(f"{index}: weight_map[{name!r}]={file!r} is invalid: allowed a "
+                          "file name inside the checkpoint directory")
+  # Checked lexically, not with resolve(): the HF hub cache links shards to blobs elsewhere.
+  parts = PurePosixPath(file.replace("\\", "/")).parts
+  if os.path.isabs(file) or file.startswith(("/", "\\")) or ".." in parts:
+    raise CheckpointError(f"{index}: weight_map[{name!r}]={file!r} points outside {path}: "
+                          "allowed a relative path without '..' inside the checkpoint directory")
+  return path / file
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
   """Tensor name -> file holding it, from the index of a sharded checkpoint or the one file."""
   index = path / INDEX_FILE
   if index.is_file():
-    weight_map = json.loads(index.read_text())["weight_map"]
-    return {name: path / file for name, file in weight_map.items()}
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{index}: no \"weight_map\" object; re-download or re-export the "
+                            "checkpoint")
+    return {name: _shard_file(path, index, name, file) for name, file in weight_map.items()}
   single = path / WEIGHTS_FILE
   if single.is_file():
-    with safe_open(single, framework="np") as f:
+    with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {INDEX_FILE} (a sharded checkpoint); "
                         "only safetensors checkpoints are supported")
@@ -374,7 +498,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
           tree: Params) -> None:
-  """Read `tensors` from `files` into `tree`, checking each one's presence and shape."""
+  """Read `tensors` from `files` into `tree`, checking each one's presence, dtype and shape."""
   with ExitStack() as stack:
     handles: dict[Path, Any] = {}
     for t in tensors:
@@ -384,13 +508,27 @@ def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
       if file not in handles:
         if not file.is_file():
           raise CheckpointError(f"{file}: file listed in the index for {t.name!r} is missing")
-        handles[file] = stack.enter_context(safe_open(file, framework="np"))
+        handles[file] = stack.enter_context(_open_safetensors(file))
       handle = handles[file]
-      shape = tuple(handle.get_slice(t.name).get_shape())
+      try:
+        tensor_slice = handle.get_slice(t.name)
+      except SafetensorError as err:  # the index names a tensor the shard lacks
+        raise CheckpointError(f"{file}: tensor {t.name!r} listed in the index is absent "
+                              f"({err}); re-download or re-export the checkpoint") from None
+      stored_dtype = tensor_slice.get_dtype()
+      if stored_dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {t.name!r} in {file.name} has dtype {stored_dtype}: "
+                              f"allowed a float dtype, one of {_FLOAT_DTYPES}")
+      shape = tuple(tensor_slice.get_shape())
       if shape != t.stored_shape:
         raise CheckpointError(f"tensor {t.name!r} in {file.name} has shape {shape}, expected "
                               f"{t.stored_shape}")
       _set(tree, t.key, jnp.asarray(t.to_param(handle.get_tensor(t.name)).astype(dtype)))
+
+
+def _get_tensor(files: dict[str, Path], name: str) -> np.ndarray:
+  with _open_safetensors(files[name]) as f:
+    return f.get_tensor(name)
 
 
 def _check_o_proj_bias(config: ModelConfig, files: dict[str, Path]) -> set[str]:
@@ -401,11 +539,56 @@ def _check_o_proj_bias(config: ModelConfig, files: dict[str, Path]) -> set[str]:
   """
   names = {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.n_layers)}
   for name in sorted(names & files.keys()):
-    with safe_open(files[name], framework="np") as f:
-      if np.any(f.get_tensor(name)):
-        raise ConfigError(f"tensor {name!r} is non-zero: an output-projection bias is "
-                          "unsupported (allowed: attention_bias with a zero o_proj bias)")
+    if np.any(_get_tensor(files, name)):
+      raise ConfigError(f"tensor {name!r} is non-zero: an output-projection bias is "
+                        "unsupported (allowed: attention_bias with a zero o_proj bias)")
   return names
+
+
+def _resolve_tied_lm_head(config: ModelConfig, files: dict[str, Path], path: Path
+                          ) -> tuple[ModelConfig, list[_Tensor], set[str]]:
+  """`(config, tensors, ignored names)` of a tie_word_embeddings checkpoint, as transformers
+  (v5, `PreTrainedModel.tie_weights`) loads it.
+
+  With both `model.embed_tokens.weight` and `lm_head.weight` stored, transformers ties them
+  only when they are equal; otherwise it warns and keeps both, so the model is untied. With
+  only `lm_head.weight` stored, the embedding is tied to it.
+  """
+  tensors = _trunk_tensors(config)
+  if not config.tie_embeddings or "lm_head.weight" not in files:
+    return config, tensors, set()
+  embed = "model.embed_tokens.weight"
+  if embed not in files:
+    tensors[0] = dataclasses.replace(tensors[0], name="lm_head.weight")
+    return config, tensors, set()
+  a, b = _get_tensor(files, embed), _get_tensor(files, "lm_head.weight")
+  if a.shape == b.shape and np.array_equal(a.astype(np.float32), b.astype(np.float32)):
+    return config, tensors, {"lm_head.weight"}
+  warnings.warn(f"{path}: tie_word_embeddings=True but lm_head.weight differs from "
+                f"{embed}; loading them untied, as transformers does (set "
+                "tie_word_embeddings=False in config.json to silence this)", stacklevel=3)
+  config = config.replace(tie_embeddings=False)
+  return config, _trunk_tensors(config), set()
+
+
+def _backup_dirs(path: Path) -> list[Path]:
+  """Backups `save_hf` leaves while it swaps a new export into `path`, oldest first."""
+  found = path.parent.glob(f".{glob.escape(path.name)}.old-*")
+  return sorted((p for p in found if p.is_dir()), key=lambda p: p.stat().st_mtime)
+
+
+def _existing_export(path: Path) -> Path:
+  """`path`, or, when a `save_hf` was killed between its two renames so that `path` is
+  missing, the complete previous export it had moved aside (the next `save_hf` restores it)."""
+  if path.exists():
+    return path
+  backups = [b for b in _backup_dirs(path) if (b / CONFIG_FILE).is_file()]
+  if not backups:
+    return path
+  warnings.warn(f"{path} is missing: an interrupted save_hf left the previous export at "
+                f"{backups[-1]}; loading that (the next save_hf to {path} restores it)",
+                stacklevel=3)
+  return backups[-1]
 
 
 def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
@@ -415,29 +598,30 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
   Args:
     path: directory with `config.json` and `model.safetensors` or sharded
       `model-XXXXX-of-YYYYY.safetensors` + `model.safetensors.index.json`; an optional
-      `specjax_heads.safetensors` holds draft heads written by `save_hf`.
+      `specjax_heads.safetensors` holds draft heads written by `save_hf`. If `path` is missing
+      because a `save_hf` over it was killed mid-swap, the previous export it moved aside is
+      read (with a warning).
     param_dtype: dtype of the returned parameters, or "auto" for the checkpoint's own.
     dtype: compute dtype of the returned config; defaults to the parameter dtype.
 
   Returns:
-    `(params, config)`: the params tree of `init_params(config, key)`'s structure.
+    `(params, config)`: the params tree of `init_params(config, key)`'s structure. A
+    tie_word_embeddings checkpoint whose stored lm_head differs from the embedding loads
+    untied (`config.tie_embeddings` False), as in transformers v5.
 
   Raises:
-    CheckpointError: missing `config.json` or weights file, missing, misshapen or unexpected
-      tensor.
+    CheckpointError: missing `config.json` or weights file; malformed JSON; a corrupt or
+      truncated safetensors file; a shard outside `path`; a missing, misshapen, non-float or
+      unexpected tensor.
     ConfigError: an unsupported architecture or option in `config.json`.
   """
-  path = Path(path)
+  path = _existing_export(Path(path))
   config_file = path / CONFIG_FILE
   if not config_file.is_file():
     raise CheckpointError(f"{path}: missing {CONFIG_FILE}; expected an HF checkpoint directory")
-  config = config_from_hf(json.loads(config_file.read_text()), param_dtype=param_dtype,
-                          dtype=dtype)
+  config = config_from_hf(_read_json(config_file), param_dtype=param_dtype, dtype=dtype)
   files = _weight_files(path)
-  tensors = _trunk_tensors(config)
-  # transformers ties lm_head to the embedding when tie_word_embeddings is set, whatever the
-  # file holds, so a stored lm_head.weight is ignored.
-  ignored = {"lm_head.weight"} if config.tie_embeddings else set()
+  config, tensors, ignored = _resolve_tied_lm_head(config, files, path)
   ignored |= _check_o_proj_bias(config, files)
   unexpected = sorted(name for name in files.keys() - {t.name for t in tensors} - ignored
                       if not name.endswith(_IGNORED_SUFFIXES))
@@ -464,7 +648,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
 
 
 def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
-  """Stored-layout arrays of `tensors`, checking each param's presence and shape."""
+  """Stored-layout arrays of `tensors`, checking each param's presence, shape and dtype."""
   out = {}
   for t in tensors:
     try:
@@ -475,6 +659,9 @@ def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
     if tuple(value.shape) != t.shape:
       raise ConfigError(f"params {'/'.join(map(str, t.key))} has shape {tuple(value.shape)}, "
                         f"expected {t.shape} from the config")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+      raise ConfigError(f"params {'/'.join(map(str, t.key))} has dtype {value.dtype}: allowed "
+                        "a float dtype (float16, bfloat16, float32 or float64)")
     out[t.name] = t.to_stored(np.asarray(value))
   return out
 
@@ -507,61 +694,219 @@ def _shards(arrays: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.
   return shards
 
 
-def _remove_stale(path: Path) -> None:
-  """Delete weights of an earlier save: transformers prefers `model.safetensors` over an
-  index, so a stale single file would shadow a new sharded checkpoint."""
-  stale = [path / WEIGHTS_FILE, path / INDEX_FILE, path / HEADS_FILE]
-  stale += path.glob("model-*-of-*.safetensors")
-  for file in stale:
-    file.unlink(missing_ok=True)
+def _is_export_file(name: str) -> bool:
+  """Whether `save_hf` writes (or an earlier save wrote) a file of this name."""
+  return (name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, HEADS_FILE)
+          or (name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")))
 
 
-def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            extra_config: Mapping[str, Any] | None = None) -> None:
-  """Write `params` as an HF checkpoint directory that transformers and `load_hf` read.
+def _fsync(path: Path) -> None:
+  """Flush `path` (a file or a directory's entries) to disk."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
 
-  Tensors keep the params' dtype. Weights of an earlier save in `path` are removed first.
 
-  Args:
-    params: parameters of `config` (trunk, plus draft heads when the config has them).
-    config: the model configuration; `family` picks the HF architecture.
-    path: output directory (created if needed).
-    max_shard_bytes: weights larger than this are split into `model-XXXXX-of-YYYYY`
-      shards with a `model.safetensors.index.json`.
-    extra_config: keys added to `config.json` where `config_to_hf` does not set them, e.g.
-      `bos_token_id` / `eos_token_id`, or the source checkpoint's whole `config.json`.
+def _write_safetensors(arrays: dict[str, np.ndarray], file: Path,
+                       metadata: dict[str, str]) -> None:
+  save_file(arrays, file, metadata=metadata)
+  _fsync(file)
 
-  Raises:
-    ConfigError: a param missing or of the wrong shape for `config`, or a bad shard size.
-  """
-  if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
-    raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be a positive int")
-  trunk = _stored_trunk(params, config)
-  heads = _gather(params, _head_tensors(config))
-  path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  _remove_stale(path)
 
+def _write_json(value: Any, file: Path, **kwargs: Any) -> None:
+  with open(file, "w", encoding="utf-8") as f:
+    f.write(json.dumps(value, indent=2, **kwargs) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _write_export(out: Path, trunk: dict[str, np.ndarray], heads: dict[str, np.ndarray],
+                  hf: dict[str, Any], max_shard_bytes: int) -> None:
+  """Write the weights, index, heads and `config.json` into the empty directory `out`."""
   metadata = {"format": "pt"}  # transformers refuses safetensors files without it
   shards = _shards(trunk, max_shard_bytes)
   if len(shards) == 1:
-    save_file(shards[0], path / WEIGHTS_FILE, metadata=metadata)
+    _write_safetensors(shards[0], out / WEIGHTS_FILE, metadata)
   else:
     width = max(5, len(str(len(shards))))
     weight_map = {}
     for i, shard in enumerate(shards):
       file = f"model-{i + 1:0{width}d}-of-{len(shards):0{width}d}.safetensors"
-      save_file(shard, path / file, metadata=metadata)
+      _write_safetensors(shard, out / file, metadata)
       weight_map |= {name: file for name in shard}
     total = sum(a.nbytes for a in trunk.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _write_json({"metadata": {"total_size": total}, "weight_map": weight_map}, out / INDEX_FILE)
   if heads:
-    save_file(heads, path / HEADS_FILE, metadata={"format": "specjax"})
+    _write_safetensors(heads, out / HEADS_FILE, {"format": "specjax"})
+  _write_json(hf, out / CONFIG_FILE, sort_keys=True)
 
+
+def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+  try:
+    os.link(src, dst)  # the old tree is deleted after the swap, so sharing inodes is safe
+  except OSError:
+    shutil.copy2(src, dst)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+  """Copy what `old` holds besides an export (tokenizer files, notes) into `new`."""
+  for entry in old.iterdir():
+    if _is_export_file(entry.name):
+      continue
+    target = new / entry.name
+    if entry.is_symlink():
+      os.symlink(os.readlink(entry), target)
+    elif entry.is_dir():
+      shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+    else:
+      _link_or_copy(entry, target)
+
+
+def _pid_alive(name: str) -> bool:
+  """Whether the process whose id ends the sibling directory `name` still runs."""
+  try:
+    pid = int(name.rsplit("-", 1)[1])
+  except (IndexError, ValueError):
+    return False
+  if pid == os.getpid():
+    return False  # a leftover of an earlier process that had our id
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _recover(path: Path) -> None:
+  """Undo what a killed `save_hf` left beside `path`: restore the previous export it had moved
+  aside if `path` is missing, else delete that backup; delete half-written temporaries.
+
+  Directories of a `save_hf` still running in another process are left alone (two saves to
+  one path at once are not supported, but this keeps them from destroying each other's work).
+  """
+  backups = [b for b in _backup_dirs(path) if not _pid_alive(b.name)]
+  if backups and not path.exists():
+    os.rename(backups.pop(), path)
+  stale = backups + [t for t in path.parent.glob(f".{glob.escape(path.name)}.tmp-*")
+                     if not _pid_alive(t.name)]
+  for directory in stale:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _swap_into_place(new: Path, path: Path) -> None:
+  """Rename the complete export `new` to `path`, replacing any directory there.
+
+  rename(2) is atomic but cannot replace a non-empty directory, so the old one is first
+  renamed to a backup sibling. A crash between the two renames leaves no directory at `path`
+  but the complete old export in the backup: `load_hf` reads it and the next `save_hf`
+  restores it (see `_recover`).
+  """
+  try:
+    os.rename(new, path)  # works when `path` is absent or an empty directory
+  except OSError as err:
+    if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+      raise
+  else:
+    _fsync(path.parent)
+    return
+  backup = path.parent / f".{path.name}.old-{os.getpid()}"
+  try:
+    os.rename(path, backup)
+  except OSError as err:  # e.g. `path` is a mount point
+    raise CheckpointError(f"{path}: cannot move the existing directory aside to replace it "
+                          f"atomically ({err}); save into a subdirectory of it instead"
+                          ) from err
+  try:
+    os.rename(new, path)
+  except BaseException:
+    os.rename(backup, path)
+    raise
+  _fsync(path.parent)
+  shutil.rmtree(backup, ignore_errors=True)
+
+
+def _token_id(name: str, value: Any, vocab_size: int) -> int | list[int]:
+  """A validated special-token id (`eos_token_id` may also be a non-empty list of ids)."""
+  is_list = name == "eos_token_id" and isinstance(value, (list, tuple)) and len(value) > 0
+  for i in value if is_list else [value]:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size:
+      raise ConfigError(f"{name}={value!r} is invalid: allowed an int in [0, {vocab_size})"
+                        + (" or a non-empty list of them" if name == "eos_token_id" else ""))
+  return [int(i) for i in value] if is_list else int(value)
+
+
+def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            extra_config: Mapping[str, Any] | None = None,
+            bos_token_id: int | None = None,
+            eos_token_id: int | Sequence[int] | None = None,
+            pad_token_id: int | None = None) -> None:
+  """Write `params` as an HF checkpoint directory that transformers and `load_hf` read.
+
+  Tensors keep the params' dtype. The save is atomic: every file is written and fsynced in a
+  temporary sibling `.<name>.tmp-<pid>`, which then replaces `path`, so `path` holds either
+  the earlier export or the new one, each complete, even if the process dies or the disk
+  fills. Files in an earlier `path` that are not part of an export (tokenizer files, say) are
+  carried over; its weights, index, heads and `config.json` are replaced. Two concurrent
+  saves to one path are not supported.
+
+  Args:
+    params: parameters of `config` (trunk, plus draft heads when the config has them).
+    config: the model configuration; `family` picks the HF architecture.
+    path: output directory (created if needed; a symlink's target is replaced).
+    max_shard_bytes: weights larger than this are split into `model-XXXXX-of-YYYYY`
+      shards with a `model.safetensors.index.json`.
+    extra_config: keys added to `config.json` where `config_to_hf` does not set them, e.g.
+      the source checkpoint's whole `config.json` (its `layer_types` is dropped: every
+      specjax layer is full attention).
+    bos_token_id: written to `config.json` when given (overriding `extra_config`).
+    eos_token_id: an id or a list of ids, likewise. A `ModelConfig` does not hold the
+      tokenizer's special ids, so without these (or `extra_config`) transformers falls back
+      to its defaults (None: `generate` then never stops on EOS).
+    pad_token_id: likewise.
+
+  Raises:
+    ConfigError: a param missing or of the wrong shape or a non-float dtype for `config`, a
+      bad shard size, or a token id outside the vocabulary.
+    CheckpointError: `path` exists and is not a directory, or cannot be replaced.
+    OSError: writing failed (e.g. ENOSPC); `path` is unchanged and the temporary is removed.
+  """
+  if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+    raise ConfigError(f"max_shard_bytes={max_shard_bytes!r} is invalid: must be a positive int")
+  trunk = _stored_trunk(params, config)
+  heads = _gather(params, _head_tensors(config))
   hf = dict(extra_config or {}) | config_to_hf(config)
   if not (config.num_mtp_modules or config.num_medusa_heads):
     hf.pop("specjax", None)  # a stale entry from extra_config would promise absent heads
-  (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+  hf.pop("layer_types", None)  # a source's sliding layers would contradict the model
+  tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id}
+  hf |= {name: _token_id(name, value, config.vocab_size) for name, value in tokens.items()
+         if value is not None}
 
+  path = Path(os.path.abspath(Path(path).resolve() if Path(path).is_symlink() else path))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  _recover(path)
+  if path.exists() and not path.is_dir():
+    raise CheckpointError(f"{path} exists and is not a directory: allowed a directory or a "
+                          "new path")
+  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  try:
+    try:
+      _write_export(tmp, trunk, heads, hf, max_shard_bytes)
+      if path.is_dir():
+        _carry_over(path, tmp)
+        shutil.copymode(path, tmp)
+      _fsync(tmp)
+    except OSError as err:
+      err.add_note(f"save_hf: writing the new export in {tmp} failed; {path} is unchanged")
+      raise
+    _swap_into_place(tmp, path)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
