@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +33,7 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
                               MedusaDrafter, MTPDrafter, SamplingConfig, calibrate, generate)
 from specjax.decoding.calibrate import default_cache_dir
-from specjax.errors import ConfigError
+from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_eagle3
@@ -87,7 +88,7 @@ class ExperimentConfig:
       the warm-started policy often fails to stop, which the reward (answer, then EOS)
       penalises and GRPO fixes.
     checkpoint_every: steps between checkpoints.
-    max_checkpoints: checkpoints kept.
+    max_checkpoints: checkpoints kept (>= 1: the newest is what a resumed run starts from).
     eval_prompts: held-out prompts evaluated (greedy) before and after RL.
     speedup_repeats: timed calls of each arm of the rollout speedup measurement (median).
   """
@@ -126,14 +127,36 @@ class ExperimentConfig:
   speedup_repeats: int = 9
 
   def __post_init__(self):
+    def require(ok: bool, field: str, allowed: str):
+      if not ok:
+        raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
+
+    def is_int(value) -> bool:
+      return isinstance(value, int) and not isinstance(value, bool)
+
+    def is_real(value) -> bool:  # NaN fails `> 0` on its own; inf needs this check
+      return is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
     vocab = self.task.tokenizer.vocab_size
     if self.model.vocab_size != vocab:
       raise ConfigError(f"model.vocab_size={self.model.vocab_size} is invalid: the task's "
                         f"tokenizer has {vocab} ids")
-    for name in ("steps", "prompts_per_step", "checkpoint_every", "eval_prompts",
-                 "max_new_tokens", "speedup_repeats"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be >= 1")
+    for name in ("steps", "prompts_per_step", "checkpoint_every", "max_checkpoints",
+                 "eval_prompts", "max_new_tokens", "speedup_repeats", "sft_batch",
+                 "eagle3_steps"):
+      require(is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
+              "must be an int >= 1")
+    for name in ("sft_steps", "warmup_steps"):
+      require(is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
+              "must be an int >= 0")
+    require(is_int(self.seed) and self.seed >= 0, "seed", "must be an int >= 0")
+    for name in ("learning_rate", "sft_learning_rate", "drafter_learning_rate",
+                 "max_grad_norm"):
+      require(is_real(getattr(self, name)) and getattr(self, name) > 0, name,
+              "must be a finite number > 0")
+    for name in ("temperature", "drafter_loss_weight"):
+      require(is_real(getattr(self, name)) and getattr(self, name) >= 0, name,
+              "must be a finite number >= 0")
     distill = self.eagle3_distill_task
     if distill is not None and distill.tokenizer.vocab_size != vocab:
       raise ConfigError(f"eagle3_distill_task has a tokenizer of {distill.tokenizer.vocab_size} "
@@ -350,21 +373,21 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
-  arms = {}
+  arms = []  # (plain, speculative); with drafter="none" both are plain decoding
   for name in ("none", config.drafter):
     rc = config.train_config(name, costs).rollout
-    arms[name] = functools.partial(
+    arms.append(functools.partial(
         generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
         sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
-        eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None)
-    jax.block_until_ready(arms[name](jax.random.key(0)))  # compile
-  rates = {name: [] for name in arms}
+        eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None))
+    jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
+  rates = ([], [])
   for r in range(config.speedup_repeats):
-    for name, run in arms.items():
+    for run, arm_rates in zip(arms, rates):
       start = time.perf_counter()
       out = jax.block_until_ready(run(jax.random.key(r + 1)))
-      rates[name].append(int(out.lengths.sum()) / (time.perf_counter() - start))
-  plain, spec = (float(np.median(rates[name])) for name in arms)
+      arm_rates.append(int(out.lengths.sum()) / (time.perf_counter() - start))
+  plain, spec = (float(np.median(x)) for x in rates)
   rounds = np.asarray(out.stats.tree_rounds, np.float64)
   summary = {"plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
              "acceptance_length": float(out.stats.tokens_per_round)}
@@ -395,6 +418,67 @@ def _drafter_params(state: TrainState) -> Eagle3Weights | None:
 
 def _jsonable(metrics: dict) -> dict:
   return {k: np.asarray(v).tolist() for k, v in metrics.items()}
+
+
+# What a diverging step shows first: NaN rewards poison the advantages, then the loss and its
+# gradient, then the parameters.
+_FINITE_METRICS = ("reward_mean", "reward_std", "loss", "grad_norm")
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """Whether every float leaf of `tree` is finite: one fused reduction, a scalar to the host."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def _check_finite(step: int, metrics: dict, state: TrainState, config: ExperimentConfig,
+                  last_checkpoint: int | None) -> None:
+  """Raises FloatingPointError unless `metrics`' rewards, loss and gradient norm and the
+  trained weights of `state` are finite, so that a diverged state is never checkpointed."""
+  bad = [f"{k}={np.asarray(metrics[k]).tolist()}" for k in _FINITE_METRICS
+         if k in metrics and not np.all(np.isfinite(metrics[k]))]
+  weights = {"params": state.params, "drafter": _drafter_params(state)}
+  if not bool(_all_finite(weights)):
+    bad.append("parameters")
+  if bad:
+    if step == 0:
+      where, rate = "the warm start", f"sft_learning_rate={config.sft_learning_rate}"
+    else:
+      where, rate = f"GRPO step {step}", f"learning_rate={config.learning_rate}"
+    kept = ("no checkpoint was written" if last_checkpoint is None else
+            f"the last checkpoint is step {last_checkpoint} in {config.run_dir}")
+    raise FloatingPointError(
+        f"training diverged at {where}: non-finite {', '.join(bad)}. Nothing of this step was "
+        f"checkpointed ({kept}). Lower {rate}, or check that the task's reward is finite.")
+
+
+def _kept_metrics(path: Path, step: int, log=print) -> list[str]:
+  """The lines of `path` (metrics.jsonl) logged up to `step`, the resumed checkpoint's.
+
+  A run killed mid-append leaves a truncated last line; it is dropped with a warning (its
+  step runs again). A malformed line before the last is not a kill's trace: it raises
+  CheckpointError naming the file and line.
+  """
+  if not path.exists():  # killed between the first checkpoint and creating the file
+    return []
+  lines = path.read_text().splitlines()
+  kept = []
+  for number, line in enumerate(lines, 1):
+    if not line:
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as err:
+      if number == len(lines):
+        log(f"warning: dropped the truncated last line {number} of {path} (a run killed "
+            f"mid-write): {line[:80]!r}")
+        continue
+      raise CheckpointError(f"{path} line {number} is not a JSON record ({err}): "
+                            f"{line[:80]!r}. Fix or delete that line to resume.") from err
+    if record["step"] <= step:
+      kept.append(line)
+  return kept
 
 
 def run(config: ExperimentConfig, log=print) -> dict:
@@ -440,6 +524,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
                                                 sampled=True),
             "probe_acceptance_before": probe_acceptance(state.params, config, test_records,
                                                         drafter_params=head)}
+    _check_finite(0, {}, state, config, last_checkpoint=None)
     ckpt.save(0, state, meta)
     metrics_file.write_text("")
   else:
@@ -448,8 +533,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
     costs = rollout_costs(state.params, config, reader.batch_at(0), _drafter_params(state), log)
     tc = config.train_config(costs=costs)
     # Drop metrics logged after the checkpoint: those steps run again, identically.
-    kept = [line for line in metrics_file.read_text().splitlines()
-            if line and json.loads(line)["step"] <= meta["step"]]
+    kept = _kept_metrics(metrics_file, meta["step"], log)
     metrics_file.write_text("".join(line + "\n" for line in kept))
   log(f"held-out accuracy before RL: greedy {meta['accuracy_before']:.3f}, sampled "
       f"{meta['sampled_accuracy_before']:.3f}")
@@ -457,21 +541,22 @@ def run(config: ExperimentConfig, log=print) -> dict:
   from tensorboardX import SummaryWriter
   writer = SummaryWriter(str(run_dir / "tensorboard"))
   train_step = make_train_step(tc, reward, optimizer, pad_id=tok.pad_id)
-  position = meta["position"]
-  with open(metrics_file, "a") as out, tqdm.trange(meta["step"], config.steps, desc="grpo",
-                                                   initial=meta["step"],
-                                                   total=config.steps) as bar:
+  position, last_checkpoint = meta["position"], meta["step"]
+  # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
+  # truncated last line (which resuming drops).
+  with open(metrics_file, "ab", buffering=0) as out, tqdm.trange(
+      meta["step"], config.steps, desc="grpo", initial=meta["step"], total=config.steps) as bar:
     for step in bar:
       start = time.perf_counter()
       state, metrics = train_step(state, reader.batch_at(position))
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - start
+      _check_finite(step + 1, metrics, state, config, last_checkpoint)
       position = reader.next_position(position)
       record = {"step": step + 1, "position": position, **_jsonable(metrics),
                 "step_time_s": elapsed,
                 "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
-      out.write(json.dumps(record) + "\n")
-      out.flush()
+      out.write((json.dumps(record) + "\n").encode())
       for k, v in record.items():
         if np.ndim(v) == 0 and k != "step":
           writer.add_scalar(k, v, step + 1)
@@ -479,6 +564,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
         ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
+        last_checkpoint = step + 1
   writer.close()
 
   summary = {"accuracy_before": meta["accuracy_before"],
