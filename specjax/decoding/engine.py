@@ -40,6 +40,7 @@ from specjax.decoding.verify import LosslessVerifier, Verifier, VerifyResult
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.params import check_params
 from specjax.models.transformer import ForwardOutput, forward
 
 Params = dict[str, Any]
@@ -310,6 +311,16 @@ class DecodeLoop:
         raise ValueError(f"prompt_lengths must be in [{shortest}, {prompt_tokens.shape[1]}] "
                          f"(the shortest prompt this drafter and tree can start from is "
                          f"{shortest}), got min {lengths.min()} max {lengths.max()}")
+      if not isinstance(prompt_tokens, jax.core.Tracer):
+        tokens = np.asarray(prompt_tokens)
+        valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding is free
+        bad = valid & ((tokens < 0) | (tokens >= self.config.vocab_size))
+        if bad.any():
+          row, col = map(int, np.argwhere(bad)[0])
+          raise ValueError(f"prompt_tokens[{row}, {col}] = {tokens[row, col]} is not a token "
+                           f"id of this model: ids must be in [0, {self.config.vocab_size}) "
+                           f"({int(bad.sum())} prompt entries are out of range; is the "
+                           "tokenizer's vocabulary larger than the model's?)")
     needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
     if needed > self.max_len:
       raise ConfigError(
@@ -613,6 +624,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
                     sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
                     compaction=compaction, eos_id=eos_id, pad_id=pad_id, verifier=verifier)
   loop.check_prompts(prompt_tokens, prompt_lengths)
+  check_params(params, config)
   if speculation is not None and speculation.costs is None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):
       raise ConfigError("speculation=Adaptive(menu) without costs cannot be calibrated under "

@@ -10,6 +10,7 @@ Shape letters: see `specjax` (V vocab; `...` is any leading shape, e.g. `[B]` or
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from specjax.errors import ConfigError
 
 _NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
+_MIN_TEMPERATURE = 1e-30  # float32 normals reach 1.2e-38; logits / 1e-30 stay finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +36,13 @@ class SamplingConfig:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ConfigError(f"temperature={self.temperature!r} is invalid: must be >= 0 "
-                        "(0 means greedy)")
+    if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+      raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number "
+                        ">= 0 (0 means greedy)")
+    if 0 < self.temperature < _MIN_TEMPERATURE:
+      raise ConfigError(f"temperature={self.temperature!r} is too small to divide float32 "
+                        f"logits by: use 0 for greedy decoding or a temperature >= "
+                        f"{_MIN_TEMPERATURE:g}")
     if not (isinstance(self.top_k, int) and self.top_k >= 0):
       raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an int >= 0 (0 = off)")
     if not 0 < self.top_p <= 1:
@@ -58,7 +64,7 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
   Temperature, then top-k, then top-p (on the top-k-filtered distribution), renormalised.
   For greedy decoding this is the temperature-1 distribution (only its argmax is used).
   """
-  logits = logits.astype(jnp.float32) / sampling.logprob_temperature
+  logits = _scaled(logits, sampling)
   vocab = logits.shape[-1]
   if sampling.top_k and sampling.top_k < vocab:
     kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
@@ -84,8 +90,17 @@ def reported_logprobs(logits: jax.Array, tokens: jax.Array,
     logits: `[..., V]`.
     tokens: `[...]` int.
   """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / sampling.logprob_temperature, -1)
+  logp = jax.nn.log_softmax(_scaled(logits, sampling), -1)
   return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def _scaled(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """float32 logits / temperature, shifted so that the largest is 0 first and floored at a
+  finite value: any temperature > 0, however small, gives log-probabilities <= 0 and finite
+  (the shift leaves the distribution unchanged)."""
+  logits = logits.astype(jnp.float32)
+  logits = logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+  return jnp.maximum(logits / sampling.logprob_temperature, _NEG)
 
 
 def sample_tokens(key: jax.Array, logprobs: jax.Array, sampling: SamplingConfig) -> jax.Array:

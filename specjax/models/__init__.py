@@ -13,14 +13,14 @@ from specjax.models.eagle3_io import (eagle3_config_from_hf, eagle3_config_to_hf
 from specjax.models.heads import (HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
                                   mtp_logits_all)
 from specjax.models.hf import config_from_hf, config_to_hf, load_hf, save_hf
-from specjax.models.params import count_params, init_params, param_axes
+from specjax.models.params import check_params, count_params, init_params, param_axes
 from specjax.models.transformer import (ForwardOutput, causal_mask, embed, forward, rms_norm,
                                         unembed)
 
 __all__ = [
     "CheckpointError", "ConfigError", "Eagle3Config", "ForwardOutput", "HeadOutput", "KVCache",
     "Llama3RopeScaling", "ModelConfig", "attention_mask", "build_draft_vocab", "causal_mask",
-    "check_d2t", "config_from_hf", "config_to_hf", "count_params", "count_tokens",
+    "check_d2t", "check_params", "config_from_hf", "config_to_hf", "count_params", "count_tokens",
     "default_aux_layers", "eagle3_cache", "eagle3_config_from_hf", "eagle3_config_to_hf",
     "eagle3_draft_logits", "eagle3_layer", "eagle3_param_axes", "eagle3_ttt_logits",
     "eagle3_ttt_loss", "embed", "forward", "fuse", "init_eagle3", "init_params", "load_eagle3",

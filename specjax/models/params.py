@@ -13,12 +13,14 @@ Logical axes (see `param_axes`) are `PartitionSpec`s of *logical* names — "voc
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -134,3 +136,40 @@ def init_params(config: ModelConfig, key: jax.Array) -> Params:
 
 def count_params(params: Params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
+
+
+_HEADS = ("['mtp']", "['medusa']")  # drafting heads: optional for what does not draft with them
+
+
+@functools.lru_cache(maxsize=32)
+def _leaf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  shapes = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+  return {jax.tree_util.keystr(k): tuple(x.shape)
+          for k, x in jax.tree_util.tree_leaves_with_path(shapes)}
+
+
+def check_params(params: Params, config: ModelConfig, name: str = "params") -> None:
+  """Raise a `ConfigError` unless `params` have the arrays `init_params(config, key)` makes,
+  each with its shape (works on tracers: shapes are static).
+
+  The drafting heads (`mtp`, `medusa`) may be missing (a drafter that needs them says so),
+  but those present must have the configured shapes.
+  """
+  if not isinstance(params, dict):
+    raise ConfigError(f"{name} must be a dict of arrays as init_params(config, key) or "
+                      f"load_hf(...) return, got {type(params).__name__}")
+  want = _leaf_shapes(config)
+  got = {jax.tree_util.keystr(k): tuple(jnp.shape(x))
+         for k, x in jax.tree_util.tree_leaves_with_path(params)}
+  wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
+  missing = sorted(k for k in want.keys() - got.keys() if not k.startswith(_HEADS))
+  extra = sorted(k for k in got.keys() - want.keys() if not k.startswith(_HEADS))
+  if wrong or missing or extra:
+    problems = ([f"{name}{k} has shape {got[k]}, the config needs {want[k]}" for k in wrong]
+                + [f"{name}{k} is missing" for k in missing]
+                + [f"{name}{k} is not part of this model" for k in extra])
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    raise ConfigError("parameters do not match the model config: " + "; ".join(problems[:3])
+                      + more + f". Config: d_model={config.d_model}, n_layers={config.n_layers}"
+                      f", vocab_size={config.vocab_size}; pass the config the parameters were "
+                      "made with (load_hf returns both)")

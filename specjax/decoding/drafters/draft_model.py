@@ -28,6 +28,7 @@ from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.params import check_params
 from specjax.models.transformer import forward, unembed
 
 
@@ -70,6 +71,7 @@ class DraftModelDrafter(Drafter):
            plain_rounds=False):
     if drafter_params is None:
       raise ConfigError("DraftModelDrafter needs generate(..., drafter_params=<draft params>)")
+    check_params(drafter_params, self.config, "drafter_params")
     b, prompt_width = prompt.hidden.shape[:2]
     cache = KVCache.create(self.config, b, max_len)
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (b, prompt_width))
