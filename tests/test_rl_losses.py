@@ -126,6 +126,23 @@ def test_kl_penalty_matches_hand_computed_k1_and_k3(estimator, aggregation, kl_m
   np.testing.assert_allclose(m.kl_loss, 0.1 * aggregated, atol=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_garbage_in_the_padding_gives_finite_gradients(estimator):
+  config = _config(beta=0.1, kl_estimator=estimator)
+  padding = MASK == 0
+  assert bool(padding.any())
+  ref = jnp.where(padding, 1e4, LOGP + REF_MINUS_LOGP)  # exp(1e4) overflows to inf
+  logp_in = jnp.where(padding, -1e4, LOGP)
+  grad = jax.grad(lambda lp: grpo_loss(config, lp, OLD, jnp.ones(2), MASK,
+                                       ref_logprobs=ref)[0])(logp_in)
+  assert bool(jnp.isfinite(grad).all()), grad
+  assert float(jnp.abs(jnp.where(padding, grad, 0.0)).max()) == 0.0
+  clean = jax.grad(lambda lp: grpo_loss(config, lp, OLD, jnp.ones(2), MASK,
+                                        ref_logprobs=LOGP + REF_MINUS_LOGP)[0])(LOGP)
+  np.testing.assert_allclose(jnp.where(padding, 0.0, grad), jnp.where(padding, 0.0, clean),
+                             atol=1e-6)
+
+
 def test_kl_estimate_per_token_values():
   lp = jnp.zeros((1, 2))
   ref = jnp.array([[math.log(2.0), -math.log(2.0)]])

@@ -278,8 +278,13 @@ def grpo_loss(config: GRPOConfig, logprobs: jax.Array, old_logprobs: jax.Array,
 
   pg_loss = agg(-weight * objective)
   if ref_logprobs is not None:
-    kl_tokens = kl_estimate(logprobs, ref_logprobs.astype(jnp.float32), config.kl_estimator)
-    kl_tokens = jnp.where(mask > 0, kl_tokens, 0.0)
+    # Mask the inputs, not only the output: k3 exponentiates ref - logp, and garbage in the
+    # padding (inf there) would make the gradient NaN even though the masked loss is finite.
+    live = mask > 0
+    kl_tokens = kl_estimate(jnp.where(live, logprobs, 0.0),
+                            jnp.where(live, ref_logprobs.astype(jnp.float32), 0.0),
+                            config.kl_estimator)
+    kl_tokens = jnp.where(live, kl_tokens, 0.0)
     kl_loss = config.beta * agg(kl_tokens)
     kl = token_mean(kl_tokens)
   else:
