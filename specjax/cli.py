@@ -208,12 +208,36 @@ def train_drafter_command(argv: list[str]) -> dict:
   return summary
 
 
+COMMANDS = {
+    "train": "GRPO with speculative rollouts from a config file: specjax train --config "
+             "configs/arithmetic_tiny.py [--field value ...] (--help lists the fields)",
+    "train-drafter": "train an EAGLE-3 draft head offline: specjax train-drafter [--config "
+                     "FILE] [--field value ...]",
+    "generate": "generate text (speculatively) from a checkpoint and print acceptance "
+                "statistics: specjax generate --help",
+}
+
+
+def _usage() -> str:
+  width = max(map(len, COMMANDS))
+  lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+  return "\n".join(["usage: specjax {" + ",".join(COMMANDS) + "} ...", "", "commands:"] + lines)
+
+
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
-  if argv and argv[0] == "train":
+  if not argv or argv[0] in ("-h", "--help"):
+    print(_usage(), file=sys.stdout if argv else sys.stderr)
+    if not argv:
+      raise SystemExit(2)
+    return
+  if argv[0] not in COMMANDS:
+    print(f"specjax: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+    raise SystemExit(2)
+  if argv[0] == "train":
     train_command(argv[1:])
     return
-  if argv and argv[0] == "train-drafter":
+  if argv[0] == "train-drafter":
     train_drafter_command(argv[1:])
     return
   tyro.extras.subcommand_cli_from_dict(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specjax.cli import generate_command
+from specjax.cli import COMMANDS, generate_command, main
 
 
 def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
@@ -26,3 +26,15 @@ def test_generate_demo_with_adaptive_speculation_prints_costs_and_rounds_per_tre
 def test_generate_without_a_model_explains_what_to_pass():
   with pytest.raises(SystemExit, match="--checkpoint DIR or --demo"):
     generate_command()
+
+
+def test_help_lists_every_command_and_a_missing_or_unknown_one_exits_2(capsys):
+  main(["--help"])
+  out = capsys.readouterr().out
+  assert all(name in out for name in ("train", "train-drafter", "generate")), out
+  assert set(COMMANDS) == {"train", "train-drafter", "generate"}
+  for argv in ([], ["trian"]):
+    with pytest.raises(SystemExit) as exit_info:
+      main(argv)
+    assert exit_info.value.code == 2
+  assert "unknown command 'trian'" in capsys.readouterr().err
