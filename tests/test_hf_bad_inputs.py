@@ -131,7 +131,7 @@ def test_save_killed_over_existing_export_leaves_previous_export_loadable(saved,
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     loaded, loaded_config = load_hf(path)
-  moved_aside = [w for w in caught if "interrupted save_hf" in str(w.message)]
+  moved_aside = [w for w in caught if "interrupted write" in str(w.message)]
   assert len(moved_aside) == (point == "between_renames")
   assert loaded_config == config
   _assert_trees_bitwise_equal(loaded, params)

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import glob
 import json
 import os
 import shutil
@@ -49,6 +47,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from specjax import atomic
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import DTYPES, Llama3RopeScaling, ModelConfig
 
@@ -571,26 +570,6 @@ def _resolve_tied_lm_head(config: ModelConfig, files: dict[str, Path], path: Pat
   return config, _trunk_tensors(config), set()
 
 
-def _backup_dirs(path: Path) -> list[Path]:
-  """Backups `save_hf` leaves while it swaps a new export into `path`, oldest first."""
-  found = path.parent.glob(f".{glob.escape(path.name)}.old-*")
-  return sorted((p for p in found if p.is_dir()), key=lambda p: p.stat().st_mtime)
-
-
-def _existing_export(path: Path) -> Path:
-  """`path`, or, when a `save_hf` was killed between its two renames so that `path` is
-  missing, the complete previous export it had moved aside (the next `save_hf` restores it)."""
-  if path.exists():
-    return path
-  backups = [b for b in _backup_dirs(path) if (b / CONFIG_FILE).is_file()]
-  if not backups:
-    return path
-  warnings.warn(f"{path} is missing: an interrupted save_hf left the previous export at "
-                f"{backups[-1]}; loading that (the next save_hf to {path} restores it)",
-                stacklevel=3)
-  return backups[-1]
-
-
 def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
             dtype: str | None = None) -> tuple[Params, ModelConfig]:
   """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory.
@@ -615,7 +594,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
       unexpected tensor.
     ConfigError: an unsupported architecture or option in `config.json`.
   """
-  path = _existing_export(Path(path))
+  path = atomic.existing(Path(path), CONFIG_FILE)
   config_file = path / CONFIG_FILE
   if not config_file.is_file():
     raise CheckpointError(f"{path}: missing {CONFIG_FILE}; expected an HF checkpoint directory")
@@ -700,19 +679,10 @@ def _is_export_file(name: str) -> bool:
           or (name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")))
 
 
-def _fsync(path: Path) -> None:
-  """Flush `path` (a file or a directory's entries) to disk."""
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _write_safetensors(arrays: dict[str, np.ndarray], file: Path,
                        metadata: dict[str, str]) -> None:
   save_file(arrays, file, metadata=metadata)
-  _fsync(file)
+  atomic.fsync(file)
 
 
 def _write_json(value: Any, file: Path, **kwargs: Any) -> None:
@@ -743,13 +713,6 @@ def _write_export(out: Path, trunk: dict[str, np.ndarray], heads: dict[str, np.n
   _write_json(hf, out / CONFIG_FILE, sort_keys=True)
 
 
-def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-  try:
-    os.link(src, dst)  # the old tree is deleted after the swap, so sharing inodes is safe
-  except OSError:
-    shutil.copy2(src, dst)
-
-
 def _carry_over(old: Path, new: Path) -> None:
   """Copy what `old` holds besides an export (tokenizer files, notes) into `new`."""
   for entry in old.iterdir():
@@ -759,74 +722,9 @@ def _carry_over(old: Path, new: Path) -> None:
     if entry.is_symlink():
       os.symlink(os.readlink(entry), target)
     elif entry.is_dir():
-      shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+      shutil.copytree(entry, target, symlinks=True, copy_function=atomic.link_or_copy)
     else:
-      _link_or_copy(entry, target)
-
-
-def _pid_alive(name: str) -> bool:
-  """Whether the process whose id ends the sibling directory `name` still runs."""
-  try:
-    pid = int(name.rsplit("-", 1)[1])
-  except (IndexError, ValueError):
-    return False
-  if pid == os.getpid():
-    return False  # a leftover of an earlier process that had our id
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
-def _recover(path: Path) -> None:
-  """Undo what a killed `save_hf` left beside `path`: restore the previous export it had moved
-  aside if `path` is missing, else delete that backup; delete half-written temporaries.
-
-  Directories of a `save_hf` still running in another process are left alone (two saves to
-  one path at once are not supported, but this keeps them from destroying each other's work).
-  """
-  backups = [b for b in _backup_dirs(path) if not _pid_alive(b.name)]
-  if backups and not path.exists():
-    os.rename(backups.pop(), path)
-  stale = backups + [t for t in path.parent.glob(f".{glob.escape(path.name)}.tmp-*")
-                     if not _pid_alive(t.name)]
-  for directory in stale:
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def _swap_into_place(new: Path, path: Path) -> None:
-  """Rename the complete export `new` to `path`, replacing any directory there.
-
-  rename(2) is atomic but cannot replace a non-empty directory, so the old one is first
-  renamed to a backup sibling. A crash between the two renames leaves no directory at `path`
-  but the complete old export in the backup: `load_hf` reads it and the next `save_hf`
-  restores it (see `_recover`).
-  """
-  try:
-    os.rename(new, path)  # works when `path` is absent or an empty directory
-  except OSError as err:
-    if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-      raise
-  else:
-    _fsync(path.parent)
-    return
-  backup = path.parent / f".{path.name}.old-{os.getpid()}"
-  try:
-    os.rename(path, backup)
-  except OSError as err:  # e.g. `path` is a mount point
-    raise CheckpointError(f"{path}: cannot move the existing directory aside to replace it "
-                          f"atomically ({err}); save into a subdirectory of it instead"
-                          ) from err
-  try:
-    os.rename(new, path)
-  except BaseException:
-    os.rename(backup, path)
-    raise
-  _fsync(path.parent)
-  shutil.rmtree(backup, ignore_errors=True)
+      atomic.link_or_copy(entry, target)
 
 
 def _token_id(name: str, value: Any, vocab_size: int) -> int | list[int]:
@@ -890,7 +788,7 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
 
   path = Path(os.path.abspath(Path(path).resolve() if Path(path).is_symlink() else path))
   path.parent.mkdir(parents=True, exist_ok=True)
-  _recover(path)
+  atomic.recover(path)
   if path.exists() and not path.is_dir():
     raise CheckpointError(f"{path} exists and is not a directory: allowed a directory or a "
                           "new path")
@@ -903,10 +801,10 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
       if path.is_dir():
         _carry_over(path, tmp)
         shutil.copymode(path, tmp)
-      _fsync(tmp)
+      atomic.fsync(tmp)
     except OSError as err:
       err.add_note(f"save_hf: writing the new export in {tmp} failed; {path} is unchanged")
       raise
-    _swap_into_place(tmp, path)
+    atomic.swap_into_place(tmp, path)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
