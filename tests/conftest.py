@@ -43,6 +43,16 @@ def _train(config: ModelConfig, steps: int, seed: int):
   return state.params
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Drop every compiled program after each test module: a worker runs half the suite, and
+  the executables of earlier modules (never called again) otherwise pile up until XLA's
+  compiler runs out of memory (it segfaulted compiling late in a worker on the 24 GiB CI
+  machine). Session fixtures keep their arrays; their functions recompile when called."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def progression_models():
   """A target with 3 MTP modules and 3 Medusa heads, and a 1-layer draft model, both trained
