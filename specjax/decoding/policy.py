@@ -125,6 +125,10 @@ class AcceptanceCounts:
 class Adaptive:
   """Pick each round's draft tree from `menu` by expected tokens per second.
 
+  A policy is a static argument of the compiled loop, compared by its fields: a subclass
+  must keep any behaviour in its class (its methods), not in attributes set on an instance,
+  or jit reuses one sibling's compiled loop for another.
+
   Attributes:
     menu: the trees to choose from; plain decoding (the empty tree) is always an entry and is
       put first when missing, so ties and a lack of evidence never cost a round.
@@ -196,10 +200,15 @@ class Adaptive:
 
   def expected_tokens(self, counts: AcceptanceCounts) -> jax.Array:
     """`[I]` expected tokens a row emits in one round of each entry."""
+    return self._expected(self.acceptance(counts), jnp)
+
+  def _expected(self, acceptance, xp):
+    """`[I]` expected tokens from an `[I, D]` acceptance matrix, with `xp` = jnp or numpy
+    (numpy where the answer must be known while the loop is traced)."""
     depths = np.array([t.depth for t in self.menu])
-    reach = jnp.cumprod(self.acceptance(counts), axis=1)  # P(at least d + 1 accepted)
-    used = np.arange(counts.hits.shape[1])[None, :] < depths[:, None]
-    return 1.0 + jnp.where(used, reach, 0.0).sum(1)
+    reach = xp.cumprod(acceptance, axis=1)  # P(at least d + 1 accepted)
+    used = np.arange(acceptance.shape[1])[None, :] < depths[:, None]
+    return 1.0 + xp.where(used, reach, 0.0).sum(1)
 
   def plain_throughout(self, batches: Sequence[int]) -> bool:
     """Whether a call that starts without evidence runs plain decoding in every round.
@@ -210,9 +219,8 @@ class Adaptive:
     call, and the loop can leave the drafter out altogether (no drafter state to keep).
     """
     self._check_costs()
-    depths = np.array([t.depth for t in self.menu])
-    reach = np.float32(self.prior) ** np.arange(1, self.depth + 1, dtype=np.float32)
-    expected = 1.0 + np.where(np.arange(self.depth)[None, :] < depths[:, None], reach, 0.0).sum(1)
+    prior = np.full((len(self.menu), max(self.depth, 1)), self.prior, np.float32)
+    expected = self._expected(prior, np)
     return all(int(np.argmax(expected / self.costs.at(b))) == 0 for b in batches)
 
   def _check_costs(self) -> None:
