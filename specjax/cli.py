@@ -47,6 +47,14 @@ def _drafter(name: DrafterName, draft_checkpoint: str | None):
   return None, None
 
 
+def _with_bos(ids: list[int], bos_id: int | None) -> list[int]:
+  """`ids` led by `bos_id` (when there is one): prepended unless already first, as when the
+  prompt text spells the BOS token itself (chat-formatted prompts often do)."""
+  if bos_id is None or ids[:1] == [bos_id]:
+    return ids
+  return [bos_id] + ids
+
+
 def _timed(fn):
   """Run once to compile, then time a second run (block until the result is ready)."""
   jax.block_until_ready(fn())
@@ -75,6 +83,8 @@ def generate_command(
 
   Args:
     checkpoint: a HuggingFace model directory (config.json, *.safetensors, tokenizer.json).
+      Prompts start with the tokenizer's BOS when it has one; a row stops at any end id of
+      the tokenizer, generation_config.json or config.json (`eos_token_id`, an id or a list).
     prompt: prompts to continue (one batch row each).
     demo: train the built-in tiny counting model (about a minute on CPU) and use it.
     drafter: where drafts come from; "none" is plain autoregressive decoding.
@@ -96,17 +106,25 @@ def generate_command(
     params, config = demo_lib.train_demo_model(demo_lib.DemoTraining(steps=demo_steps))
     tokenizer = demo_lib.TOKENIZER
     prompt = prompt or DEMO_PROMPTS
+    bos_id, eos_id = None, tokenizer.eos_id  # the demo model is trained without BOS
   elif checkpoint is not None:
-    from specjax.models.hf import load_hf
-    from specjax.tokenizer import HFTokenizer
-    params, config = load_hf(checkpoint)
+    from specjax.models.hf import eos_token_ids, load_hf
+    from specjax.tokenizer import HFTokenizer, check_vocab_fits
     tokenizer = HFTokenizer.from_dir(checkpoint)
+    params, config = load_hf(checkpoint)
+    check_vocab_fits(tokenizer, config.vocab_size)
+    # Not config.json's bos_token_id: Qwen's names <|endoftext|> there, yet its prompts
+    # start without one (its tokenizer_config.json says bos_token null).
+    bos_id = tokenizer.bos_id
+    # Chat checkpoints end a turn on one id and a document on another (Llama 3: <|eot_id|>,
+    # <|end_of_text|>); stopping on the tokenizer's EOS alone runs past the turn's end.
+    eos_id = tuple(dict.fromkeys(tokenizer.eos_ids + eos_token_ids(checkpoint)))
   else:
     raise SystemExit("pass --checkpoint DIR or --demo")
   if not prompt:
     raise SystemExit("pass at least one --prompt")
 
-  encoded = [tokenizer.encode(p) for p in prompt]
+  encoded = [_with_bos(tokenizer.encode(p), bos_id) for p in prompt]
   width = max(len(e) for e in encoded)
   tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
   for i, e in enumerate(encoded):
@@ -127,7 +145,7 @@ def generate_command(
   run = lambda d, t, spec=None: generate(
       params, config, jnp.asarray(tokens), jnp.asarray(lengths), key,
       max_new_tokens=max_new_tokens, sampling=sampling, drafter=d, tree=t, speculation=spec,
-      eos_id=tokenizer.eos_id, drafter_params=draft_params)
+      eos_id=eos_id, drafter_params=draft_params)
 
   spec, spec_s = _timed(lambda: run(draft, tree, speculation))
   for p, row, n in zip(prompt, np.asarray(spec.tokens), np.asarray(spec.lengths)):

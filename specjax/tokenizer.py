@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
+from specjax.errors import ConfigError
+
 
 class TokenizerError(ValueError):
   """Text, an id or a tokenizer directory that cannot be used; the message names it."""
@@ -264,3 +266,20 @@ class HFTokenizer:
 
     eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
     return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids)
+
+
+def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+  """Raise a `ConfigError` unless every id `tokenizer` can produce is a token of a model with
+  `vocab_size` ids.
+
+  Called where a tokenizer and a model are put together, so a mismatched pair fails there,
+  naming both sizes, rather than later as out-of-range prompt ids. A model vocabulary larger
+  than the tokenizer's is fine and common (checkpoints pad V to a multiple of 64 or 128; the
+  padding ids are never produced).
+  """
+  if tokenizer.vocab_size > vocab_size:
+    raise ConfigError(f"the tokenizer does not fit the model: tokenizer vocab "
+                      f"{tokenizer.vocab_size} > model vocab_size {vocab_size} (ids "
+                      f"{vocab_size}..{tokenizer.vocab_size - 1} have no embedding); allowed: "
+                      "a tokenizer vocabulary at most the model's, e.g. the tokenizer saved "
+                      "with this checkpoint")

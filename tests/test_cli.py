@@ -1,8 +1,25 @@
-"""The `specjax` command runs end to end on the built-in demo model."""
+"""The `specjax` command runs end to end on the built-in demo model and on a tiny HF
+checkpoint directory (config.json + safetensors + tokenizer.json)."""
 
+import json
+
+import jax
+import numpy as np
 import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models, pre_tokenizers, processors
 
+from specjax import cli
 from specjax.cli import COMMANDS, generate_command, main
+from specjax.decoding import SamplingConfig, generate
+from specjax.errors import ConfigError
+from specjax.models import ModelConfig, init_params, save_hf
+from specjax.models.hf import eos_token_ids
+
+# Ids 0 <pad>, 1 <s>, 2 </s>, 3 <|eot_id|>, then the words: 10 in all.
+SPECIALS = ["<pad>", "<s>", "</s>", "<|eot_id|>"]
+WORDS = ["a", "b", "c", "d", "e", "f"]
+MAX_NEW = 8
 
 
 def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
@@ -38,3 +55,103 @@ def test_help_lists_every_command_and_a_missing_or_unknown_one_exits_2(capsys):
       main(argv)
     assert exit_info.value.code == 2
   assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def _write_checkpoint(path, vocab_size: int = 16):
+  """A random 1-layer Llama and a word-level tokenizer whose post-processor adds <s> (as
+  Llama 3's does) when asked for special tokens."""
+  config = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                       head_dim=16, mlp_dim=64, max_position=64, family="llama")
+  params = init_params(config, jax.random.key(0))
+  save_hf(params, config, path)
+  vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+  tok = RawTokenizer(models.WordLevel(vocab, unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(SPECIALS)
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  tok.save(str(path / "tokenizer.json"))
+  (path / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+  return params, config
+
+
+def _edit_json(file, **changes) -> None:
+  value = json.loads(file.read_text()) if file.is_file() else {}
+  file.write_text(json.dumps(value | changes))
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+  """`(args, kwargs, result)` of every `generate` the CLI runs."""
+  calls = []
+
+  def spy(*args, **kwargs):
+    calls.append((args, kwargs, generate(*args, **kwargs)))
+    return calls[-1][2]
+
+  monkeypatch.setattr(cli, "generate", spy)
+  return calls
+
+
+# BOS once: "c" gets one prepended; "<s> a b" spells it already (as chat templates do).
+PROMPTS = ("<s> a b", "c")
+PROMPT_TOKENS = np.array([[1, 4, 5], [1, 6, 0]])
+PROMPT_LENGTHS = np.array([3, 2])
+
+
+@pytest.mark.parametrize("source", ["config.json", "generation_config.json"])
+def test_generate_on_a_checkpoint_prepends_bos_once_and_stops_at_every_listed_end_id(
+    tmp_path, generate_calls, capsys, source):
+  params, config = _write_checkpoint(tmp_path)
+  unstopped = np.asarray(generate(params, config, PROMPT_TOKENS, PROMPT_LENGTHS,
+                                  jax.random.key(0), max_new_tokens=MAX_NEW,
+                                  sampling=SamplingConfig(temperature=0.0)).tokens)
+  # The tokenizer's own EOS (</s> = 2) plus an id row 0 emits third: the list must end it.
+  ends = (2, int(unstopped[0, 2]))
+  assert ends[1] != 2, unstopped  # else the list would add nothing to the tokenizer's EOS
+  if source == "config.json":
+    _edit_json(tmp_path / "config.json", eos_token_id=list(ends))
+  else:  # it overrides config.json's, as in transformers
+    _edit_json(tmp_path / "config.json", eos_token_id=[2, 9])
+    _edit_json(tmp_path / "generation_config.json", eos_token_id=list(ends))
+
+  generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, drafter="none", temperature=0.0,
+                   max_new_tokens=MAX_NEW)
+  args, kwargs, out = generate_calls[-1]
+  np.testing.assert_array_equal(args[2], PROMPT_TOKENS)
+  np.testing.assert_array_equal(args[3], PROMPT_LENGTHS)
+  assert kwargs["eos_id"] == ends
+  for row, tokens, n in zip(unstopped, np.asarray(out.tokens), np.asarray(out.lengths)):
+    hits = np.flatnonzero(np.isin(row, ends))
+    want = hits[0] + 1 if hits.size else MAX_NEW
+    assert n == want and (tokens[:n] == row[:n]).all(), (row, tokens, n)
+  assert int(out.lengths[0]) <= 3
+  assert "'<s> a b' -> '" in capsys.readouterr().out
+
+
+def test_generate_on_a_checkpoint_without_listed_end_ids_stops_at_the_tokenizers_eos(
+    tmp_path, generate_calls):
+  _write_checkpoint(tmp_path)
+  generate_command(checkpoint=str(tmp_path), prompt=("a",), drafter="none", temperature=0.0,
+                   max_new_tokens=2)
+  assert generate_calls[-1][1]["eos_id"] == (2,)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_generating(tmp_path,
+                                                                        generate_calls):
+  _write_checkpoint(tmp_path, vocab_size=8)
+  with pytest.raises(ConfigError, match=r"tokenizer vocab 10 > model vocab_size 8"):
+    generate_command(checkpoint=str(tmp_path), prompt=("a",), drafter="none")
+  assert not generate_calls
+
+
+def test_eos_token_ids_prefers_generation_config_and_names_a_bad_value(tmp_path):
+  assert eos_token_ids(tmp_path) == ()
+  _edit_json(tmp_path / "config.json", eos_token_id=7)
+  assert eos_token_ids(tmp_path) == (7,)
+  _edit_json(tmp_path / "generation_config.json", eos_token_id=[5, 6])
+  assert eos_token_ids(tmp_path) == (5, 6)
+  _edit_json(tmp_path / "generation_config.json", eos_token_id=[5, "6"])
+  with pytest.raises(ConfigError, match=r"generation_config\.json: eos_token_id=\[5, '6'\] is "
+                                        r"invalid: allowed a token id"):
+    eos_token_ids(tmp_path)

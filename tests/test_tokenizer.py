@@ -7,7 +7,9 @@ import transformers
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from specjax.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError
+from specjax.errors import ConfigError
+from specjax.tokenizer import (CharTokenizer, HFTokenizer, Tokenizer, TokenizerError,
+                               check_vocab_fits)
 
 TEXTS = ["hello world", "the quick brown fox", "héllo wörld, ünïcode ✓", "", "  spaces  "]
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_end|>"]
@@ -133,3 +135,12 @@ def test_hf_tokenizer_unknown_special_token_raises_naming_it(model_dir):
 def test_hf_tokenizer_missing_tokenizer_json_raises(tmp_path):
   with pytest.raises(TokenizerError, match=r"tokenizer\.json: missing"):
     HFTokenizer.from_dir(tmp_path)
+
+
+def test_check_vocab_fits_allows_a_padded_model_vocab_and_refuses_a_smaller_one():
+  tok = CharTokenizer("abcde")  # 8 ids
+  check_vocab_fits(tok, 8)
+  check_vocab_fits(tok, 64)  # checkpoints pad V; the extra ids are never produced
+  with pytest.raises(ConfigError, match=r"tokenizer vocab 8 > model vocab_size 7 \(ids 7\.\.7 "
+                                        r"have no embedding\)"):
+    check_vocab_fits(tok, 7)

@@ -223,7 +223,9 @@ class DecodeLoop:
       rows until at most B/2 are still generating, gathers those into a batch of B/2 (one
       copy of the caches), and so on down to B/4, so the long tail of a few slow rows runs
       at small-batch cost. The policy sees each phase's batch size.
-    eos_id: stop a row after it emits this token (None: run to max_new_tokens).
+    eos_id: stop a row after it emits this token, or any of these tokens (a sequence is
+      stored as a tuple, so the loop stays hashable; chat checkpoints end turns on several,
+      e.g. Llama 3's <|end_of_text|> and <|eot_id|>); None: run to max_new_tokens.
     pad_id: filler of `GenerationResult.tokens` after each row's end.
     verifier: how a tree is verified; `LosslessVerifier` keeps the target distribution.
   """
@@ -236,7 +238,7 @@ class DecodeLoop:
   tree: DraftTree = DraftTree.empty()
   speculation: Adaptive | None = None
   compaction: int = 0
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
   pad_id: int = 0
   verifier: Verifier = LosslessVerifier()
 
@@ -265,10 +267,18 @@ class DecodeLoop:
       for tree in self.menu:
         self.drafter.validate(self.config, tree)
     vocab = self.config.vocab_size
-    if self.eos_id is not None and not (isinstance(self.eos_id, (int, np.integer))
-                                        and 0 <= self.eos_id < vocab):
-      raise ConfigError(f"eos_id={self.eos_id!r} is invalid: must be None or a token id in "
-                        f"[0, {vocab})")
+    if self.eos_id is not None:
+      many = isinstance(self.eos_id, (list, tuple, np.ndarray))
+      ids = tuple(self.eos_id) if many else (self.eos_id,)
+      bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+             or not 0 <= i < vocab]
+      if bad or not ids:
+        raise ConfigError(f"eos_id={self.eos_id!r} is invalid"
+                          + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
+                          + f": must be None, a token id in [0, {vocab}) or a non-empty "
+                          "sequence of them")
+      if many:  # a tuple of ints: the loop is jit's static argument, so it must hash
+        object.__setattr__(self, "eos_id", tuple(int(i) for i in ids))
     if not isinstance(self.pad_id, (int, np.integer)):
       raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int")
 
@@ -410,7 +420,7 @@ class DecodeLoop:
         reported_logprobs(logits, first, self.sampling))
     done = jnp.full((b,), self.max_new_tokens <= 1)
     if self.eos_id is not None:
-      done |= first == self.eos_id
+      done |= jnp.isin(first, jnp.asarray(self.eos_id))
     state = DecodeState(
         seq=seq, seq_len=prompt_lengths + 1, logp=logp, generated=jnp.ones((b,), jnp.int32),
         done=done, cache=out.cache, last_hidden=last_hidden, drafter_state=None, key=key,
@@ -498,8 +508,10 @@ class DecodeLoop:
 
   def _emit(self, tree: DraftTree, s: DecodeState, node_tokens: jax.Array,
             out: ForwardOutput, ver: VerifyResult) -> Emission:
-    """Accepted drafts then the next token, cut after EOS and at max_new_tokens."""
+    """Accepted drafts then the next token, cut after the first EOS (any of `eos_id`) and at
+    max_new_tokens."""
     b, eos = s.seq.shape[0], self.eos_id
+    stops = lambda t: jnp.isin(t, jnp.asarray(eos))
     j = jnp.arange(tree.depth + 1)[None, :]
     a = ver.num_accepted
     path_tokens = _take_path(node_tokens, ver.path)
@@ -507,13 +519,13 @@ class DecodeLoop:
     tokens = jnp.where(j == a[:, None], ver.next_token[:, None], shifted)
     count = a + 1
     if eos is not None:  # cut after the first EOS among the emitted tokens
-      is_eos = (tokens == eos) & (j < count[:, None])
+      is_eos = stops(tokens) & (j < count[:, None])
       count = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, count)
     count = jnp.where(s.done, 0, jnp.minimum(count, self.max_new_tokens - s.generated))
     finished = s.generated + count >= self.max_new_tokens
     if eos is not None:  # the last emitted token is EOS exactly when the row ended on it
       last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
-      finished |= (count > 0) & (last == eos)
+      finished |= (count > 0) & stops(last)
     logprobs = reported_logprobs(_take_path(out.logits, ver.path), tokens, self.sampling)
     return Emission(tokens=tokens, logprobs=logprobs, count=count, done=s.done | finished)
 
@@ -582,7 +594,8 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
              tree: DraftTree | None = None, speculation: Adaptive | None = None,
-             eos_id: int | None = None, drafter_params: Any = None, max_len: int | None = None,
+             eos_id: int | tuple[int, ...] | list[int] | None = None,
+             drafter_params: Any = None, max_len: int | None = None,
              pad_id: int = 0, verifier: Verifier = LosslessVerifier(),
              acceptance: AcceptanceCounts | None = None,
              compaction: int = 0) -> GenerationResult:
@@ -601,7 +614,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     speculation: `Adaptive(menu=...)`: each round runs the menu's tree (plain decoding
       included) with the most expected tokens per second. Without `costs`, they are measured
       first with `calibrate` (cached on disk), which needs concrete arguments (not under jit).
-    eos_id: stop a row after it emits this token.
+    eos_id: stop a row after it emits this token, or any of these tokens (a list or tuple).
     drafter_params: parameters owned by the drafter (a draft model's, an EAGLE-3 head's).
     max_len: cache slots (default: just enough: P + max_new_tokens + N + 1).
     pad_id: filler of `tokens` after each row's end.

@@ -58,6 +58,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 HEADS_FILE = "specjax_heads.safetensors"
@@ -620,6 +621,28 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
                             "missing")
     _read(heads, {t.name: heads_file for t in heads}, weight_dtype, params)
   return params, config
+
+
+def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+  """The ids a checkpoint's generation stops on: `eos_token_id` (an id or a list, e.g. Llama
+  3's `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`) of `generation_config.json` when it sets
+  one, else of `config.json`, as in transformers; () when neither does.
+
+  Raises:
+    CheckpointError: malformed JSON.
+    ConfigError: an `eos_token_id` that is neither an id nor a list of ids.
+  """
+  for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+    file = Path(path) / name
+    value = _read_json(file).get("eos_token_id") if file.is_file() else None
+    if value is None or value == []:
+      continue
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+      raise ConfigError(f"{file}: eos_token_id={value!r} is invalid: allowed a token id (an "
+                        "int >= 0) or a list of them")
+    return tuple(ids)
+  return ()
 
 
 # ---------------------------------------------------------------------------------------------
