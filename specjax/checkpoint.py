@@ -1,8 +1,18 @@
-"""Orbax checkpoints of a whole training state (any pytree) plus JSON metadata.
+"""Orbax checkpoints of a whole training state (any pytree) plus JSON metadata, verified on
+restore.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed mid-save leaves the previous checkpoints intact and no half-written step
 that looks finished. A directory that cannot be restored is reported, never deleted.
+
+Orbax does not notice bytes that change after the save (a flipped bit on disk, a truncated
+copy, an edit): such a step restores without error into different weights. So after each
+save the primary process records the size and sha256 of every file of the step in
+`specjax_digest.json` inside the step directory, and `restore` checks them before orbax
+reads a byte. A step that fails is an error naming the file and the other steps; it is never
+skipped for an older one, since resuming from an older step silently repeats training the
+user may not want to repeat. A step without the file (written before specjax recorded
+digests) restores with a warning.
 
 Saving is synchronous: `save` blocks until the step is on disk anyway, and a failed
 asynchronous save leaves orbax's background threads unjoinable, so the process could not
@@ -11,18 +21,126 @@ exit after the error.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from specjax import atomic
 from specjax.errors import CheckpointError, ConfigError
+
+DIGEST_FILE = "specjax_digest.json"
+_DIGEST_FORMAT = 1
+_CHUNK_BYTES = 1 << 20  # hashing streams the files: a checkpoint may not fit in memory
+
+
+def _sha256(path: Path) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(_CHUNK_BYTES):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def _is_digest_file(name: str) -> bool:
+  """The manifest or a temporary a killed writer left of it: never part of the digest."""
+  return name == DIGEST_FILE or name.startswith(f".{DIGEST_FILE}.tmp-")
+
+
+def _step_files(step_dir: Path) -> dict[str, Path]:
+  """Every file below `step_dir` by its relative POSIX path, the manifest excluded."""
+  files = {}
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = Path(root) / name
+      relative = path.relative_to(step_dir).as_posix()
+      if not (path.parent == step_dir and _is_digest_file(name)):
+        files[relative] = path
+  return dict(sorted(files.items()))
+
+
+def _write_digest(step_dir: Path) -> None:
+  """Record the size and sha256 of every file of `step_dir` in its `DIGEST_FILE`.
+
+  Written to a temporary file, fsynced and renamed, so the manifest is either absent or
+  complete: a torn one would make an intact step look corrupted.
+  """
+  files = {relative: {"size": path.stat().st_size, "sha256": _sha256(path)}
+           for relative, path in _step_files(step_dir).items()}
+  text = json.dumps({"format": _DIGEST_FORMAT, "algorithm": "sha256", "files": files},
+                    indent=1, sort_keys=True)
+  tmp = step_dir / f".{DIGEST_FILE}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, step_dir / DIGEST_FILE)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  atomic.fsync(step_dir)
+
+
+def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
+  """The `DIGEST_FILE` of `step_dir` as relative path -> (size, sha256).
+
+  Raises:
+    FileNotFoundError: the step has no manifest.
+    ValueError: the manifest is not one `_write_digest` writes (the message says how).
+  """
+  try:
+    manifest = json.loads((step_dir / DIGEST_FILE).read_text())
+  except UnicodeDecodeError as err:
+    raise ValueError(f"it is not UTF-8 text ({err})") from err
+  except json.JSONDecodeError as err:
+    raise ValueError(f"it is not JSON ({err})") from err
+  if not (isinstance(manifest, dict) and manifest.get("format") == _DIGEST_FORMAT
+          and manifest.get("algorithm") == "sha256"
+          and isinstance(manifest.get("files"), dict)):
+    raise ValueError(f'it is not a format-{_DIGEST_FORMAT} sha256 manifest (expected an '
+                     '{"format": 1, "algorithm": "sha256", "files": {...}} object)')
+  recorded = {}
+  for relative, entry in manifest["files"].items():
+    size = entry.get("size") if isinstance(entry, dict) else None
+    sha = entry.get("sha256") if isinstance(entry, dict) else None
+    if not (isinstance(size, int) and size >= 0 and isinstance(sha, str) and len(sha) == 64):
+      raise ValueError(f"its entry for {relative!r} is {entry!r}, expected "
+                       '{"size": <int >= 0>, "sha256": <64 hex digits>}')
+    recorded[relative] = (size, sha)
+  return recorded
+
+
+def _first_mismatch(step_dir: Path, recorded: dict[str, tuple[int, str]]) -> str | None:
+  """What is wrong with the first file of `step_dir` that differs from `recorded`, or None.
+
+  Missing, added and resized files are found before any file is hashed, so a truncated
+  step is reported without reading the rest of it.
+  """
+  present = _step_files(step_dir)
+  for relative in sorted(recorded.keys() | present.keys()):
+    if relative not in present:
+      return f"{relative} is missing (the manifest lists it with {recorded[relative][0]} bytes)"
+    if relative not in recorded:
+      return f"{relative} is not in the manifest (it was added after the save)"
+    size = present[relative].stat().st_size
+    if size != recorded[relative][0]:
+      return f"{relative} is {size} bytes, the manifest recorded {recorded[relative][0]}"
+  for relative, (_, expected) in recorded.items():
+    actual = _sha256(present[relative])
+    if actual != expected:
+      return (f"{relative} has sha256 {actual[:16]}..., the manifest recorded "
+              f"{expected[:16]}... (same size: its bytes changed)")
+  return None
 
 
 class Checkpointer:
-  """Saves and restores `(state, meta)` pairs by step.
+  """Saves and restores `(state, meta)` pairs by step; restore verifies the step's digest.
 
   Args:
     directory: where step directories live (created if missing).
@@ -36,11 +154,14 @@ class Checkpointer:
     if not (isinstance(max_to_keep, int) and max_to_keep >= 1):
       raise ConfigError(f"max_to_keep={max_to_keep!r} is invalid: must be an int >= 1 (0 "
                         "would keep no checkpoint to resume from)")
+    # Pinned (it is orbax's default) so that `step_dir` names the directory orbax writes.
+    self._name_format = ocp.step.standard_name_format()
     try:
       self._manager = ocp.CheckpointManager(
           self.directory,
           options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=False),
+                                               enable_async_checkpointing=False,
+                                               step_name_format=self._name_format),
           item_names=("state", "meta"))
     except OSError as err:
       raise CheckpointError(f"checkpoint directory {self.directory} cannot be created or read "
@@ -50,17 +171,25 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    return sorted(self._manager.all_steps())
+
+  def step_dir(self, step: int) -> Path:
+    """The directory that holds `step` (and its `DIGEST_FILE`)."""
+    return self.directory / self._name_format.build_name(step)
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Save `state` (a pytree of arrays) and `meta` (JSON-serialisable) as `step`; blocks.
+
+    Orbax skips a step not above the latest one (and writes nothing); then no digest is
+    written either, so the existing step's manifest is never recomputed over bytes that may
+    have changed since.
 
     Raises:
       CheckpointError: the step could not be written (a read-only or full disk, ...); the
         checkpoints saved before are intact.
     """
     try:
-      self._manager.save(step, args=ocp.args.Composite(
+      saved = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
       self._manager.wait_until_finished()
     except OSError as err:
@@ -68,17 +197,83 @@ class Checkpointer:
           f"checkpoint step {step} cannot be written to {self.directory} ({type(err).__name__}"
           f": {err}). Earlier checkpoints are intact; make the directory writable (and check "
           "free space) or pass another one.") from err
+    # One writer: every process sees the same finished step directory (orbax has synced
+    # them), and two writers renaming over one manifest would be a needless race.
+    if not saved or jax.process_index() != 0:
+      return
+    step_dir = self.step_dir(step)
+    try:
+      _write_digest(step_dir)
+    except OSError as err:
+      raise CheckpointError(
+          f"checkpoint step {step} was written to {step_dir} but its digest {DIGEST_FILE} "
+          f"cannot be ({type(err).__name__}: {err}); the step restores only with a warning "
+          "that it is unverified. Make the directory writable (and check free space) or pass "
+          "another one.") from err
+
+  def verify(self, step: int) -> bool:
+    """Check every file of `step` against its `DIGEST_FILE`; False (with a warning) when the
+    step has none, True when all match.
+
+    Raises:
+      CheckpointError: a file is missing, added, resized or changed, or the manifest is
+        unreadable. The message names the step directory, the first bad file and the other
+        steps to restore instead.
+    """
+    step_dir = self.step_dir(step)
+    try:
+      recorded = _read_digest(step_dir)
+    except FileNotFoundError:
+      warnings.warn(
+          f"checkpoint step {step} at {step_dir} has no {DIGEST_FILE} (it was written before "
+          "specjax recorded digests, or the process was killed between the save and the "
+          "digest): its bytes cannot be verified and are restored as they are", stacklevel=3)
+      return False
+    except (OSError, ValueError) as err:
+      raise self._corrupted(step, f"its manifest {DIGEST_FILE} cannot be used: {err}") from err
+    try:
+      problem = _first_mismatch(step_dir, recorded)
+    except OSError as err:
+      raise self._corrupted(step, f"a file cannot be read ({type(err).__name__}: {err})"
+                            ) from err
+    if problem is not None:
+      raise self._corrupted(step, problem)
+    return True
+
+  def _corrupted(self, step: int, problem: str) -> CheckpointError:
+    others = [s for s in self.all_steps() if s != step]
+    if others:
+      remedy = (f"Restore another step ({', '.join(map(str, others))} are available) with "
+                f"`restore(..., step=N)`, or delete {self.step_dir(step)} (or move it out of "
+                f"{self.directory}) so that a resumed run starts from step {max(others)}.")
+    else:
+      remedy = (f"No other step is in {self.directory}: restore {self.step_dir(step)} from a "
+                "copy, or delete it to start over.")
+    return CheckpointError(
+        f"checkpoint step {step} at {self.step_dir(step)} is corrupted: {problem}. Restoring it "
+        f"would load different weights than were saved, so nothing was restored (or deleted). "
+        f"{remedy}")
 
   def restore(self, abstract_state: Any, step: int | None = None
               ) -> tuple[Any, dict[str, Any], int] | None:
     """Restore `step` (default: the latest) into the structure of `abstract_state`.
 
     `abstract_state` may hold `jax.ShapeDtypeStruct`s (with shardings) or arrays. Returns
-    None when the directory holds no checkpoint.
+    None when the directory holds no checkpoint. Every process verifies the step's digest
+    first (see `verify`), so all of them raise together rather than some waiting forever in
+    orbax for the others.
+
+    Raises:
+      CheckpointError: `step` is not in the directory, fails its digest (an older step is
+        never restored in its place), or orbax cannot read it.
     """
     step = self.latest_step() if step is None else step
     if step is None:
       return None
+    if step not in self.all_steps():
+      raise CheckpointError(f"checkpoint step {step} is not in {self.directory} (available: "
+                            f"{', '.join(map(str, self.all_steps())) or 'none'})")
+    self.verify(step)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
