@@ -87,6 +87,8 @@ def test_the_running_entry_keeps_its_place_within_the_switch_margin():
     (lambda: Adaptive(CHAINS, costs=CostTable((1,), ((1.0,),))), "rows for a menu of 4"),
     (lambda: CostTable((4, 2), ((1.0, 1.0),)), "increasing"),
     (lambda: CostTable((1,), ((float("nan"),),)), "finite"),
+    (lambda: CostTable((1, 2), ((1.0, 1.0),), alone=(1.0,)), "alone"),
+    (lambda: CostTable((1,), ((1.0,),), setup=(-1.0,)), "setup"),
 ])
 def test_bad_policies_raise_clear_errors(make, needle):
   with pytest.raises(ConfigError, match=needle):
@@ -148,7 +150,10 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
   table = calibrate(m["params"], m["config"], MTPDrafter(), kwargs["speculation"],
                     batch_sizes=(4,), prompt_len=12, max_new_tokens=24)
   assert len(table.seconds) == 3 and all(x > 0 for row in table.seconds for x in row)
-  assert "chain3" in table.format(kwargs["speculation"].menu)
+  # What leaving the drafter out costs is measured too: its plain rounds and its prefill.
+  assert table.alone[0] > 0 and table.setup[0] >= 0
+  text = table.format(kwargs["speculation"].menu)
+  assert "chain3" in text and "no drafter" in text and "drafter prefill" in text
   before = DecodeLoop.__call__._cache_size()
   for seed in range(2):  # the same table from disk: the same static loop, no new compile
     generate(m["params"], m["config"], prompts, lengths, jax.random.key(seed), **kwargs)
@@ -173,6 +178,21 @@ def test_the_loop_runs_what_the_cost_table_makes_worthwhile(progression_models, 
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   rounds = np.asarray(out.stats.tree_rounds)
   assert rounds[expect] >= rounds.sum() - 1, rounds
+
+
+def test_the_drafter_is_left_out_unless_it_beats_plain_decoding_without_it():
+  menu = (DraftTree.chain(1), DraftTree.chain(3))
+  # chain3 at the prior (0.9) emits 3.44 tokens for 3.0 s: 0.87 s per token. That beats a
+  # plain round that keeps the drafter in step (1.0 s), not one without a drafter (0.8 s).
+  table = dict(batches=(4,), seconds=((1.0,), (2.5,), (3.0,)))
+  assert not Adaptive(menu, costs=CostTable(**table)).plain_throughout((4,))
+  assert Adaptive(menu, costs=CostTable(**table, alone=(0.8,))).plain_throughout((4,))
+  # Against 0.9 s alone it pays by 0.03 s a token: by 3 s over 100 tokens, not by 6 s of
+  # drafter prefill.
+  paying = CostTable(**table, alone=(0.9,), setup=(6.0,))
+  assert not Adaptive(menu, costs=paying).plain_throughout((4,))
+  assert not Adaptive(menu, costs=paying).plain_throughout((4,), new_tokens=1000)
+  assert Adaptive(menu, costs=paying).plain_throughout((4,), new_tokens=100)
 
 
 def test_a_call_the_policy_would_run_plain_throughout_runs_without_the_drafter(

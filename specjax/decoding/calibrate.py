@@ -4,7 +4,10 @@
 verify, emit, commit, drafter update) for every entry of a menu at a few batch sizes, inside
 one compiled loop per entry and batch, as the difference between running n2 and n1 rounds
 (so the prefill and the dispatch cancel), median over repeats that visit the entries in
-turn (a burst of load from other processes then hits every entry alike). The table is cached on disk,
+turn (a burst of load from other processes then hits every entry alike). Beside the menu it
+measures what leaving the drafter out would cost: a plain round of the loop with no drafter
+(`CostTable.alone`) and the time the drafter adds to the prefill (`CostTable.setup`), so the
+policy can tell whether speculating in a call pays at all. The table is cached on disk,
 keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the
 next RL experiment on the same machine) reads it back, and a code change measures anew.
@@ -98,15 +101,31 @@ def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
 
 
 def _round_timer(loop: DecodeLoop, entry: int):
-  """A compiled `(params, prompts, lengths, key, drafter_params, n) -> done`: the prefill and
-  then exactly n rounds of `entry` (n traced, so one executable serves every n)."""
+  """A compiled `(params, prompts, lengths, key, drafter_params, n) -> state`: the prefill
+  and then exactly n rounds of `entry` (n traced, so one executable serves every n)."""
 
   @jax.jit
   def run(params, prompts, lengths, key, drafter_params, n):
     state = loop.prefill(params, prompts, lengths, key, drafter_params)
-    state = jax.lax.fori_loop(0, n, lambda _, s: loop.round_of(entry, params, s), state)
-    return state.seq_len
+    # The whole state is returned: were only part of it an output, XLA would drop the work
+    # no output depends on (a deeper MTP module kept in sync by a shallower entry, for one),
+    # and the table would under-state what the entry costs inside the real loop.
+    return jax.lax.fori_loop(0, n, lambda _, s: loop.round_of(entry, params, s), state)
   return run
+
+
+def _prefill_timer(loop: DecodeLoop):
+  """A compiled `(params, prompts, lengths, key, drafter_params) -> state`: the prefill."""
+  return jax.jit(loop.prefill)
+
+
+def _median_seconds(fn, args, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
 
 
 def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
@@ -131,7 +150,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     verbose: print the table.
 
   Returns:
-    A `CostTable` with one row per entry of the normalised menu (plain decoding first).
+    A `CostTable` with one row per entry of the normalised menu (plain decoding first), and
+    the drafter-free plain round and the drafter's prefill at each batch size.
   """
   menu = speculation.menu if isinstance(speculation, Adaptive) else Adaptive(tuple(speculation)).menu
   batches = tuple(sorted(set(int(b) for b in batch_sizes)))
@@ -152,7 +172,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     if path.exists():
       try:
         table = CostTable(**json.loads(path.read_text()))
-        if len(table.seconds) == len(menu) and table.batches == batches:
+        if (len(table.seconds) == len(menu) and table.batches == batches
+            and table.alone is not None):
           if verbose:
             print(f"calibration read from {path}\n{table.format(menu)}")
           return table
@@ -160,7 +181,10 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
         pass  # a damaged or stale file: measure again and overwrite it
 
   key = jax.random.key(0)
-  seconds = [[0.0] * len(batches) for _ in menu]
+  alone_loop = loop.drafter_free(prompt_len)
+  timed = [(loop, i) for i in range(len(menu))] + [(alone_loop, 0)]  # the last: no drafter
+  seconds = [[0.0] * len(batches) for _ in timed]
+  setup = [0.0] * len(batches)
   for j, b in enumerate(batches):
     prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
                                  config.vocab_size, jnp.int32)
@@ -168,8 +192,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     loop.check_prompts(prompts, lengths)
     args = (params, prompts, lengths, key, drafter_params)
     runs, counts = [], []
-    for i in range(len(menu)):  # compile and warm up every entry first
-      run = _round_timer(loop, i)
+    for timed_loop, i in timed:  # compile and warm up every entry first
+      run = _round_timer(timed_loop, i)
       jax.block_until_ready(run(*args, n2))
       t0 = time.perf_counter()
       jax.block_until_ready(run(*args, n2))
@@ -177,7 +201,11 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       runs.append(run)
       counts.append(max(n2, n1 + int(np.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-9)
                                              * n2))))
-    per_round = [[] for _ in menu]
+    prefills = [_prefill_timer(loop), _prefill_timer(alone_loop)]
+    for prefill in prefills:
+      jax.block_until_ready(prefill(*args))
+    per_round = [[] for _ in timed]
+    extra = []
     for _ in range(repeats):  # entries interleaved, so a burst of load hits them alike
       for i, (run, n) in enumerate(zip(runs, counts)):
         t0 = time.perf_counter()
@@ -186,9 +214,13 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
         jax.block_until_ready(run(*args, n))
         t2 = time.perf_counter()
         per_round[i].append(((t2 - t1) - (t1 - t0)) / (n - n1))
-    for i in range(len(menu)):
+      with_drafter, without = (_median_seconds(f, args, 3) for f in prefills)
+      extra.append(with_drafter - without)
+    for i in range(len(timed)):
       seconds[i][j] = max(statistics.median(per_round[i]), 1e-7)
-  table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds))
+    setup[j] = max(statistics.median(extra), 0.0)
+  table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
+                    alone=tuple(seconds[-1]), setup=tuple(setup))
   if path is not None:
     table = _keep_first(path, table)
   if verbose:

@@ -348,7 +348,8 @@ class DecodeLoop:
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
     """
     if (acceptance is None and self.speculation is not None
-        and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]))):
+        and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]),
+                                              self.max_new_tokens)):
       return self._without_drafter(params, prompt_tokens, prompt_lengths, key)
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
     if acceptance is not None:
@@ -375,11 +376,8 @@ class DecodeLoop:
     """Plain decoding with no drafter state at all, its statistics shaped as the policy's
     (every round counted as the menu's plain entry): what a call runs when the policy would
     choose plain decoding in every round (`Adaptive.plain_throughout`)."""
-    # Nor the cache slots the trees would need: attention reads every slot.
-    slots = prompt_tokens.shape[1] + self.max_new_tokens + 1
-    plain = dataclasses.replace(self, drafter=None, speculation=None,
-                                max_len=min(self.max_len, slots))
-    result = plain(params, prompt_tokens, prompt_lengths, key)
+    result = self.drafter_free(prompt_tokens.shape[1])(params, prompt_tokens, prompt_lengths,
+                                                       key)
     stats = result.stats
     depth = max(self.envelope.depth, 1)
     acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
@@ -387,6 +385,13 @@ class DecodeLoop:
         accepted_per_depth=jnp.zeros((depth,), jnp.float32),
         tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
         acceptance=acceptance.replace(rounds=stats.rounds)))
+
+  def drafter_free(self, prompt_len: int) -> DecodeLoop:
+    """This loop without its drafter, nor the cache slots its trees would need (attention
+    reads every slot), for prompts of `prompt_len` tokens: plain decoding alone."""
+    slots = prompt_len + self.max_new_tokens + 1
+    return dataclasses.replace(self, drafter=None, speculation=None,
+                               max_len=min(self.max_len, slots))
 
   def buckets(self, batch: int) -> tuple[int, ...]:
     """The batch sizes the loop runs at (`compaction_buckets`)."""

@@ -42,11 +42,19 @@ class CostTable:
 
   Attributes:
     batches: increasing batch sizes (rows in the compiled round) that were measured.
-    seconds: `seconds[i][j]`, one round of menu entry i at `batches[j]` rows.
+    seconds: `seconds[i][j]`, one round of menu entry i at `batches[j]` rows. The plain entry
+      (i = 0) is a plain round of a loop that has a drafter: it keeps the drafter's state in
+      step with the text (an MTP drafter's modules, a draft model's cache), which is not free.
+    alone: `alone[j]`, one round of plain decoding with no drafter at all, at `batches[j]`
+      rows: what a call that leaves speculation out pays per token. None: `seconds[0]`.
+    setup: `setup[j]`, the seconds a drafter adds to a call's prefill (its state built from
+      the prompt), at `batches[j]` rows. None: 0.
   """
 
   batches: tuple[int, ...]
   seconds: tuple[tuple[float, ...], ...]
+  alone: tuple[float, ...] | None = None
+  setup: tuple[float, ...] | None = None
 
   def __post_init__(self):
     batches = tuple(int(b) for b in self.batches)
@@ -59,23 +67,51 @@ class CostTable:
                         f"batch size ({len(batches)}), got {self.seconds!r}")
     if not all(np.isfinite(x) and x > 0 for row in seconds for x in row):
       raise ConfigError(f"CostTable.seconds must be finite and > 0, got {self.seconds!r}")
+    for name, least in (("alone", 0.0), ("setup", None)):
+      row = getattr(self, name)
+      if row is None:
+        continue
+      row = tuple(float(x) for x in row)
+      if len(row) != len(batches) or not all(
+          np.isfinite(x) and (x > 0 if least is not None else x >= 0) for x in row):
+        raise ConfigError(f"CostTable.{name} must hold one finite "
+                          f"{'positive' if least is not None else 'non-negative'} number of "
+                          f"seconds per batch size ({len(batches)}), got {getattr(self, name)!r}")
+      object.__setattr__(self, name, row)
     object.__setattr__(self, "batches", batches)
     object.__setattr__(self, "seconds", seconds)
 
-  def at(self, batch: int) -> np.ndarray:
-    """`[I]` seconds per round of each entry at `batch` rows (linear in between the measured
-    sizes; beyond them, the nearest measured size scaled by rows for the larger side)."""
-    table = np.asarray(self.seconds, np.float64)
+  def _interp(self, row: Sequence[float], batch: int) -> float:
+    """`row` (one number per measured batch size) at `batch` rows: linear in between the
+    measured sizes; beyond them, the largest measured size scaled by rows."""
     if batch > self.batches[-1]:
-      return table[:, -1] * batch / self.batches[-1]
-    return np.array([np.interp(batch, self.batches, row) for row in table])
+      return float(row[-1]) * batch / self.batches[-1]
+    return float(np.interp(batch, self.batches, row))
+
+  def at(self, batch: int) -> np.ndarray:
+    """`[I]` seconds per round of each entry at `batch` rows."""
+    return np.array([self._interp(row, batch) for row in self.seconds])
+
+  def alone_at(self, batch: int) -> float:
+    """Seconds per round of plain decoding without a drafter at `batch` rows."""
+    return self._interp(self.alone if self.alone is not None else self.seconds[0], batch)
+
+  def setup_at(self, batch: int) -> float:
+    """Seconds the drafter adds to the prefill at `batch` rows."""
+    return self._interp(self.setup, batch) if self.setup is not None else 0.0
 
   def format(self, menu: Sequence[DraftTree]) -> str:
     """The table as text: one line per entry, milliseconds per round at each batch size."""
     names = [describe(t) for t in menu]
     width = max(len(n) for n in names + ["entry"])
+    rows = list(zip(names, self.seconds))
+    if self.alone is not None:
+      rows.append(("plain, no drafter", self.alone))
+    if self.setup is not None:
+      rows.append(("drafter prefill (once)", self.setup))
+    width = max(width, *(len(n) for n, _ in rows))
     lines = [f"{'entry':<{width}} " + " ".join(f"{f'B={b}':>9}" for b in self.batches)]
-    for name, row in zip(names, self.seconds):
+    for name, row in rows:
       lines.append(f"{name:<{width}} " + " ".join(f"{1e3 * x:7.2f}ms" for x in row))
     return "\n".join(lines)
 
@@ -210,18 +246,27 @@ class Adaptive:
     used = np.arange(acceptance.shape[1])[None, :] < depths[:, None]
     return 1.0 + xp.where(used, reach, 0.0).sum(1)
 
-  def plain_throughout(self, batches: Sequence[int]) -> bool:
-    """Whether a call that starts without evidence runs plain decoding in every round.
+  def plain_throughout(self, batches: Sequence[int], new_tokens: int | None = None) -> bool:
+    """Whether a call that starts without evidence should leave the drafter out altogether.
 
-    With no counts every acceptance estimate is the prior, and plain rounds add no
-    evidence; so when plain decoding has the most expected tokens per second at the prior
-    for each of the loop's `batches`, the policy's first choice is its choice for the whole
-    call, and the loop can leave the drafter out altogether (no drafter state to keep).
+    With no counts every acceptance estimate is the prior. A call that keeps a drafter pays
+    its prefill (`CostTable.setup`) and, in plain rounds, keeping its state in step
+    (`CostTable.seconds[0]`); a call without one pays plain decoding alone
+    (`CostTable.alone`). So the drafter is left out when, for each of the loop's `batches`,
+    no tree's expected seconds per token at the prior, plus the setup spread over
+    `new_tokens` (None: setup not counted), beat plain decoding's seconds per token alone.
+    Not modelled: the rounds a batch waits for its slowest row (speculation's stragglers),
+    which compaction reduces.
     """
     self._check_costs()
     prior = np.full((len(self.menu), max(self.depth, 1)), self.prior, np.float32)
-    expected = self._expected(prior, np)
-    return all(int(np.argmax(expected / self.costs.at(b))) == 0 for b in batches)
+    expected = self._expected(prior, np)[1:]
+    for b in batches:
+      setup = self.costs.setup_at(b) / new_tokens if new_tokens else 0.0
+      per_token = (self.costs.at(b)[1:] / expected).min(initial=np.inf) + setup
+      if per_token < self.costs.alone_at(b):
+        return False
+    return True
 
   def _check_costs(self) -> None:
     if self.costs is None:
