@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from specjax import sharding
-from specjax.checkpoint import Checkpointer, CheckpointError
+from specjax.checkpoint import DIGEST_FILE, Checkpointer, CheckpointError
 from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
@@ -158,7 +158,16 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_deleted(tmp_path):
   files = sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
   for f in files:  # scribble over every data file
     f.write_bytes(b"not a checkpoint")
-  with pytest.raises(CheckpointError, match="step 3 .* cannot be restored"):
+  # The digest check finds it (the manifest is scribbled over too) ...
+  with pytest.raises(CheckpointError, match="step 3 .* is corrupted"):
+    Checkpointer(tmp_path / "ckpt").restore(state)
+  assert sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == files
+  # ... and orbax's own error is reported too for a step written before digests existed.
+  for f in (tmp_path / "ckpt").rglob(DIGEST_FILE):
+    f.unlink()
+  files = sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+  with pytest.raises(CheckpointError, match="step 3 .* cannot be restored"), \
+       pytest.warns(UserWarning, match="cannot be verified"):
     Checkpointer(tmp_path / "ckpt").restore(state)
   assert sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == files
 
