@@ -77,7 +77,15 @@ class ExperimentConfig:
     prompts_per_step: prompts per step (each sampled group_size times).
     learning_rate: GRPO learning rate (constant after warmup).
     warmup_steps: linear warmup of the GRPO learning rate.
-    max_grad_norm: global gradient clipping.
+    max_grad_norm: gradient clipping: the largest global norm of the gradient (of the
+      trunk's and of the heads' each, with `clip_heads_separately`).
+    clip_heads_separately: clip the trunk's gradient and the MTP / Medusa heads' gradient
+      to `max_grad_norm` each by a norm of its own. The heads share the policy's optimizer
+      and their drafter loss is detached from the trunk, but under one global norm a large
+      head gradient would still shrink the policy's step whenever clipping is active (and a
+      large policy gradient the heads'). False: one norm over all parameters, the clipping
+      of runs before this field existed. The optimizer state is the same either way, so a
+      run resumes under both.
     drafter_loss_weight: online drafter training on rollouts (0: off).
     async_mode: one-step off-policy GRPO.
     sft_steps: supervised warm-start steps (0: start RL from random weights).
@@ -115,6 +123,7 @@ class ExperimentConfig:
   learning_rate: float = 1e-4
   warmup_steps: int = 10
   max_grad_norm: float = 1.0
+  clip_heads_separately: bool = True
   drafter_loss_weight: float = 1.0
   async_mode: bool = False
   sft_steps: int = 200
@@ -150,6 +159,8 @@ class ExperimentConfig:
       require(is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
               "must be an int >= 0")
     require(is_int(self.seed) and self.seed >= 0, "seed", "must be an int >= 0")
+    require(isinstance(self.clip_heads_separately, bool), "clip_heads_separately",
+            "must be True or False")
     for name in ("learning_rate", "sft_learning_rate", "drafter_learning_rate",
                  "max_grad_norm"):
       require(is_real(getattr(self, name)) and getattr(self, name) > 0, name,
@@ -212,8 +223,46 @@ class ExperimentConfig:
     return dataclasses.replace(self, speculation="fixed")
 
   def optimizer(self) -> optax.GradientTransformation:
+    """The GRPO optimizer of the policy and its MTP / Medusa heads: gradient clipping to
+    `max_grad_norm`, then Adam at `learning_rate` after a linear warmup.
+
+    With `clip_heads_separately` the trunk and the heads are clipped apart
+    (`_clip_trunk_and_heads`), so the drafter loss, which reaches only the heads, cannot
+    scale the policy's step; otherwise one global norm covers every parameter.
+    """
     schedule = optax.linear_schedule(0.0, self.learning_rate, max(self.warmup_steps, 1))
-    return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), optax.adam(schedule))
+    clip = (_clip_trunk_and_heads(self.max_grad_norm) if self.clip_heads_separately
+            else optax.clip_by_global_norm(self.max_grad_norm))
+    return optax.chain(clip, optax.adam(schedule))
+
+
+# Top-level parameter keys of the draft heads, the only weights the detached drafter loss
+# (`specjax.supervised.draft_head_loss`) reaches; the rest is the trunk, which only the
+# policy loss reaches (the heads are not part of the policy's forward).
+_DRAFT_HEADS = ("mtp", "medusa")
+
+
+def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
+  """`optax.clip_by_global_norm(max_norm)` applied to the trunk and to the draft heads
+  (`_DRAFT_HEADS`) apart: each part is scaled by `max_norm / its own norm` when that norm is
+  larger, so neither part's gradient changes the other's update.
+
+  Stateless (`EmptyState`) like the shared clip, rather than an `optax.multi_transform`,
+  whose state has another structure: a checkpoint of a run started with either clipping
+  restores into an optimizer with the other.
+  """
+  clip = optax.clip_by_global_norm(max_norm)
+
+  def update(updates, params=None):
+    del params  # clipping reads the gradients only
+    parts = ({k: v for k, v in updates.items() if k not in _DRAFT_HEADS},
+             {k: v for k, v in updates.items() if k in _DRAFT_HEADS})
+    clipped = {}
+    for part in parts:
+      clipped |= clip.update(part, clip.init(part))[0]
+    return {k: clipped[k] for k in updates}
+
+  return optax.stateless(update)
 
 
 def _records(task: ArithmeticTask, split: str) -> list[dict]:
