@@ -195,6 +195,49 @@ def test_the_drafter_is_left_out_unless_it_beats_plain_decoding_without_it():
   assert Adaptive(menu, costs=paying).plain_throughout((4,), new_tokens=100)
 
 
+def test_the_policy_switches_the_drafter_off_when_plain_decoding_alone_beats_every_tree():
+  menu = (DraftTree.chain(1), DraftTree.chain(3))
+  table = dict(batches=(4,), seconds=((1.0,), (1.5,), (2.5,)))
+  poor, good = _counts(Adaptive(menu), 0.2), _counts(Adaptive(menu), 0.95)
+  policy = Adaptive(menu, costs=CostTable(**table, alone=(0.8,)))
+  assert int(policy.choose(poor, 4)) == policy.off == 3  # 1.25 tokens/s alone beat 1.0, 0.8
+  assert not bool(policy.keeps(1, poor, 4))
+  assert int(policy.choose(good, 4)) == 2  # chain3: 3.71 tokens in 2.5 s
+  # Without a measured drafter-free cost, off ties with plain decoding, which comes first.
+  assert int(Adaptive(menu, costs=CostTable(**table)).choose(poor, 4)) == 0
+
+
+class _OffAtRoundTwo(Adaptive):
+  """chain3 for two rounds, drafter off at the third, then chain3 again (which the loop
+  must not follow: the drafter's state is stale once it was switched off)."""
+
+  def choose(self, counts, batch):
+    return jnp.where(counts.rounds == 2, self.off, 1).astype(jnp.int32)
+
+  def keeps(self, entry, counts, batch):
+    return self.choose(counts, batch) == entry
+
+
+@pytest.mark.parametrize("name", ["mtp", "draft_model"])
+def test_switching_the_drafter_off_mid_call_stays_exact_and_stays_off(
+    progression_models, progression_eagle, name):
+  m = progression_models
+  drafter, drafter_params, _ = _drafters(m, progression_eagle)[name]
+  tokens = progression_batch(np.random.default_rng(9), 8, 10)
+  prompts, lengths = jnp.asarray(tokens), jnp.array([10, 4, 7, 10, 5, 9, 6, 8])
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=40, sampling=GREEDY, eos_id=7)
+  policy = _OffAtRoundTwo((DraftTree.chain(3),), costs=CostTable((8,), ((1.0,), (1.0,))))
+  # Compaction: the later phases ask the policy again, and it says chain3.
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                 max_new_tokens=40, sampling=GREEDY, eos_id=7, drafter=drafter,
+                 drafter_params=drafter_params, compaction=2, speculation=policy)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.lengths, plain.lengths)
+  rounds = np.asarray(out.stats.tree_rounds)
+  assert rounds[1] == 2 and rounds[0] == int(out.stats.rounds) - 2 > 0, rounds
+
+
 def test_a_call_the_policy_would_run_plain_throughout_runs_without_the_drafter(
     progression_models):
   m = progression_models

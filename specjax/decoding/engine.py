@@ -111,8 +111,10 @@ class DecodeState:
     accepted_at_depth: `[max(D, 1)]` accepted-draft counts per depth, summed over row-rounds.
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
     drafts: scalar draft tokens verified in rows' rounds.
-    tree_rounds: `[I]` rounds per menu entry.
+    tree_rounds: `[I]` rounds per menu entry (rounds with the drafter off count as plain).
     acceptance: `AcceptanceCounts` the speculation policy reads.
+    drafter_off: scalar bool, the policy switched the drafter off (`Adaptive.off`): its state
+      is no longer kept in step, so every later round is plain.
   """
 
   seq: jax.Array
@@ -131,11 +133,12 @@ class DecodeState:
   drafts: jax.Array
   tree_rounds: jax.Array
   acceptance: AcceptanceCounts
+  drafter_off: jax.Array
 
   # Loop-wide fields, and the drafter's state (which `Drafter.take_rows` selects rows of).
   UNBATCHED: ClassVar[tuple[str, ...]] = ("drafter_state", "key", "rounds",
                                           "accepted_at_depth", "emitted", "drafts", "tree_rounds",
-                                          "acceptance")
+                                          "acceptance", "drafter_off")
 
   @property
   def context(self) -> DraftContext:
@@ -432,7 +435,8 @@ class DecodeLoop:
         rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
         accepted_at_depth=jnp.zeros((max(self.envelope.depth, 1),), jnp.int32),
         emitted=jnp.zeros((), jnp.int32), drafts=jnp.zeros((), jnp.int32), tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
-        acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)))
+        acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)),
+        drafter_off=jnp.zeros((), bool))
     if self.speculative:
       prompt = TargetFeatures(hidden=out.hidden, layers=out.intermediates)
       state = state.replace(drafter_state=self.drafter.init(
@@ -461,11 +465,19 @@ class DecodeLoop:
       return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
                                 self.round_of(entry, params, s))
 
-    entry = self.speculation.choose(s.acceptance, batch)
-    return jax.lax.switch(entry, [functools.partial(run, i) for i in range(len(self.menu))], s)
+    def run_off(s: DecodeState) -> DecodeState:  # for the rest of the call (this phase)
+      plain = functools.partial(self.round_of, 0, params, keep_drafter=False)
+      return jax.lax.while_loop(more, plain, plain(s.replace(drafter_off=jnp.array(True))))
 
-  def round_of(self, entry: int, params: Params, s: DecodeState) -> DecodeState:
-    """One draft -> verify -> emit -> commit round with menu entry `entry`'s tree."""
+    off = self.speculation.off
+    entry = jnp.where(s.drafter_off, off, self.speculation.choose(s.acceptance, batch))
+    branches = [functools.partial(run, i) for i in range(len(self.menu))] + [run_off]
+    return jax.lax.switch(entry, branches, s)
+
+  def round_of(self, entry: int, params: Params, s: DecodeState, *,
+               keep_drafter: bool = True) -> DecodeState:
+    """One draft -> verify -> emit -> commit round with menu entry `entry`'s tree
+    (`keep_drafter=False`: a plain round that leaves the drafter's state behind)."""
     tree = self.menu[entry]
     key, k_draft, k_verify = jax.random.split(s.key, 3)
     proposal, drafter_state = self._draft(tree, params, s, k_draft)
@@ -473,8 +485,9 @@ class DecodeLoop:
     out, ver = self._verify(tree, params, s, node_tokens, proposal, k_verify)
     emission = self._emit(tree, s, node_tokens, out, ver)
     cache = self._commit(tree, s, out.cache, ver)
-    drafter_state = self._update_drafter(params, s, drafter_state, node_tokens, out, ver,
-                                         emission)
+    if keep_drafter:
+      drafter_state = self._update_drafter(params, s, drafter_state, node_tokens, out, ver,
+                                           emission)
     last_hidden = jnp.where(s.done[:, None], s.last_hidden,
                             _take_path(out.hidden, ver.path[:, -1:])[:, 0])
     return self._count(entry, s, proposal, ver, emission).replace(

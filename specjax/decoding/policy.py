@@ -16,6 +16,12 @@ entry and depth, shrunk towards the estimate pooled over all entries, which is i
 shrunk towards a prior. The prior is optimistic on purpose: a depth no entry has tried
 yet, or one whose evidence has decayed while plain rounds ran, gets tried again.
 
+Leaving the drafter out is a choice too. A plain round of a loop with a drafter still keeps
+the drafter's state in step with the text (`CostTable.seconds[0]`); one without does not
+(`CostTable.alone`). A call whose prior already says no tree pays runs without a drafter
+from the start (`plain_throughout`); one whose evidence says so later switches the drafter
+off (`Adaptive.off`) for the rest of the call, since its state is no longer kept.
+
 Choosing a tree from earlier rounds' outcomes keeps decoding lossless: each round's tree is
 fixed before its drafts and its verification draw, and verification is exact for any tree.
 
@@ -273,13 +279,24 @@ class Adaptive:
       raise ConfigError("Adaptive.costs is None: pass costs=calibrate(...) (generate does this "
                         "itself outside jit)")
 
+  @property
+  def off(self) -> int:
+    """The index `choose` returns for *drafter off*: plain rounds that no longer keep the
+    drafter's state in step, for the rest of the call (`CostTable.alone` each)."""
+    return len(self.menu)
+
   def rates(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
-    """`[I]` expected tokens per second of each entry at `batch` rows."""
+    """`[I + 1]` expected tokens per second of each entry at `batch` rows, then of drafter
+    off (one token per plain round without the drafter)."""
     self._check_costs()
-    return self.expected_tokens(counts) / jnp.asarray(self.costs.at(batch), jnp.float32)
+    seconds = np.append(self.costs.at(batch), self.costs.alone_at(batch))
+    return (jnp.append(self.expected_tokens(counts), 1.0)
+            / jnp.asarray(seconds, jnp.float32))  # off ties plain exactly without `alone`
 
   def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
-    """The entry with the most expected tokens per second at `batch` rows (scalar int32)."""
+    """The entry with the most expected tokens per second at `batch` rows (scalar int32), or
+    `off` when plain decoding without the drafter beats every entry; on a tie the first
+    (plain decoding with the drafter, whose evidence can still decay back to the prior)."""
     return jnp.argmax(self.rates(counts, batch)).astype(jnp.int32)
 
   def keeps(self, entry: int, counts: AcceptanceCounts, batch: int) -> jax.Array:
