@@ -7,9 +7,9 @@ from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, Dr
                                        NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, draft_level_by_level)
 from specjax.decoding.calibrate import calibrate
-from specjax.decoding.engine import (DecodeLoop, DecodeState, GenerationResult, GenerationStats,
-                                     generate)
+from specjax.decoding.engine import DecodeLoop, DecodeState, generate
 from specjax.decoding.policy import AcceptanceCounts, Adaptive, CostTable
+from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, reported_logprobs
 from specjax.decoding.tree import DraftTree
 from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, verify_matching,

@@ -33,6 +33,8 @@ from flax import struct
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures, take_rows)
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
+from specjax.decoding.results import (GenerationResult, GenerationStats, RowOutputs,
+                                       compaction_buckets)
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
                                        sample_tokens)
 from specjax.decoding.tree import DraftTree
@@ -44,52 +46,6 @@ from specjax.models.params import check_params
 from specjax.models.transformer import ForwardOutput, forward
 
 Params = dict[str, Any]
-
-
-@struct.dataclass
-class GenerationStats:
-  """Speculation statistics of one `generate` call.
-
-  Attributes:
-    rounds: loop iterations (verify passes after the prefill).
-    row_rounds: `[B]` rounds in which each row was still generating.
-    accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted
-      and emitted (drafts accepted beyond EOS or max_new_tokens are not counted).
-    tokens_per_round: mean tokens emitted per row-round (mean acceptance length; 1 = plain).
-    drafts_per_round: mean draft tokens verified per row-round (the tree's nodes, fewer when a
-      drafter stops early: `confidence`).
-    tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
-    acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
-      call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
-  """
-
-  rounds: jax.Array
-  row_rounds: jax.Array
-  accepted_per_depth: jax.Array
-  tokens_per_round: jax.Array
-  drafts_per_round: jax.Array
-  tree_rounds: jax.Array
-  acceptance: AcceptanceCounts
-
-
-@struct.dataclass
-class GenerationResult:
-  """Output of `generate`.
-
-  Attributes:
-    tokens: `[B, max_new_tokens]` generated tokens; entries at or after `lengths` are `pad_id`.
-    lengths: `[B]` generated tokens per row (EOS included when it was generated).
-    logprobs: `[B, max_new_tokens]` log softmax(logits / temperature) of each generated token
-      under the target (temperature 1 for greedy); 0 after `lengths`.
-    done: `[B]` rows that stopped at EOS or at `max_new_tokens`.
-    stats: `GenerationStats`.
-  """
-
-  tokens: jax.Array
-  lengths: jax.Array
-  logprobs: jax.Array
-  done: jax.Array
-  stats: GenerationStats
 
 
 @struct.dataclass
@@ -170,39 +126,6 @@ def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array,
   idx = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])
   return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(values.astype(buf.dtype),
                                                            mode="drop")
-
-
-@struct.dataclass
-class RowOutputs:
-  """What the result needs of every row, kept at the full batch while the loop compacts.
-
-  Attributes:
-    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
-  """
-
-  seq: jax.Array
-  logp: jax.Array
-  generated: jax.Array
-  done: jax.Array
-  row_rounds: jax.Array
-
-  @classmethod
-  def of(cls, s: DecodeState) -> RowOutputs:
-    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
-               row_rounds=s.row_rounds)
-
-  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
-    """These outputs with rows `rows` replaced by `part`'s."""
-    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
-
-
-def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
-  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
-  sizes = [batch]
-  for _ in range(halvings):
-    if sizes[-1] > 1:
-      sizes.append(-(-sizes[-1] // 2))
-  return tuple(sizes)
 
 
 def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:

@@ -12,7 +12,8 @@ from specjax.models.eagle3_io import (eagle3_config_from_hf, eagle3_config_to_hf
                                       save_eagle3)
 from specjax.models.heads import (HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
                                   mtp_logits_all)
-from specjax.models.hf import config_from_hf, config_to_hf, load_hf, save_hf
+from specjax.models.hf import load_hf, save_hf
+from specjax.models.hf_config import config_from_hf, config_to_hf
 from specjax.models.params import check_params, count_params, init_params, param_axes
 from specjax.models.transformer import (ForwardOutput, causal_mask, embed, forward, rms_norm,
                                         unembed)

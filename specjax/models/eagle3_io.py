@@ -44,7 +44,7 @@ from safetensors.numpy import save_file
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
-from specjax.models.hf import _param_dtype, _rope_from_hf, _rope_to_hf
+from specjax.models.hf_config import _param_dtype, _rope_from_hf, _rope_to_hf
 
 Params = dict[str, Any]
 

@@ -1,0 +1,101 @@
+"""What a generation call returns: `GenerationResult` and its `GenerationStats`, plus the
+per-row outputs (`RowOutputs`) and batch sizes (`compaction_buckets`) a compacting loop builds
+the result from.
+
+These describe the output of `generate` / `DecodeLoop`, independent of how the loop runs
+(drafting, verification, cache commits), so they live apart from `engine`; callers that only
+read results or plan batch sizes (e.g. `benchmarks/spec_decode.py`) need not know the loop.
+
+Shape letters: see `specjax` (B batch, L = P + max_new sequence buffer, D depth).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+from flax import struct
+
+from specjax.decoding.policy import AcceptanceCounts
+
+if TYPE_CHECKING:  # only for annotations: engine imports this module
+  from specjax.decoding.engine import DecodeState
+
+
+@struct.dataclass
+class GenerationStats:
+  """Speculation statistics of one `generate` call.
+
+  Attributes:
+    rounds: loop iterations (verify passes after the prefill).
+    row_rounds: `[B]` rounds in which each row was still generating.
+    accepted_per_depth: `[D]` fraction of row-rounds whose draft at depth d + 1 was accepted
+      and emitted (drafts accepted beyond EOS or max_new_tokens are not counted).
+    tokens_per_round: mean tokens emitted per row-round (mean acceptance length; 1 = plain).
+    drafts_per_round: mean draft tokens verified per row-round (the tree's nodes, fewer when a
+      drafter stops early: `confidence`).
+    tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
+    acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
+      call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
+  """
+
+  rounds: jax.Array
+  row_rounds: jax.Array
+  accepted_per_depth: jax.Array
+  tokens_per_round: jax.Array
+  drafts_per_round: jax.Array
+  tree_rounds: jax.Array
+  acceptance: AcceptanceCounts
+
+
+@struct.dataclass
+class GenerationResult:
+  """Output of `generate`.
+
+  Attributes:
+    tokens: `[B, max_new_tokens]` generated tokens; entries at or after `lengths` are `pad_id`.
+    lengths: `[B]` generated tokens per row (EOS included when it was generated).
+    logprobs: `[B, max_new_tokens]` log softmax(logits / temperature) of each generated token
+      under the target (temperature 1 for greedy); 0 after `lengths`.
+    done: `[B]` rows that stopped at EOS or at `max_new_tokens`.
+    stats: `GenerationStats`.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  logprobs: jax.Array
+  done: jax.Array
+  stats: GenerationStats
+
+
+@struct.dataclass
+class RowOutputs:
+  """What the result needs of every row, kept at the full batch while the loop compacts.
+
+  Attributes:
+    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
+  """
+
+  seq: jax.Array
+  logp: jax.Array
+  generated: jax.Array
+  done: jax.Array
+  row_rounds: jax.Array
+
+  @classmethod
+  def of(cls, s: DecodeState) -> RowOutputs:
+    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
+               row_rounds=s.row_rounds)
+
+  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
+    """These outputs with rows `rows` replaced by `part`'s."""
+    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
+
+
+def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
+  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
+  sizes = [batch]
+  for _ in range(halvings):
+    if sizes[-1] > 1:
+      sizes.append(-(-sizes[-1] // 2))
+  return tuple(sizes)
