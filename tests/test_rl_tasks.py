@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.models import ConfigError
-from specjax.rl import (ARITHMETIC_ALPHABET, ArithmeticPrompts, ArithmeticTask, CustomTask,
+from specjax.rl import (ARITHMETIC_ALPHABET, WORKED_ALPHABET, ArithmeticPrompts, ArithmeticTask, CustomTask,
                         Example, GSM8KTask, PromptReader, PythonReward, RewardError, Task,
                         TaskError, decode_completions, encode_prompt, extract_answer,
                         parse_number, prepare_prompts, read_gsm8k_jsonl)
@@ -129,6 +129,57 @@ def test_arithmetic_reward_hand_cases():
   lengths = np.array([len(r) for r in rows])
   got = ArithmeticTask(format_reward=0.25).reward(tokens, lengths, np.array(answers))
   np.testing.assert_array_equal(got, [1.0, 0.25, 1.0, 0.0, 0.25, 0.25, 1.0, 0.25, 0.25])
+
+
+def _python_worked_reward(ids, length, answer, steps, format_reward):
+  """Reference: the text before the first EOS must be "<steps '='> ... ;<answer>"."""
+  ids = list(ids[:length])
+  if TOK.eos_id not in ids:
+    return 0.0
+  text = "".join(WORKED_ALPHABET[i - 3] if i >= 3 else "?" for i in ids[:ids.index(TOK.eos_id)])
+  if ";" not in text:
+    return 0.0
+  work, _, final = text.rpartition(";")
+  if work.count("=") != steps or not re.fullmatch(r"-?[0-9]+", final):
+    return 0.0
+  return 1.0 if final == str(answer) else format_reward
+
+
+def test_worked_solutions_and_their_reward():
+  task = ArithmeticTask(max_digits=1, num_operands=4, operators="+-", num_train=300,
+                        num_test=20, worked=True, format_reward=0.1)
+  tok = task.tokenizer
+  assert tok.vocab_size == len(WORKED_ALPHABET) + 3
+  assert tok.encode("0-=") == TOK.encode("0-=")  # the shared ids do not move
+  for e in task.examples("train") + task.examples("test"):
+    steps, answer = e.reference.split(";")
+    assert int(answer) == e.answer and len(steps.split(",")) == 3
+    total = e.prompt[0]
+    for step in steps.split(","):  # each step continues from the previous total
+      assert step.startswith(total) and eval(step.split("=")[0]) == int(step.split("=")[1])
+      total = step.split("=")[1]
+    assert len(e.reference) + 1 <= task.max_answer_tokens
+  rng = random.Random(1)
+  rows, answers = [], []
+  for e in rng.choices(task.examples("train"), k=2000):
+    steps, answer = e.reference.split(";")
+    text = rng.choice([
+        e.reference, f"{steps};{e.answer + rng.choice([-1, 2])}", f";{e.answer}",
+        steps.rsplit(",", 1)[0] + f";{e.answer}", steps, f"{steps};0{abs(e.answer)}",
+        f"{steps};-{abs(e.answer)}", f"{steps};{e.answer};{e.answer}", e.reference + "="])
+    ids = tok.encode(text) + ([tok.eos_id] if rng.random() < 0.85 else [])
+    rows.append(ids)
+    answers.append(e.answer)
+  n = max(map(len, rows))
+  tokens = np.array([r + [tok.pad_id] * (n - len(r)) for r in rows], np.int32)
+  lengths = np.array([len(r) for r in rows], np.int32)
+  got = np.asarray(jax.jit(task.reward)(tokens, lengths, np.array(answers, np.int32)))
+  want = np.array([_python_worked_reward(t, l, a, 3, 0.1)
+                   for t, l, a in zip(tokens, lengths, answers)], np.float32)
+  np.testing.assert_array_equal(got, want)
+  assert {0.0, np.float32(0.1), 1.0} <= set(want.tolist())  # every level: not trivial
+  with pytest.raises(ConfigError, match="worked=True only"):
+    ArithmeticTask(operators="+*", worked=True)
 
 
 # ---------------------------------------------------------------------------------------------

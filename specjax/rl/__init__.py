@@ -6,8 +6,8 @@ from specjax.rl.data import (ArithmeticPrompts, GSM8KPrompts, PromptBatch, Promp
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                token_entropy)
-from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, ArithmeticTask, CustomTask, Example,
-                              GSM8KTask, PythonReward, RewardError, Task, TaskError,
+from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, WORKED_ALPHABET, ArithmeticTask,
+                              CustomTask, Example, GSM8KTask, PythonReward, RewardError, Task, TaskError,
                               answers_match, arithmetic_reward, decode_completions,
                               encode_prompt, extract_answer, format_number, parse_number,
                               read_gsm8k_jsonl)
@@ -24,5 +24,5 @@ __all__ = [
     "encode_prompt", "extract_answer", "format_number", "group_advantages", "grpo_loss",
     "init_train_state", "kl_estimate", "make_prime_fn", "make_split_step", "make_train_step",
     "parse_number", "prepare_prompts", "prompt_builder", "read_gsm8k_jsonl", "rollout",
-    "sequence_logprobs", "token_entropy",
+    "sequence_logprobs", "token_entropy", "WORKED_ALPHABET",
 ]

@@ -34,6 +34,9 @@ from specjax.tokenizer import CharTokenizer, Tokenizer
 
 SPLITS = ("train", "test")
 ARITHMETIC_ALPHABET = "0123456789+-*="
+# Worked solutions add a step separator and the mark before the final answer (appended, so
+# every other id is the same as in ARITHMETIC_ALPHABET).
+WORKED_ALPHABET = ARITHMETIC_ALPHABET + ",;"
 ARITHMETIC_OPERATORS = "+-*"
 # The JAX reward parses answers into int32; nine digits always fit, ten may not.
 _MAX_ANSWER_DIGITS = 9
@@ -151,6 +154,12 @@ class ArithmeticTask:
   zeros) and then EOS. Reward: 1.0 when it does; `format_reward` when the response up to EOS
   is `-?[0-9]+` and EOS was generated, but the value (or its canonical form) is wrong; else 0.
 
+  With `worked`, the reference first works the problem left to right, one operation per
+  step, and then gives the answer after ";": "3+9-4=" -> "3+9=12,12-4=8;8". The reward
+  reads the number after the response's last ";" and asks for one "=" per operator before
+  it (the steps themselves are not graded, but they cannot be skipped), so responses are several times longer and mostly predictable from the prompt and the
+  previous step: the kind of text on which speculative decoding pays.
+
   Attributes:
     max_digits: digits per operand, >= 1.
     num_operands: operands per problem, >= 2.
@@ -160,6 +169,7 @@ class ArithmeticTask:
     test_fraction: share of the problem space reserved for the held-out split, in (0, 1).
     seed: seeds problem generation and the split.
     format_reward: reward of a well-formed but wrong answer, in [0, 1).
+    worked: references are worked solutions (operators "+" and "-" only).
   """
 
   max_digits: int = 2
@@ -170,6 +180,7 @@ class ArithmeticTask:
   test_fraction: float = 0.1
   seed: int = 0
   format_reward: float = 0.0
+  worked: bool = False
 
   name = "arithmetic"
   reward_in_jax = True
@@ -194,6 +205,9 @@ class ArithmeticTask:
             f"must be a non-empty subset of {ARITHMETIC_OPERATORS!r} without repeats")
     require(0 < self.test_fraction < 1, "test_fraction", "must be in (0, 1)")
     require(0 <= self.format_reward < 1, "format_reward", "must be in [0, 1)")
+    require(isinstance(self.worked, bool), "worked", "must be True or False")
+    require(not self.worked or set(self.operators) <= set("+-"), "operators",
+            "worked solutions go left to right: with worked=True only '+' and '-' are allowed")
     digits = len(str(self.max_abs_answer))
     require(digits <= _MAX_ANSWER_DIGITS, "max_digits",
             f"with num_operands={self.num_operands} and operators={self.operators!r} answers "
@@ -208,12 +222,27 @@ class ArithmeticTask:
 
   @property
   def max_answer_tokens(self) -> int:
-    """Tokens of the longest correct response: sign, digits, EOS (a bound for max_new_tokens)."""
-    return len(str(self.max_abs_answer)) + ("-" in self.operators) + 1
+    """Tokens of the longest correct response: sign, digits, EOS (a bound for max_new_tokens);
+    with `worked`, each step "total op operand = total," before ";" and the answer."""
+    number = len(str(self.max_abs_answer)) + ("-" in self.operators)
+    if not self.worked:
+      return number + 1
+    step = number + 1 + self.max_digits + 1 + number + 1
+    return (self.num_operands - 1) * step + number + 1
 
   @property
   def tokenizer(self) -> CharTokenizer:
-    return CharTokenizer(ARITHMETIC_ALPHABET)
+    return CharTokenizer(WORKED_ALPHABET if self.worked else ARITHMETIC_ALPHABET)
+
+  def _reference(self, operands: Sequence[int], operators: Sequence[str], answer: int) -> str:
+    if not self.worked:
+      return str(answer)
+    steps, total = [], operands[0]
+    for op, x in zip(operators, operands[1:]):
+      new = total + x if op == "+" else total - x
+      steps.append(f"{total}{op}{x}={new}")
+      total = new
+    return ",".join(steps) + f";{answer}"
 
   @functools.cached_property
   def _splits(self) -> dict[str, tuple[Example, ...]]:
@@ -233,7 +262,8 @@ class ArithmeticTask:
         split = "test" if _in_test_split(self.seed, prompt, self.test_fraction) else "train"
         if len(out[split]) < wanted[split]:
           answer = _evaluate(xs, symbols)
-          out[split].append(Example(prompt=prompt, reference=str(answer), answer=answer))
+          out[split].append(Example(prompt=prompt, reference=self._reference(xs, symbols, answer),
+                                    answer=answer))
       if all(len(out[s]) == wanted[s] for s in SPLITS):
         return {s: tuple(v) for s, v in out.items()}
     raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid for this problem "
@@ -256,28 +286,35 @@ class ArithmeticTask:
     Returns:
       `[B]` float32: 1.0 correct, `format_reward` well-formed but wrong, 0.0 otherwise.
     """
-    return arithmetic_reward(tokens, lengths, answers, format_reward=self.format_reward)
+    return arithmetic_reward(tokens, lengths, answers, format_reward=self.format_reward,
+                             steps=self.num_operands - 1 if self.worked else None)
 
 
 def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array, *,
-                      format_reward: float = 0.0) -> jax.Array:
-  """`ArithmeticTask`'s reward for ids of `CharTokenizer(ARITHMETIC_ALPHABET)`.
+                      format_reward: float = 0.0, steps: int | None = None) -> jax.Array:
+  """`ArithmeticTask`'s reward for ids of `CharTokenizer(ARITHMETIC_ALPHABET)` (or of
+  `WORKED_ALPHABET`, whose other ids are the same).
 
-  The response is the tokens before the first EOS. It is well-formed when EOS was generated
-  (within `lengths`) and the response is `-?[0-9]+`; correct when also canonical (no leading
-  zero unless it is "0", no "-0"), at most nine digits, and equal to the answer.
+  The response is the tokens before the first EOS; its answer is the whole response, or for
+  a worked solution (`steps` given) what follows its last ";", which `steps` "=" must
+  precede. It is well-formed when EOS was generated (within `lengths`), the answer is
+  `-?[0-9]+` and a worked solution has its ";" and its steps;
+  correct when also canonical (no leading zero unless it is "0", no "-0"), at most nine
+  digits, and equal to the reference answer.
 
   Args:
     tokens: `[B, T]` generated ids.
     lengths: `[B]` generated tokens per row.
     answers: `[B]` integer answers (|answer| < 10**9).
     format_reward: reward of a well-formed but wrong response.
+    steps: responses are worked solutions ("a+b=c,c-d=e;e") of this many steps; None: the
+      response is the answer alone.
 
   Returns:
     `[B]` float32 rewards.
   """
-  tok = CharTokenizer(ARITHMETIC_ALPHABET)
-  zero_id, minus_id = tok.encode("0")[0], tok.encode("-")[0]
+  tok = CharTokenizer(WORKED_ALPHABET)
+  zero_id, minus_id, mark_id, equals_id = (tok.encode(c)[0] for c in "0-;=")
   tokens = jnp.asarray(tokens, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
   answers = jnp.asarray(answers, jnp.int32)
@@ -287,13 +324,23 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
   is_eos = (tokens == tok.eos_id) & (pos < lengths[:, None])
   has_eos = is_eos.any(axis=1)
   end = jnp.where(has_eos, jnp.argmax(is_eos, axis=1), lengths)     # [B] response length
-  negative = (tokens[:, 0] == minus_id) & (end > 0)
-  start = negative.astype(jnp.int32)                                 # [B] first digit index
+  begin = jnp.zeros_like(end)                                        # [B] the answer's start
+  has_mark = jnp.ones_like(has_eos)  # a worked solution's ";" and steps
+  if steps is not None:
+    is_mark = (tokens == mark_id) & (pos < end[:, None])
+    begin = jnp.where(is_mark.any(axis=1), jnp.max(jnp.where(is_mark, pos, -1), axis=1) + 1,
+                      end)
+    equals = ((tokens == equals_id) & (pos < begin[:, None])).sum(axis=1)
+    has_mark = is_mark.any(axis=1) & (equals == steps)
+  first = jnp.take_along_axis(tokens, jnp.minimum(begin, t - 1)[:, None], axis=1)[:, 0]
+  negative = (first == minus_id) & (end > begin)
+  start = begin + negative.astype(jnp.int32)                         # [B] first digit index
   digit = tokens - zero_id                                           # "0".."9" are consecutive
   is_digit = (digit >= 0) & (digit <= 9)
   in_number = (pos >= start[:, None]) & (pos < end[:, None])
   num_digits = end - start
-  well_formed = has_eos & (num_digits >= 1) & jnp.all(is_digit | ~in_number, axis=1)
+  well_formed = (has_eos & has_mark & (num_digits >= 1)
+                 & jnp.all(is_digit | ~in_number, axis=1))
 
   # Place value 10**(end - 1 - pos); exponents past nine would overflow int32, and numbers
   # that long are rejected by `num_digits` below anyway.
@@ -304,7 +351,7 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
   magnitude = jnp.sum(jnp.where(take, jnp.clip(digit, 0, 9) * place, 0), axis=1)
   value = jnp.where(negative, -magnitude, magnitude)
 
-  first_digit = jnp.take_along_axis(digit, start[:, None], axis=1)[:, 0]
+  first_digit = jnp.take_along_axis(digit, jnp.minimum(start, t - 1)[:, None], axis=1)[:, 0]
   canonical = ~((num_digits > 1) & (first_digit == 0)) & ~(negative & (magnitude == 0))
   correct = (well_formed & canonical & (num_digits <= _MAX_ANSWER_DIGITS)
              & (value == answers))
