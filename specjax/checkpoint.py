@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from specjax import atomic
@@ -116,6 +117,54 @@ def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
   return recorded
 
 
+def _check_step(step: Any, allow_none: bool) -> None:
+  """A step is an int >= 0 (orbax names directories by it; a string would be reported as a
+  missing step that looks present, a negative one saved as if it were valid)."""
+  if step is None and allow_none:
+    return
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ConfigError(f"step={step!r} is invalid: allowed an int >= 0"
+                      + (", or None for the latest" if allow_none else ""))
+
+
+def _check_meta(meta: Any) -> None:
+  """`meta` must be a dict that JSON can write (orbax would fail in a background thread,
+  naming no key)."""
+  if not isinstance(meta, dict):
+    raise ConfigError(f"meta={meta!r} is invalid: allowed a dict of JSON values")
+  for key, value in meta.items():
+    try:
+      json.dumps({key: value})
+    except (TypeError, ValueError) as err:
+      raise ConfigError(f"meta[{key!r}]={value!r} is invalid: it cannot be written as JSON "
+                        f"({err}); allowed str, int, float, bool, None, lists and dicts of "
+                        "them") from None
+
+
+def _leaf_problems(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+  """How the leaves `wanted` (name -> ShapeDtypeStruct of the state to restore into) differ
+  from `saved` (name -> orbax array metadata of the step): missing, added, reshaped or of
+  another dtype."""
+  problems = [f"{name} is in the checkpoint but not in the state" for name in
+              sorted(saved.keys() - wanted.keys())]
+  problems += [f"{name} is in the state but not in the checkpoint" for name in
+               sorted(wanted.keys() - saved.keys())]
+  for name in sorted(saved.keys() & wanted.keys()):
+    have, want = saved[name], wanted[name]
+    if not (hasattr(want, "shape") and hasattr(want, "dtype")):
+      continue  # a Python scalar: restored as saved
+    if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+      continue  # a key is stored as its uint32 data, of another shape and dtype
+    have_shape, have_dtype = getattr(have, "shape", None), getattr(have, "dtype", None)
+    if have_shape is not None and tuple(have_shape) != tuple(want.shape):
+      problems.append(f"{name} has shape {tuple(have_shape)} in the checkpoint and "
+                      f"{tuple(want.shape)} in the state")
+    elif have_dtype is not None and np.dtype(have_dtype) != np.dtype(want.dtype):
+      problems.append(f"{name} has dtype {np.dtype(have_dtype)} in the checkpoint and "
+                      f"{np.dtype(want.dtype)} in the state (it would be cast)")
+  return problems
+
+
 def _first_mismatch(step_dir: Path, recorded: dict[str, tuple[int, str]]) -> str | None:
   """What is wrong with the first file of `step_dir` that differs from `recorded`, or None.
 
@@ -185,9 +234,12 @@ class Checkpointer:
     have changed since.
 
     Raises:
+      ConfigError: `step` is not an int >= 0, or `meta` cannot be written as JSON.
       CheckpointError: the step could not be written (a read-only or full disk, ...); the
         checkpoints saved before are intact.
     """
+    _check_step(step, allow_none=False)
+    _check_meta(meta)
     try:
       saved = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -199,7 +251,13 @@ class Checkpointer:
           "free space) or pass another one.") from err
     # One writer: every process sees the same finished step directory (orbax has synced
     # them), and two writers renaming over one manifest would be a needless race.
-    if not saved or jax.process_index() != 0:
+    if not saved:
+      latest = self.latest_step()
+      warnings.warn(f"checkpoint step {step} was not saved: {self.directory} already holds step "
+                    f"{latest}, and only a step above the latest is written (the existing one "
+                    "is unchanged)", stacklevel=2)
+      return
+    if jax.process_index() != 0:
       return
     step_dir = self.step_dir(step)
     try:
@@ -264,10 +322,13 @@ class Checkpointer:
     orbax for the others.
 
     Raises:
+      ConfigError: `step` is not an int >= 0 or None.
       CheckpointError: `step` is not in the directory, fails its digest (an older step is
-        never restored in its place), or orbax cannot read it.
+        never restored in its place), holds leaves that differ from `abstract_state`'s (in
+        name, shape or dtype), or orbax cannot read it.
     """
-    step = self.latest_step() if step is None else step
+    _check_step(step, allow_none=True)
+    step = self.latest_step() if step is None else int(step)
     if step is None:
       return None
     if step not in self.all_steps():
@@ -275,6 +336,7 @@ class Checkpointer:
                             f"{', '.join(map(str, self.all_steps())) or 'none'})")
     self.verify(step)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    self._check_leaves(step, abstract)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
@@ -283,6 +345,28 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} cannot be restored ({type(err).__name__}"
           f": {err}). Nothing was deleted; move it aside or pass another directory.") from err
     return restored["state"], dict(restored["meta"]), step
+
+  def _check_leaves(self, step: int, abstract: Any) -> None:
+    """Raise a `CheckpointError` naming the leaves in which `step` differs from `abstract`.
+
+    Orbax reports a different tree as a diff that suggests an option specjax does not expose,
+    a different shape without naming the array, and casts a different dtype silently.
+    """
+    try:  # read by a handler of its own: a manager that has not saved knows no handlers
+      saved = ocp.StandardCheckpointHandler().metadata(self.step_dir(step) / "state")
+      saved = ocp.tree.to_flat_dict(getattr(saved, "tree", saved), sep=".")
+    except Exception:  # unreadable metadata: orbax's restore reports what is wrong
+      return
+    if not saved:  # an empty tree: nothing to compare
+      return
+    problems = _leaf_problems(saved, ocp.tree.to_flat_dict(abstract, sep="."))
+    if problems:
+      more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+      raise CheckpointError(
+          f"checkpoint step {step} at {self.step_dir(step)} does not match the state to "
+          f"restore into: {'; '.join(problems[:5])}{more}. It was saved with another "
+          "configuration (model, optimizer, drafter or training mode): restore it with that "
+          "configuration, or pass another directory. Nothing was restored or deleted.")
 
   def close(self) -> None:
     self._manager.close()

@@ -15,6 +15,7 @@ import json
 import runpy
 import sys
 import time
+from pathlib import Path
 from typing import Literal
 
 import jax
@@ -25,6 +26,7 @@ import tyro
 from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree, MedusaDrafter,
                               MTPDrafter, NGramDrafter, SamplingConfig, calibrate, generate)
 from specjax.decoding.policy import describe
+from specjax.errors import ConfigError
 
 DrafterName = Literal["none", "mtp", "medusa", "ngram", "draft-model"]
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -100,6 +102,19 @@ def generate_command(
     compare: also run plain decoding in the same engine and print the speedup.
     demo_steps: training steps of the demo model.
   """
+  if not demo and checkpoint is None:
+    raise SystemExit("pass --checkpoint DIR or --demo")
+  if not demo and not prompt:
+    raise SystemExit("pass at least one --prompt")
+  if drafter == "draft-model" and draft_checkpoint is None:
+    raise SystemExit("--drafter draft-model needs --draft-checkpoint DIR")
+  # Checked before a checkpoint is loaded or the demo model trained (a minute on CPU), so a
+  # bad flag fails in a second rather than after the slow part.
+  sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+  tree = DraftTree.from_widths(widths) if drafter != "none" else None
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+      max_new_tokens < 1):
+    raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
   if demo:
     from specjax import demo as demo_lib
     print("training the built-in demo model (counting text, 3 MTP heads)...")
@@ -119,10 +134,6 @@ def generate_command(
     # Chat checkpoints end a turn on one id and a document on another (Llama 3: <|eot_id|>,
     # <|end_of_text|>); stopping on the tokenizer's EOS alone runs past the turn's end.
     eos_id = tuple(dict.fromkeys(tokenizer.eos_ids + eos_token_ids(checkpoint)))
-  else:
-    raise SystemExit("pass --checkpoint DIR or --demo")
-  if not prompt:
-    raise SystemExit("pass at least one --prompt")
 
   encoded = [_with_bos(tokenizer.encode(p), bos_id) for p in prompt]
   width = max(len(e) for e in encoded)
@@ -130,9 +141,7 @@ def generate_command(
   for i, e in enumerate(encoded):
     tokens[i, :len(e)] = e
   lengths = np.array([len(e) for e in encoded], np.int32)
-  sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
   draft, draft_params = _drafter(drafter, draft_checkpoint)
-  tree = DraftTree.from_widths(widths) if draft is not None else None
   speculation = None
   if adaptive and draft is not None:
     speculation = Adaptive.up_to(tree)
@@ -169,6 +178,9 @@ def generate_command(
 
 def load_experiment(path: str):
   """`get_config()` of a config file (a small Python file, see configs/)."""
+  if not Path(path).is_file():
+    raise SystemExit(f"--config {path}: no such file; pass a config file such as "
+                     "configs/arithmetic_tiny.py")
   namespace = runpy.run_path(path)
   if "get_config" not in namespace:
     raise SystemExit(f"{path} defines no get_config(); see configs/arithmetic_tiny.py")
@@ -182,7 +194,12 @@ def train_command(argv: list[str]) -> dict:
   parser.add_argument("--config", required=True,
                       help="a config file, e.g. configs/arithmetic_tiny.py")
   known, rest = parser.parse_known_args(argv)
-  config = tyro.cli(ExperimentConfig, default=load_experiment(known.config), args=rest,
+  default = load_experiment(known.config)
+  if not isinstance(default, ExperimentConfig):
+    # tyro would ignore a default of another type and run ExperimentConfig's own defaults.
+    raise SystemExit(f"{known.config}: get_config() returns a {type(default).__name__}; "
+                     "train needs an ExperimentConfig (see configs/arithmetic_tiny.py)")
+  config = tyro.cli(ExperimentConfig, default=default, args=rest,
                     prog=f"specjax train --config {known.config}")
   summary = run(config)
   print(json.dumps(summary, indent=2))

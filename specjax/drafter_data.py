@@ -25,7 +25,7 @@ from specjax.drafter_training import draft_vocab_from_data, self_distillation_da
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import ModelConfig, init_params
 from specjax.rl.tasks import GSM8KTask, encode_prompt
-from specjax.tokenizer import Tokenizer
+from specjax.tokenizer import Tokenizer, check_vocab_fits
 
 if TYPE_CHECKING:
   from specjax.drafter_experiment import DrafterTrainConfig
@@ -97,8 +97,10 @@ def target_spec(config: DrafterTrainConfig) -> tuple[Tokenizer, ModelConfig]:
   if not (path / "config.json").is_file():
     raise ConfigError(f"target_dir={config.target_dir!r} is invalid: no config.json there "
                       "(expected an HF checkpoint directory)")
-  return HFTokenizer.from_dir(path), config_from_hf(json.loads((path / "config.json")
-                                                               .read_text()))
+  tokenizer = HFTokenizer.from_dir(path)
+  model = config_from_hf(json.loads((path / "config.json").read_text()))
+  check_vocab_fits(tokenizer, model.vocab_size)
+  return tokenizer, model
 
 
 def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) -> Target:
@@ -106,13 +108,15 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
   policy (restored from `run_dir/target`, else warm-started and saved there)."""
   if config.target_dir is not None:
     from specjax.models import load_hf
-    from specjax.tokenizer import HFTokenizer
-    target_spec(config)  # a clear error for a directory that is not a checkpoint
+    # A clear error for a directory that is not a checkpoint, or a tokenizer the model's
+    # vocabulary cannot hold, before the weights are read.
+    tokenizer, _ = target_spec(config)
     params, model = load_hf(config.target_dir)
+    check_vocab_fits(tokenizer, model.vocab_size)
     # Committed to the device like restored checkpoints, so every target source of one shape
     # shares the compiled programs (jit tells committed and uncommitted inputs apart).
     params = jax.device_put(params, jax.devices()[0])
-    return Target(params, model, HFTokenizer.from_dir(config.target_dir))
+    return Target(params, model, tokenizer)
   tokenizer = config.task.tokenizer
   if config.target_rl_run is not None:
     return Target(_restore_rl_policy(config.target_rl_run, config.model), config.model,
@@ -135,6 +139,14 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
   finally:
     ckpt.close()
   return Target(params, config.model, tokenizer)
+
+
+def _end_ids(tokenizer: Tokenizer) -> int | tuple[int, ...]:
+  """Every id that ends a response of `tokenizer`'s model: its `eos_ids` when it lists
+  several (chat checkpoints end a turn on one and a document on another, e.g. Llama 3's
+  <|eot_id|> and <|end_of_text|>), else its `eos_id`."""
+  ids = tuple(getattr(tokenizer, "eos_ids", ()) or ())
+  return ids if len(ids) > 1 else tokenizer.eos_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +205,7 @@ def make_data(config: DrafterTrainConfig, target: Target, tokens: np.ndarray,
   seqs, mask = self_distillation_data(
       target.params, target.config, tokens, lengths, jax.random.key(config.seed),
       max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(config.temperature),
-      eos_id=target.tokenizer.eos_id, pad_id=target.tokenizer.pad_id, batch_size=batch)
+      eos_id=_end_ids(target.tokenizer), pad_id=target.tokenizer.pad_id, batch_size=batch)
   seqs, mask = seqs[:rows], mask[:rows]
   w = target.config.vocab_size if config.draft_vocab_size is None else config.draft_vocab_size
   return seqs, mask, draft_vocab_from_data(seqs, mask, target.config.vocab_size, w)

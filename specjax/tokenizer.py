@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,29 @@ from specjax.errors import ConfigError
 
 class TokenizerError(ValueError):
   """Text, an id or a tokenizer directory that cannot be used; the message names it."""
+
+
+def _check_text(text: Any) -> None:
+  if not isinstance(text, str):
+    raise TokenizerError(f"text={text!r} is invalid: encode takes a str, got "
+                         f"{type(text).__name__}")
+
+
+def _checked_ids(ids: Sequence[int], vocab_size: int, *, beyond: bool = False) -> list[int]:
+  """`ids` as Python ints, each an id of a `vocab_size`-token vocabulary (`beyond`: or any
+  larger id). A float id is refused rather than truncated, a negative one rather than
+  wrapped or left to the tokenizers library's bare OverflowError."""
+  out = []
+  for n, i in enumerate(ids):
+    try:
+      i = operator.index(i)
+    except TypeError:
+      raise TokenizerError(f"ids[{n}]={i!r} is invalid: allowed an int token id in "
+                           f"0..{vocab_size - 1}") from None
+    if i < 0 or (i >= vocab_size and not beyond):
+      raise TokenizerError(f"id {i} is out of range: allowed 0..{vocab_size - 1} (ids[{n}])")
+    out.append(i)
+  return out
 
 
 @runtime_checkable
@@ -103,6 +127,7 @@ class CharTokenizer:
     return self.BOS
 
   def encode(self, text: str) -> list[int]:
+    _check_text(text)
     ids = self._ids
     try:
       return [ids[c] for c in text]
@@ -112,14 +137,8 @@ class CharTokenizer:
                            f"the alphabet {self.alphabet!r}") from None
 
   def decode(self, ids: Sequence[int]) -> str:
-    out = []
-    for i in ids:
-      i = int(i)
-      if not 0 <= i < self.vocab_size:
-        raise TokenizerError(f"id {i} is out of range: allowed 0..{self.vocab_size - 1}")
-      if i >= self.NUM_SPECIAL:
-        out.append(self.alphabet[i - self.NUM_SPECIAL])
-    return "".join(out)
+    return "".join(self.alphabet[i - self.NUM_SPECIAL]
+                   for i in _checked_ids(ids, self.vocab_size) if i >= self.NUM_SPECIAL)
 
 
 # Fallback special tokens, tried in order when neither tokenizer_config.json nor
@@ -138,7 +157,32 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-  return json.loads(file.read_text()) if file.is_file() else {}
+  """The JSON object in `file` ({} when there is no such file); a `TokenizerError` naming the
+  file and the position when it is not one."""
+  if not file.is_file():
+    return {}
+  try:
+    value = json.loads(file.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as err:
+    raise TokenizerError(f"{file}: malformed JSON at line {err.lineno} column {err.colno}: "
+                         f"{err.msg}; re-download it or save the tokenizer again") from None
+  except UnicodeDecodeError as err:
+    raise TokenizerError(f"{file}: not UTF-8 text (byte {err.start}); re-download it or save "
+                         "the tokenizer again") from None
+  if not isinstance(value, dict):
+    raise TokenizerError(f"{file}: holds a JSON {type(value).__name__}, expected an object")
+  return value
+
+
+def _config_ids(file: Path, field: str, value: Any) -> list[int]:
+  """Token ids as `file` (generation_config.json) writes `field`: an int, or for
+  `eos_token_id` also a list of them; a bool, float or string is refused, not converted."""
+  many = field == "eos_token_id" and isinstance(value, list)
+  ids = value if many else [value]
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    raise TokenizerError(f"{file}: {field}={value!r} is invalid: allowed a token id (an int)"
+                         + (" or a list of them" if field == "eos_token_id" else ""))
+  return ids
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -179,10 +223,14 @@ class HFTokenizer:
     return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
+    _check_text(text)
     return self.tokenizer.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+    # Ids past the tokenizer's vocabulary decode to nothing, as in transformers: a model's
+    # vocabulary is often padded beyond its tokenizer's, and a sampled id may land there.
+    return self.tokenizer.decode(_checked_ids(ids, self.vocab_size, beyond=True),
+                                 skip_special_tokens=True)
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, *, eos_token: str | None = None,
@@ -216,7 +264,20 @@ class HFTokenizer:
     if not file.is_file():
       raise TokenizerError(f"{file}: missing; only fast tokenizers (tokenizer.json) are "
                            "supported")
-    tok = tokenizers.Tokenizer.from_file(str(file))
+    try:
+      tok = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception that names no file
+      raise TokenizerError(f"{file}: not a readable tokenizer.json ({err}); it is corrupt, "
+                           "truncated or not a tokenizers file: re-download it or save the "
+                           "tokenizer again") from None
+
+    def content(field: str) -> str | None:
+      value = _token_content(tok_config.get(field))
+      if value is not None and not isinstance(value, str):
+        raise TokenizerError(f"{file.parent / 'tokenizer_config.json'}: {field}="
+                             f"{tok_config[field]!r} is invalid: allowed a token string or an "
+                             "AddedToken object with a string 'content'")
+      return value
 
     def token_id(token: str, source: str) -> int:
       i = tok.token_to_id(token)
@@ -228,12 +289,14 @@ class HFTokenizer:
       return next((tok.token_to_id(c) for c in candidates if tok.token_to_id(c) is not None),
                   None)
 
+    gen_file = file.parent / "generation_config.json"
+    gen_id = lambda field: _config_ids(gen_file, field, gen_config[field])[0]
     gen_eos = gen_config.get("eos_token_id")
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    gen_eos = [] if gen_eos is None else _config_ids(gen_file, "eos_token_id", gen_eos)
     if eos_token is not None:
       eos_id = token_id(eos_token, "eos_token")
-    elif _token_content(tok_config.get("eos_token")) is not None:
-      eos_id = token_id(_token_content(tok_config["eos_token"]), "tokenizer_config.eos_token")
+    elif content("eos_token") is not None:
+      eos_id = token_id(content("eos_token"), "tokenizer_config.eos_token")
     elif gen_eos:
       eos_id = gen_eos[0]
     else:
@@ -246,19 +309,19 @@ class HFTokenizer:
     if bos_token is not None:
       bos_id = token_id(bos_token, "bos_token")
     elif "bos_token" in tok_config:
-      content = _token_content(tok_config["bos_token"])
-      bos_id = None if content is None else token_id(content, "tokenizer_config.bos_token")
+      bos = content("bos_token")
+      bos_id = None if bos is None else token_id(bos, "tokenizer_config.bos_token")
     elif gen_config.get("bos_token_id") is not None:
-      bos_id = int(gen_config["bos_token_id"])
+      bos_id = gen_id("bos_token_id")
     else:
       bos_id = guess(BOS_CANDIDATES)
 
     if pad_token is not None:
       pad_id = token_id(pad_token, "pad_token")
-    elif _token_content(tok_config.get("pad_token")) is not None:
-      pad_id = token_id(_token_content(tok_config["pad_token"]), "tokenizer_config.pad_token")
+    elif content("pad_token") is not None:
+      pad_id = token_id(content("pad_token"), "tokenizer_config.pad_token")
     elif gen_config.get("pad_token_id") is not None:
-      pad_id = int(gen_config["pad_token_id"])
+      pad_id = gen_id("pad_token_id")
     else:
       # Padding is always masked, so any id works; EOS is the usual choice when none exists.
       pad_id = guess(PAD_CANDIDATES)
@@ -277,6 +340,9 @@ def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
   than the tokenizer's is fine and common (checkpoints pad V to a multiple of 64 or 128; the
   padding ids are never produced).
   """
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    raise ConfigError(f"vocab_size={vocab_size!r} is invalid: allowed the model's vocabulary "
+                      "size, an int >= 1")
   if tokenizer.vocab_size > vocab_size:
     raise ConfigError(f"the tokenizer does not fit the model: tokenizer vocab "
                       f"{tokenizer.vocab_size} > model vocab_size {vocab_size} (ids "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,11 @@ from specjax.errors import ConfigError
 
 _NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
 _MIN_TEMPERATURE = 1e-30  # float32 normals reach 1.2e-38; logits / 1e-30 stay finite
+
+
+def _is_number(value) -> bool:
+  """A real number that is not a bool (NaN passes here and fails the range checks)."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +42,19 @@ class SamplingConfig:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+    # bool is an int to Python: True would sample at temperature 1 or keep the top-1 token.
+    if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
       raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number "
                         ">= 0 (0 means greedy)")
     if 0 < self.temperature < _MIN_TEMPERATURE:
       raise ConfigError(f"temperature={self.temperature!r} is too small to divide float32 "
                         f"logits by: use 0 for greedy decoding or a temperature >= "
                         f"{_MIN_TEMPERATURE:g}")
-    if not (isinstance(self.top_k, int) and self.top_k >= 0):
+    if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+            and self.top_k >= 0):
       raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an int >= 0 (0 = off)")
-    if not 0 < self.top_p <= 1:
-      raise ConfigError(f"top_p={self.top_p!r} is invalid: must be in (0, 1]")
+    if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+      raise ConfigError(f"top_p={self.top_p!r} is invalid: must be a number in (0, 1] (1 = off)")
 
   @property
   def greedy(self) -> bool:

@@ -31,11 +31,19 @@ class DraftTree:
   parents: tuple[int, ...]
 
   def __post_init__(self):
-    for i, p in enumerate(self.parents, start=1):
-      if not isinstance(p, (int, np.integer)) or not 0 <= p < i:
+    if isinstance(self.parents, (str, bytes)) or not hasattr(self.parents, "__iter__"):
+      raise ConfigError(f"DraftTree.parents={self.parents!r} is invalid: must be a sequence of "
+                        "ints, the parent of each draft node (e.g. (0, 1) for a chain of 2)")
+    parents = tuple(self.parents)
+    for i, p in enumerate(parents, start=1):
+      # bool is an int to Python, and a float parent would be truncated to a different tree.
+      if (isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
+          or not 0 <= p < i):
         raise ConfigError(
             f"DraftTree.parents[{i - 1}]={p!r} is invalid: node {i}'s parent must be an int "
             f"in [0, {i - 1}] (0 is the root; parents precede children)")
+    # A tuple of Python ints: the tree is hashed as part of jit's static arguments.
+    object.__setattr__(self, "parents", tuple(int(p) for p in parents))
 
   # Constructors ----------------------------------------------------------------------------
 
@@ -73,7 +81,10 @@ class DraftTree:
 
   @classmethod
   def from_parents(cls, parents: Sequence[int]) -> DraftTree:
-    return cls(tuple(int(p) for p in parents))
+    """The tree of `parents` (ints, NumPy integers or a NumPy int array), checked as
+    `DraftTree(parents)` checks them: a float or a string is refused, not truncated."""
+    return cls(tuple(np.asarray(parents).tolist()) if isinstance(parents, np.ndarray)
+               else parents)
 
   # Derived static structure ----------------------------------------------------------------
 

@@ -10,6 +10,8 @@ H head_dim, F MLP width).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
 
 import jax.numpy as jnp
@@ -25,6 +27,17 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
     raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
 
 
+def _is_int(value) -> bool:
+  """A Python int, not a bool (True would pass as 1 layer, a head count or a size)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+  """A finite real number (not a bool, a string or NaN / inf)."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeScaling:
   """Llama 3 frequency-dependent RoPE scaling (HF `rope_type="llama3"`)."""
@@ -35,6 +48,9 @@ class Llama3RopeScaling:
   original_max_position: int = 8192
 
   def __post_init__(self):
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      _require(_is_real(getattr(self, name)), f"rope_scaling.{name}", getattr(self, name),
+               "must be a finite number")
     _require(self.factor >= 1.0, "rope_scaling.factor", self.factor, "must be >= 1")
     _require(
         0 < self.low_freq_factor < self.high_freq_factor,
@@ -43,7 +59,7 @@ class Llama3RopeScaling:
         "must be > 0 and < high_freq_factor",
     )
     _require(
-        self.original_max_position > 0,
+        _is_int(self.original_max_position) and self.original_max_position > 0,
         "rope_scaling.original_max_position",
         self.original_max_position,
         "must be a positive int",
@@ -102,10 +118,10 @@ class ModelConfig:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "mlp_dim", "max_position", "medusa_layers"):
       value = getattr(self, name)
-      _require(isinstance(value, int) and value > 0, name, value, "must be a positive int")
+      _require(_is_int(value) and value > 0, name, value, "must be a positive int")
     for name in ("num_mtp_modules", "num_medusa_heads"):
       value = getattr(self, name)
-      _require(isinstance(value, int) and value >= 0, name, value, "must be an int >= 0")
+      _require(_is_int(value) and value >= 0, name, value, "must be an int >= 0")
     _require(
         self.n_heads % self.n_kv_heads == 0,
         "n_kv_heads",
@@ -113,8 +129,13 @@ class ModelConfig:
         f"must divide n_heads={self.n_heads} (grouped-query attention)",
     )
     _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
-    _require(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
-    _require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
+    _require(_is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta", self.rope_theta,
+             "must be a finite number > 0")
+    _require(_is_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+             self.rms_norm_eps, "must be a finite number > 0")
+    for name in ("qkv_bias", "qk_norm", "tie_embeddings"):
+      _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
+               "must be True or False")
     _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
     _require(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"one of {DTYPES}")
     _require(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")

@@ -150,7 +150,7 @@ def _leaf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_params(params: Params, config: ModelConfig, name: str = "params") -> None:
   """Raise a `ConfigError` unless `params` have the arrays `init_params(config, key)` makes,
-  each with its shape (works on tracers: shapes are static).
+  each with its shape and a float dtype (works on tracers: shapes and dtypes are static).
 
   The drafting heads (`mtp`, `medusa`) may be missing (a drafter that needs them says so),
   but those present must have the configured shapes.
@@ -159,13 +159,19 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
     raise ConfigError(f"{name} must be a dict of arrays as init_params(config, key) or "
                       f"load_hf(...) return, got {type(params).__name__}")
   want = _leaf_shapes(config)
-  got = {jax.tree_util.keystr(k): tuple(jnp.shape(x))
-         for k, x in jax.tree_util.tree_leaves_with_path(params)}
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  got = {jax.tree_util.keystr(k): tuple(jnp.shape(x)) for k, x in leaves}
+  # An integer or bool weight computes without error, in a different model (casts truncate).
+  dtypes = {jax.tree_util.keystr(k): jnp.result_type(x) for k, x in leaves}
+  not_float = sorted(k for k in want.keys() & dtypes.keys()
+                     if not jnp.issubdtype(dtypes[k], jnp.floating))
   wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
   missing = sorted(k for k in want.keys() - got.keys() if not k.startswith(_HEADS))
   extra = sorted(k for k in got.keys() - want.keys() if not k.startswith(_HEADS))
-  if wrong or missing or extra:
+  if wrong or missing or extra or not_float:
     problems = ([f"{name}{k} has shape {got[k]}, the config needs {want[k]}" for k in wrong]
+                + [f"{name}{k} has dtype {dtypes[k]}: allowed a float dtype (float32, "
+                   "bfloat16, float16)" for k in not_float]
                 + [f"{name}{k} is missing" for k in missing]
                 + [f"{name}{k} is not part of this model" for k in extra])
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

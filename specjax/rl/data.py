@@ -217,16 +217,20 @@ class PromptReader:
       if not ok:
         raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
 
+    def is_int(value) -> bool:  # True would pass as a batch of one
+      return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
     require(len(self.source) > 0, "source", "has no records")
-    require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
+    require(is_int(self.batch_size) and self.batch_size >= 1, "batch_size",
             "must be an int >= 1")
-    require(self.prompt_len is None or (isinstance(self.prompt_len, int)
-                                        and self.prompt_len >= 1), "prompt_len",
-            "must be an int >= 1, or None for the longest prompt")
-    require(isinstance(self.process_count, int) and self.process_count >= 1
+    require(self.prompt_len is None or (is_int(self.prompt_len) and self.prompt_len >= 1),
+            "prompt_len", "must be an int >= 1, or None for the longest prompt")
+    require(is_int(self.pad_id), "pad_id", "must be an int (a token id)")
+    require(is_int(self.seed), "seed", "must be an int")
+    require(is_int(self.process_count) and self.process_count >= 1
             and self.batch_size % self.process_count == 0, "process_count",
             f"must be an int >= 1 dividing batch_size={self.batch_size}")
-    require(isinstance(self.process_index, int)
+    require(is_int(self.process_index)
             and 0 <= self.process_index < self.process_count, "process_index",
             f"allowed 0..{self.process_count - 1}")
 

@@ -18,9 +18,12 @@ Shape letters: see `specjax` (B rows, B / G prompts, G group size, T response to
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.errors import ConfigError
@@ -72,10 +75,16 @@ class GRPOConfig:
       if not ok:
         raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
 
+    # A string fails the comparisons below with a bare TypeError, and a bool passes them.
+    for field in ("eps_low", "eps_high", "beta", "adv_eps") + (
+        ("tis_cap",) if self.tis_cap is not None else ()):
+      value = getattr(self, field)
+      require(isinstance(value, numbers.Real) and not isinstance(value, bool), field,
+              "must be a number")
     _check_group_size(self.group_size)
     require(0 <= self.eps_low < 1, "eps_low", "must be in [0, 1) so that 1 - eps_low > 0")
-    require(self.eps_high >= 0, "eps_high", "must be >= 0")
-    require(self.beta >= 0, "beta", "must be >= 0")
+    require(self.eps_high >= 0, "eps_high", "must be >= 0 (inf: no upper clip)")
+    require(0 <= self.beta < math.inf, "beta", "must be a finite number >= 0")
     require(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"allowed: {KL_ESTIMATORS}")
     require(self.aggregation in AGGREGATIONS, "aggregation", f"allowed: {AGGREGATIONS}")
     if self.aggregation == "fixed_length":
@@ -86,17 +95,18 @@ class GRPOConfig:
       require(self.max_length is None, "max_length",
               f"only used by aggregation='fixed_length', got {self.aggregation!r}; leave None")
     require(isinstance(self.normalize_std, bool), "normalize_std", "must be a bool")
-    require(self.adv_eps >= 0, "adv_eps", "must be >= 0")
+    require(0 <= self.adv_eps < math.inf, "adv_eps", "must be a finite number >= 0")
     require(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "must be > 0, or None to "
             "disable truncated importance sampling")
-    require(isinstance(self.num_epochs, int) and self.num_epochs >= 1, "num_epochs",
-            "must be an int >= 1")
-    require(isinstance(self.num_minibatches, int) and self.num_minibatches >= 1,
-            "num_minibatches", "must be an int >= 1")
+    for field in ("num_epochs", "num_minibatches"):
+      value = getattr(self, field)
+      require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field,
+              "must be an int >= 1")
 
 
 def _check_group_size(group_size) -> None:
-  if not (isinstance(group_size, int) and group_size >= 2):
+  if not (isinstance(group_size, int) and not isinstance(group_size, bool)
+          and group_size >= 2):
     raise ConfigError(f"group_size={group_size!r} is invalid: must be an int >= 2 (GRPO's "
                       "baseline is the mean of the other samples of the same prompt)")
 
@@ -148,9 +158,18 @@ def group_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool
     eps: added to the std.
 
   Returns:
-    Advantages with the shape of `rewards`, float32.
+    Advantages with the shape of `rewards`, float32. A non-finite reward is an error when
+    `rewards` are concrete; under `jit` it makes its group's advantages NaN (never 0), so a
+    finiteness check of the loss or metrics sees it.
   """
   _check_group_size(group_size)
+  if not isinstance(rewards, jax.core.Tracer):
+    values = np.asarray(rewards, np.float32)
+    bad = ~np.isfinite(values)
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"rewards{list(where)} = {values[where]} is not finite ({int(bad.sum())} "
+                       "non-finite rewards): a reward must be a finite number")
   rewards = jnp.asarray(rewards, jnp.float32)
   if rewards.ndim == 1 and rewards.shape[0] % group_size == 0:
     grouped = rewards.reshape(-1, group_size)
@@ -164,7 +183,8 @@ def group_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool
     std = jnp.sqrt(jnp.sum(centred**2, axis=1, keepdims=True) / (group_size - 1))
     denom = std + eps
     # A constant group has centred == 0 (up to rounding); with eps = 0 that would be 0/0.
-    centred = jnp.where(denom > 0, centred / jnp.where(denom > 0, denom, 1.0), 0.0)
+    # Tested as `== 0`, not `> 0`: a NaN denominator must stay NaN, not become advantage 0.
+    centred = jnp.where(denom == 0, 0.0, centred / jnp.where(denom == 0, 1.0, denom))
   return centred.reshape(rewards.shape)
 
 
@@ -221,6 +241,27 @@ def aggregate_tokens(values: jax.Array, mask: jax.Array, aggregation: str,
   raise ConfigError(f"aggregation={aggregation!r} is invalid: allowed: {AGGREGATIONS}")
 
 
+def _check_loss_shapes(logprobs: jax.Array, *, advantages: jax.Array, logits: jax.Array | None,
+                       **same: jax.Array | None) -> None:
+  """Raise a `ValueError` naming the input whose shape does not fit `logprobs [B, T]`
+  (broadcasting would otherwise fail deep in JAX, or silently pair the wrong tokens)."""
+  shape = tuple(jnp.shape(logprobs))
+  if len(shape) != 2:
+    raise ValueError(f"logprobs has shape {shape}: allowed [B, T] (rows, response tokens)")
+  problems = [f"{name} has shape {tuple(jnp.shape(x))}, logprobs {shape}: allowed the same "
+              "[B, T]" for name, x in same.items()
+              if x is not None and tuple(jnp.shape(x)) != shape]
+  adv = tuple(jnp.shape(advantages))
+  if adv not in (shape[:1], shape):
+    problems.append(f"advantages has shape {adv}: allowed [B]={shape[:1]} per row or "
+                    f"[B, T]={shape} per token")
+  if logits is not None and tuple(jnp.shape(logits))[:2] != shape:
+    problems.append(f"logits has shape {tuple(jnp.shape(logits))}: allowed [B, T, V] with "
+                    f"[B, T]={shape}")
+  if problems:
+    raise ValueError("grpo_loss: " + "; ".join(problems))
+
+
 def grpo_loss(config: GRPOConfig, logprobs: jax.Array, old_logprobs: jax.Array,
               advantages: jax.Array, mask: jax.Array, *,
               ref_logprobs: jax.Array | None = None,
@@ -248,6 +289,9 @@ def grpo_loss(config: GRPOConfig, logprobs: jax.Array, old_logprobs: jax.Array,
   if config.beta > 0 and ref_logprobs is None:
     raise ValueError(f"beta={config.beta} needs ref_logprobs (log-probs under the frozen "
                      "reference); pass them or set beta=0")
+  _check_loss_shapes(logprobs, old_logprobs=old_logprobs, mask=mask,
+                     ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                     advantages=advantages, logits=logits)
   mask = mask.astype(jnp.float32)
   logprobs = logprobs.astype(jnp.float32)
   old_logprobs = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))

@@ -1,0 +1,753 @@
+"""A corpus of bad inputs at specjax's public boundaries, in one place.
+
+Each case feeds one boundary (HF I/O, `generate`, model configs, tokenizers, RL tasks and
+configs, checkpoints, the CLI) what a hostile tester would try, and asserts the error type
+and that the message names the problem: the field or file, the value, and what is allowed.
+A case that would pass silently, or fail with a bare traceback from a dependency (numpy,
+JAX, orbax, json, tokenizers) that names no specjax field, fails here.
+
+Cases whose fix belongs in a module this corpus does not change are strict xfails whose
+reason says what is wrong; fixing the module turns them into failures (XPASS) until the mark
+is removed. Cases another test file already covers are not repeated (each section says
+which).
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import models as tokenizer_models
+
+from specjax.checkpoint import Checkpointer
+from specjax.cli import generate_command
+from specjax.cli import main as cli_main
+from specjax.decoding import (Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig,
+                              generate)
+from specjax.errors import CheckpointError, ConfigError
+from specjax.models import Llama3RopeScaling, ModelConfig, config_from_hf, init_params
+from specjax.models import load_hf, save_hf
+from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader,
+                        RewardError, TaskError, arithmetic_reward, group_advantages, grpo_loss,
+                        read_gsm8k_jsonl)
+from specjax.rl.experiment import ExperimentConfig
+from specjax.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits
+from test_cli import _write_checkpoint
+from test_hf_bad_inputs import _edit_config, _edit_tensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def case(case_id: str, *values, xfail: str | None = None):
+  """One corpus entry; `xfail` says what is wrong where the fix is outside this corpus."""
+  marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
+  return pytest.param(*values, id=case_id, marks=marks)
+
+
+# --- HF checkpoints (load_hf / save_hf / config_from_hf) ---------------------------------------
+# Not repeated: malformed JSON, model_type mismatches, non-integral ints, integer tensors,
+# shards outside the directory, truncated safetensors (test_hf_bad_inputs.py).
+
+HF_CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                        head_dim=8, mlp_dim=48)
+HF_PARAMS = init_params(HF_CONFIG, jax.random.key(0))
+
+
+@pytest.fixture
+def export(tmp_path):
+  """A one-file export of `HF_CONFIG` at tmp_path / "ckpt"."""
+  path = tmp_path / "ckpt"
+  save_hf(HF_PARAMS, HF_CONFIG, path)
+  return path
+
+
+@pytest.fixture
+def sharded_export(tmp_path):
+  path = tmp_path / "sharded"
+  save_hf(HF_PARAMS, HF_CONFIG, path, max_shard_bytes=10_000)
+  return path
+
+
+def _drop_config_fields(path: Path, *names: str) -> None:
+  file = path / "config.json"
+  config = json.loads(file.read_text())
+  file.write_text(json.dumps({k: v for k, v in config.items() if k not in names}))
+
+
+def _edit_index(path: Path, edit) -> None:
+  file = path / "model.safetensors.index.json"
+  index = json.loads(file.read_text())
+  edit(index)
+  file.write_text(json.dumps(index))
+
+
+def _then_load(edit):
+  return lambda path: (edit(path), load_hf(path))
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+HF_CASES = [
+    case("missing_config_json", _then_load(lambda p: (p / "config.json").unlink()),
+         CheckpointError, r"ckpt: missing config\.json; expected an HF checkpoint directory"),
+    case("config_json_holds_a_list",
+         _then_load(lambda p: (p / "config.json").write_text("[1, 2]")),
+         CheckpointError, r"config\.json: holds a JSON list, expected an object"),
+    case("config_json_not_utf8",
+         _then_load(lambda p: (p / "config.json").write_bytes(b"\xff\xfe{}")),
+         CheckpointError, r"config\.json: not UTF-8 text \(byte 0\).*re-download"),
+    case("unknown_architecture",
+         _then_load(lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"],
+                                           model_type="gpt2")),
+         ConfigError, r"architectures=\['GPT2LMHeadModel'\] \(model_type='gpt2'\) is "
+                      r"unsupported: allowed model_type one of \['llama', 'qwen2', 'qwen3'\]"),
+    case("missing_required_field",
+         _then_load(lambda p: _drop_config_fields(p, "hidden_size")),
+         ConfigError, r"missing required fields \['hidden_size'\] for LlamaForCausalLM"),
+    case("integer_field_as_string", _then_load(lambda p: _edit_config(p, vocab_size="64")),
+         ConfigError, r"vocab_size='64' is invalid: allowed an integer"),
+    case("unsupported_rope_type",
+         _then_load(lambda p: _edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 2.0},
+                                           rope_parameters=None)),
+         ConfigError, r"rope type 'yarn' is unsupported: allowed 'default' .* or 'llama3'"),
+    case("missing_tensor", _then_load(lambda p: _edit_tensors(p, lambda t: t.pop(UP))),
+         CheckpointError, rf"missing tensor '{re.escape(UP)}' \(expected shape \(48, 32\)\)"),
+    case("wrong_tensor_shape",
+         _then_load(lambda p: _edit_tensors(
+             p, lambda t: t.update({"model.norm.weight": np.ones(16, np.float32)}))),
+         CheckpointError, r"tensor 'model\.norm\.weight' in model\.safetensors has shape "
+                          r"\(16,\), expected \(32,\)"),
+    case("tensor_of_a_layer_the_config_lacks",
+         _then_load(lambda p: _edit_tensors(
+             p, lambda t: t.update({UP.replace(".0.", ".5."): t[UP]}))),
+         CheckpointError, r"unexpected tensors for a 1-layer llama model: "
+                          r"\['model\.layers\.5\.mlp\.up_proj\.weight'\]"),
+    case("no_weights_file", _then_load(lambda p: (p / "model.safetensors").unlink()),
+         CheckpointError, r"no model\.safetensors or model\.safetensors\.index\.json"),
+    case("draft_heads_listed_but_absent",
+         _then_load(lambda p: _edit_config(p, specjax={"num_mtp_modules": 1})),
+         CheckpointError, r"config\.json lists draft heads but specjax_heads\.safetensors is "
+                          r"missing"),
+    case("unsupported_param_dtype", lambda p: load_hf(p, param_dtype="int8"),
+         ConfigError, r"param_dtype='int8' is invalid: allowed 'auto' or one of"),
+    case("save_over_a_file",
+         lambda p: ((p.parent / "file").write_text("x"),
+                    save_hf(HF_PARAMS, HF_CONFIG, p.parent / "file")),
+         CheckpointError, r"file exists and is not a directory: allowed a directory"),
+    case("save_params_of_another_vocab",
+         lambda p: save_hf({**HF_PARAMS, "embed": HF_PARAMS["embed"][:8]}, HF_CONFIG,
+                           p.parent / "out"),
+         ConfigError, r"params embed has shape \(8, 32\), expected \(64, 32\)"),
+    case("rope_theta_not_a_number",
+         _then_load(lambda p: _edit_config(p, rope_theta="fast", rope_parameters=None)),
+         ConfigError, r"rope_theta='fast' is invalid",
+         xfail="hf_config.config_from_hf calls float() on rope_theta: a bare ValueError "
+               "'could not convert string to float' that names no field or file"),
+    case("rms_norm_eps_not_a_number", _then_load(lambda p: _edit_config(p, rms_norm_eps="x")),
+         ConfigError, r"rms_norm_eps='x' is invalid",
+         xfail="hf_config.config_from_hf calls float() on rms_norm_eps: a bare ValueError "
+               "that names no field or file"),
+    case("rope_scaling_a_list", _then_load(lambda p: _edit_config(p, rope_scaling=[8.0])),
+         ConfigError, r"rope_scaling",
+         xfail="hf_config._rope_from_hf calls .get on rope_scaling: AttributeError "
+               "\"'list' object has no attribute 'get'\""),
+    case("specjax_entry_a_list", _then_load(lambda p: _edit_config(p, specjax=[1])),
+         ConfigError, r"specjax",
+         xfail="hf_config.config_from_hf calls .get on the specjax entry: AttributeError"),
+    case("head_dim_zero", _then_load(lambda p: _edit_config(p, head_dim=0)),
+         ConfigError, r"head_dim=0",
+         xfail="config_from_hf reads head_dim=0 as absent (a falsy .get) and silently uses "
+               "hidden_size // num_attention_heads; transformers takes the 0 as given"),
+    case("config_from_hf_of_a_list", lambda p: config_from_hf([1, 2]),
+         ConfigError, r"list|object|dict",
+         xfail="config_from_hf calls .get on its argument: AttributeError on a non-dict"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", HF_CASES)
+def test_bad_hf_checkpoint_is_refused_naming_the_file_field_or_tensor(export, call, error,
+                                                                      match):
+  with pytest.raises(error, match=match):
+    call(export)
+
+
+@pytest.mark.parametrize("edit,match", [
+    pytest.param(lambda p: sorted(p.glob("model-*.safetensors"))[0].unlink(),
+                 r"model-00001-of-\d+\.safetensors: file listed in the index for .* is "
+                 r"missing", id="shard_file_missing"),
+    pytest.param(lambda p: _edit_index(p, lambda i: i.pop("weight_map")),
+                 r"index\.json: no \"weight_map\" object; re-download", id="no_weight_map"),
+    pytest.param(lambda p: _edit_index(p, lambda i: i["weight_map"].update({UP: 7})),
+                 rf"weight_map\['{re.escape(UP)}'\]=7 is invalid: allowed a file name",
+                 id="shard_name_not_a_string"),
+])
+def test_bad_shard_index_is_refused_naming_the_index_entry(sharded_export, edit, match):
+  edit(sharded_export)
+  with pytest.raises(CheckpointError, match=match):
+    load_hf(sharded_export)
+
+
+# --- generate, DecodeLoop, draft trees and speculation policies -------------------------------
+# Not repeated: out-of-range prompt ids outside jit, params of other shapes, tiny and
+# non-finite temperatures (test_generate_bad_inputs.py); bad eos_id (test_generate_eos.py);
+# bad parents, widths, top-k/top-p, trees too deep or without a drafter, lengths of 0, a
+# cache too small (test_decoding.py); bad menus and cost tables (test_adaptive.py).
+
+GEN_CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                         head_dim=16, mlp_dim=32, max_position=32, num_mtp_modules=2)
+GEN_PARAMS = init_params(GEN_CONFIG, jax.random.key(0))
+PROMPTS = np.array([[1, 2, 3, 0], [4, 5, 6, 7]], np.int32)
+LENGTHS = np.array([3, 4], np.int32)
+CHAIN1 = DraftTree.chain(1)
+
+
+def _generate(params=GEN_PARAMS, prompts=PROMPTS, lengths=LENGTHS, **kwargs):
+  kwargs.setdefault("max_new_tokens", 3)
+  return generate(params, GEN_CONFIG, prompts, lengths, jax.random.key(0), **kwargs)
+
+
+@jax.jit
+def _generate_under_jit(prompts, lengths):
+  return _generate(prompts=prompts, lengths=lengths).logprobs
+
+
+def _without(key: str):
+  return {k: v for k, v in GEN_PARAMS.items() if k != key}
+
+
+def _with(prompts: np.ndarray, index: tuple[int, int], value: int) -> np.ndarray:
+  """A copy of `prompts` (int64) with `prompts[index] = value`."""
+  out = prompts.astype(np.int64)
+  out[index] = value
+  return out
+
+
+GENERATE_CASES = [
+    case("prompt_length_beyond_the_buffer", lambda: _generate(lengths=np.array([3, 5])),
+         ValueError, r"prompt_lengths must be in \[1, 4\] .*got min 3 max 5"),
+    case("prompt_lengths_of_another_batch", lambda: _generate(lengths=np.array([3, 4, 2])),
+         ValueError, r"prompt_lengths must have shape \[batch\]=\(2,\), got \(3,\)"),
+    case("max_new_tokens_zero", lambda: _generate(max_new_tokens=0),
+         ConfigError, r"max_new_tokens=0 is invalid: must be an int >= 1"),
+    case("max_new_tokens_float", lambda: _generate(max_new_tokens=3.0),
+         ConfigError, r"max_new_tokens=3\.0 is invalid: must be an int >= 1"),
+    case("temperature_a_bool", lambda: SamplingConfig(temperature=True),
+         ConfigError, r"temperature=True is invalid: must be a finite number >= 0"),
+    case("top_p_a_string", lambda: SamplingConfig(top_p="0.9"),
+         ConfigError, r"top_p='0\.9' is invalid: must be a number in \(0, 1\]"),
+    case("params_with_an_integer_weight",
+         lambda: _generate(params={**GEN_PARAMS, "final_norm": jnp.ones(32, jnp.int32)}),
+         ConfigError, r"params\['final_norm'\] has dtype int32: allowed a float dtype"),
+    case("params_without_the_output_head", lambda: _generate(params=_without("unembed")),
+         ConfigError, r"params\['unembed'\] is missing"),
+    case("draft_tree_float_parent", lambda: DraftTree.from_parents([0, 0.7]),
+         ConfigError, r"DraftTree\.parents\[1\]=0\.7 is invalid"),
+    case("draft_tree_string_parents", lambda: DraftTree("01"),
+         ConfigError, r"DraftTree\.parents='01' is invalid: must be a sequence of ints"),
+    case("unknown_drafter_object", lambda: _generate(drafter=object(), tree=CHAIN1),
+         ConfigError, r"drafter=<object .*> is invalid: must be a specjax\.decoding\.Drafter"),
+    case("cost_table_fractional_batch", lambda: CostTable((1.5,), ((1.0,),)),
+         ConfigError, r"CostTable\.batches=\(1\.5,\) is invalid",
+         xfail="policy.CostTable converts batches with int(): 1.5 becomes batch 1 silently"),
+    case("cost_table_seconds_a_string", lambda: CostTable((1,), (("fast",),)),
+         ConfigError, r"CostTable\.seconds",
+         xfail="policy.CostTable converts seconds with float(): bare ValueError 'could not "
+               "convert string to float' naming no field"),
+    case("adaptive_menu_a_tree_not_a_sequence", lambda: Adaptive(CHAIN1),
+         ConfigError, r"Adaptive\.menu=.* is invalid",
+         xfail="policy.Adaptive calls tuple(menu): TypeError 'DraftTree' object is not "
+               "iterable"),
+    case("tree_not_a_draft_tree", lambda: _generate(drafter=MTPDrafter(), tree=(0, 1)),
+         ConfigError, r"tree=\(0, 1\) is invalid",
+         xfail="engine.generate reads tree.num_nodes: AttributeError on a tuple"),
+    case("sampling_not_a_sampling_config", lambda: _generate(sampling=0.5),
+         ConfigError, r"sampling=0\.5 is invalid",
+         xfail="engine.DecodeLoop does not check sampling: AttributeError 'float' object has "
+               "no attribute 'logprob_temperature' from inside the trace"),
+    case("max_new_tokens_a_bool", lambda: _generate(max_new_tokens=True),
+         ConfigError, r"max_new_tokens=True is invalid",
+         xfail="engine.DecodeLoop accepts True as an int: TypeError 'iota does not accept "
+               "dtype bool' from inside the trace"),
+    case("prompt_tokens_one_dimensional", lambda: _generate(prompts=np.array([1, 2, 3])),
+         ValueError, r"prompt_tokens must be \[batch, prompt_len\]",
+         xfail="engine.generate reads prompt_tokens.shape[1] before check_prompts: bare "
+               "IndexError 'tuple index out of range'"),
+    case("prompt_tokens_fractional", lambda: _generate(prompts=PROMPTS + 0.5),
+         ValueError, r"prompt_tokens",
+         xfail="engine.generate casts prompt_tokens to int32: 1.5 is silently token 1"),
+    case("prompt_token_past_int32",
+         lambda: _generate(prompts=_with(PROMPTS, (0, 2), 2**32 + 3)),
+         ValueError, r"prompt_tokens\[0, 2\] = 4294967299",
+         xfail="engine.generate casts prompt_tokens to int32 before checking them: "
+               "2**32 + 3 wraps to token 3 silently"),
+    case("empty_batch",
+         lambda: _generate(prompts=np.zeros((0, 4), np.int32), lengths=np.zeros(0, np.int32)),
+         ValueError, r"batch",
+         xfail="engine.check_prompts takes lengths.min() of an empty batch: bare numpy "
+               "'zero-size array to reduction operation minimum'"),
+    case("mtp_drafter_with_params_without_mtp_modules",
+         lambda: _generate(params=_without("mtp"), drafter=MTPDrafter(), tree=CHAIN1),
+         ConfigError, r"params\['mtp'\]",
+         xfail="check_params lets draft heads be missing and MTPDrafter does not say it needs "
+               "them: bare KeyError 'mtp' from inside the trace"),
+    case("prompt_token_outside_the_vocabulary_under_jit",
+         lambda: _generate_under_jit(_with(PROMPTS, (1, 2), 16), LENGTHS),
+         Exception, r"prompt_tokens",
+         xfail="under jit check_prompts cannot see values and nothing is checkified: the row "
+               "gets NaN log-probs silently"),
+    case("prompt_length_beyond_the_buffer_under_jit",
+         lambda: _generate_under_jit(PROMPTS, np.array([3, 5], np.int32)),
+         Exception, r"prompt_lengths",
+         xfail="under jit check_prompts cannot see values and nothing is checkified: the row "
+               "decodes from past its prompt silently"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", GENERATE_CASES)
+def test_bad_generate_input_is_refused_naming_the_argument(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_draft_tree_parents_given_as_a_list_or_numpy_ints_make_the_same_hashable_tree():
+  reference = DraftTree((0, 0, 1))
+  for parents in ([0, 0, 1], np.array([0, 0, 1]), (np.int64(0), 0, 1)):
+    tree = DraftTree.from_parents(parents) if isinstance(parents, np.ndarray) else DraftTree(
+        parents)
+    assert tree == reference and hash(tree) == hash(reference)
+    assert all(type(p) is int for p in tree.parents)
+
+
+# --- model configs ---------------------------------------------------------------------------
+# Not repeated: sizes, head grouping, odd head_dim, dtype, family (test_models.py).
+
+BASE = dict(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+            mlp_dim=32)
+
+MODEL_CONFIG_CASES = [
+    case("n_layers_a_bool", lambda: ModelConfig(**BASE | {"n_layers": True}),
+         r"n_layers=True is invalid: must be a positive int"),
+    case("qwen3_without_qk_norm", lambda: ModelConfig(**BASE | {"family": "qwen3"}),
+         r"family='qwen3' is invalid: qwen3 checkpoints have qk_norm=True"),
+    case("rope_theta_a_string", lambda: ModelConfig(**BASE | {"rope_theta": "1e4"}),
+         r"rope_theta='1e4' is invalid: must be a finite number > 0"),
+    case("rope_theta_infinite", lambda: ModelConfig(**BASE | {"rope_theta": math.inf}),
+         r"rope_theta=inf is invalid: must be a finite number > 0"),
+    case("tie_embeddings_a_string", lambda: ModelConfig(**BASE | {"tie_embeddings": "false"}),
+         r"tie_embeddings='false' is invalid: must be True or False"),
+    case("rope_scaling_factor_infinite", lambda: Llama3RopeScaling(factor=math.inf),
+         r"rope_scaling\.factor=inf is invalid: must be a finite number"),
+    case("rope_scaling_factor_a_string", lambda: Llama3RopeScaling(factor="8"),
+         r"rope_scaling\.factor='8' is invalid: must be a finite number"),
+    case("rope_scaling_fractional_original_length",
+         lambda: Llama3RopeScaling(original_max_position=8192.5),
+         r"rope_scaling\.original_max_position=8192\.5 is invalid: must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("build,match", MODEL_CONFIG_CASES)
+def test_bad_model_config_is_refused_naming_the_field_and_what_is_allowed(build, match):
+  with pytest.raises(ConfigError, match=match):
+    build()
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+# Not repeated: characters outside the alphabet, ids above the vocabulary of CharTokenizer,
+# unknown special tokens, a missing tokenizer.json (test_tokenizer.py).
+
+CHARS = CharTokenizer("ab")  # ids 0..4
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+  """A directory with a valid 4-token word-level tokenizer.json: a </s> 2, <s> 3."""
+  RawTokenizer(tokenizer_models.WordLevel({"a": 0, "b": 1, "</s>": 2, "<s>": 3},
+                                          unk_token=None)).save(str(tmp_path / "tokenizer.json"))
+  return tmp_path
+
+
+def _write(name: str, text: str):
+  return lambda path: ((path / name).write_text(text), HFTokenizer.from_dir(path))
+
+
+TOKENIZER_CASES = [
+    case("encode_not_a_string", lambda p: CHARS.encode(None),
+         TokenizerError, r"text=None is invalid: encode takes a str, got NoneType"),
+    case("decode_negative_id", lambda p: CHARS.decode([3, -1]),
+         TokenizerError, r"id -1 is out of range: allowed 0\.\.4 \(ids\[1\]\)"),
+    case("decode_fractional_id", lambda p: CHARS.decode([3.7]),
+         TokenizerError, r"ids\[0\]=3\.7 is invalid: allowed an int token id in 0\.\.4"),
+    case("hf_decode_negative_id", lambda p: HFTokenizer.from_dir(p).decode([0, -1]),
+         TokenizerError, r"id -1 is out of range: allowed 0\.\.3 \(ids\[1\]\)"),
+    case("hf_encode_not_a_string", lambda p: HFTokenizer.from_dir(p).encode(b"ab"),
+         TokenizerError, r"text=b'ab' is invalid: encode takes a str, got bytes"),
+    case("corrupt_tokenizer_json", _write("tokenizer.json", "{not json"),
+         TokenizerError, r"tokenizer\.json: not a readable tokenizer\.json .*re-download"),
+    case("malformed_tokenizer_config", _write("tokenizer_config.json", '{"eos_token": }'),
+         TokenizerError, r"tokenizer_config\.json: malformed JSON at line 1 column 15"),
+    case("tokenizer_config_a_list", _write("tokenizer_config.json", "[]"),
+         TokenizerError, r"tokenizer_config\.json: holds a JSON list, expected an object"),
+    case("tokenizer_config_eos_an_int", _write("tokenizer_config.json", '{"eos_token": 2}'),
+         TokenizerError, r"tokenizer_config\.json: eos_token=2 is invalid: allowed a token "
+                         r"string"),
+    case("malformed_generation_config", _write("generation_config.json", "[1,"),
+         TokenizerError, r"generation_config\.json: malformed JSON at line 1 column 4"),
+    case("generation_config_eos_a_string",
+         _write("generation_config.json", '{"eos_token_id": "2"}'),
+         TokenizerError, r"generation_config\.json: eos_token_id='2' is invalid: allowed a "
+                         r"token id \(an int\) or a list of them"),
+    case("generation_config_eos_list_with_a_string",
+         _write("generation_config.json", '{"eos_token_id": [2, "x"]}'),
+         TokenizerError, r"eos_token_id=\[2, 'x'\] is invalid"),
+    case("generation_config_fractional_bos",
+         _write("generation_config.json", '{"bos_token_id": 1.5}'),
+         TokenizerError, r"generation_config\.json: bos_token_id=1\.5 is invalid: allowed a "
+                         r"token id \(an int\)"),
+    case("vocab_size_to_fit_a_string", lambda p: check_vocab_fits(CHARS, "64"),
+         ConfigError, r"vocab_size='64' is invalid: allowed the model's vocabulary size"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", TOKENIZER_CASES)
+def test_bad_tokenizer_input_is_refused_naming_the_file_field_or_id(tokenizer_dir, call,
+                                                                     error, match):
+  with pytest.raises(error, match=match):
+    call(tokenizer_dir)
+
+
+def test_hf_decode_of_an_id_past_the_tokenizer_vocab_is_empty_as_in_transformers(
+    tokenizer_dir):
+  # Models pad their vocabulary past the tokenizer's; a sampled padding id decodes to
+  # nothing in transformers' fast tokenizers too, so it is no error here either.
+  tok = HFTokenizer.from_dir(tokenizer_dir)
+  assert tok.decode([0, 7, 1]) == tok.decode([0, 1]) == tok.tokenizer.decode([0, 7, 1])
+
+
+# --- RL tasks, rewards and configs -------------------------------------------------------------
+# Not repeated: ArithmeticTask ranges, malformed GSM8K lines, rewards that raise or are not
+# finite (test_rl_tasks.py); GRPOConfig ranges (test_rl_losses.py); ExperimentConfig numbers
+# (test_train_guards.py).
+
+ARITH_TOK = CharTokenizer("0123456789+-*=")
+TINY_POLICY = ExperimentConfig().model  # 2 MTP modules
+
+
+def _custom(train=(Example("1+1=", "2"),), reward_fn=lambda c, r: float(c == r), name="t"):
+  return CustomTask(name, ARITH_TOK, list(train), [], reward_fn)
+
+
+def _jsonl(tmp_path: Path, data: bytes) -> Path:
+  path = tmp_path / "d.jsonl"
+  path.write_bytes(data)
+  return path
+
+
+GOOD_LINE = b'{"question": "1+1?", "answer": "so #### 2"}\n'
+
+RL_CASES = [
+    case("arithmetic_zero_digits", lambda p: ArithmeticTask(max_digits=0),
+         ConfigError, r"max_digits=0 is invalid: must be an int >= 1"),
+    case("arithmetic_test_fraction_a_string", lambda p: ArithmeticTask(test_fraction="0.1"),
+         ConfigError, r"test_fraction='0\.1' is invalid",
+         xfail="tasks.ArithmeticTask compares test_fraction unchecked: bare TypeError "
+               "\"'<' not supported between instances of 'int' and 'str'\""),
+    case("arithmetic_num_train_a_bool", lambda p: ArithmeticTask(num_train=True),
+         ConfigError, r"num_train=True is invalid",
+         xfail="tasks.ArithmeticTask accepts True as an int: a training split of 1 example"),
+    case("grpo_beta_infinite", lambda p: GRPOConfig(beta=math.inf),
+         ConfigError, r"beta=inf is invalid: must be a finite number >= 0"),
+    case("grpo_beta_a_string", lambda p: GRPOConfig(beta="0.1"),
+         ConfigError, r"beta='0\.1' is invalid: must be a number"),
+    case("experiment_vocab_of_another_tokenizer",
+         lambda p: ExperimentConfig(model=TINY_POLICY.replace(vocab_size=32)),
+         ConfigError, r"model\.vocab_size=32 is invalid: the task's tokenizer has 17 ids"),
+    case("experiment_zero_tree_width",
+         lambda p: ExperimentConfig(tree_widths=(0,)).train_config(),
+         ConfigError, r"widths=\(0,\) is invalid: every width must be an int >= 1"),
+    case("experiment_tree_deeper_than_the_mtp_modules",
+         lambda p: ExperimentConfig(tree_widths=(1, 1, 1)).train_config(),
+         ConfigError, r"tree depth 3 is too deep for MTPDrafter",
+         xfail="neither ExperimentConfig nor train_config checks the tree against the "
+               "drafter: the error comes at the first rollout, after the warm start"),
+    case("experiment_unknown_drafter", lambda p: ExperimentConfig(drafter="foo"),
+         ConfigError, r"drafter='foo' is invalid",
+         xfail="experiment.ExperimentConfig does not check its Literal fields: run() fails "
+               "with a bare KeyError 'foo' from train_config"),
+    case("custom_task_example_a_tuple", lambda p: _custom(train=[("1+1=", "2")]),
+         ConfigError, r"train\[0\] of task 't' is invalid: must be an Example"),
+    case("custom_task_without_a_name", lambda p: _custom(name=""),
+         ConfigError, r"name='' is invalid: must be a non-empty str"),
+    case("custom_task_reward_not_callable", lambda p: _custom(reward_fn=3),
+         ConfigError, r"reward_fn=3 is invalid",
+         xfail="tasks.CustomTask does not check reward_fn: the error comes after the first "
+               "rollout"),
+    case("custom_task_prompt_the_tokenizer_cannot_encode",
+         lambda p: _custom(train=[Example("one plus one", "2")]),
+         ConfigError, r"train\[0\]",
+         xfail="tasks.CustomTask does not encode its prompts: the TokenizerError comes at "
+               "dataset preparation and names no task, split or example"),
+    case("custom_reward_returns_a_list",
+         lambda p: _custom(reward_fn=lambda c, r: [1.0]).reward(["2"], ["2"]),
+         RewardError, r"returned \[1\.0\], which is not a real number"),
+    case("custom_reward_of_unequal_lengths", lambda p: _custom().reward(["2"], ["2", "3"]),
+         ValueError, r"task 't': 1 completions but 2 references"),
+    case("gsm8k_line_not_utf8", lambda p: read_gsm8k_jsonl(_jsonl(p, GOOD_LINE + b"\xff\n")),
+         TaskError, r"d\.jsonl:2",
+         xfail="tasks.read_gsm8k_jsonl reads text without catching UnicodeDecodeError: no "
+               "file or line named"),
+    case("advantages_of_a_nan_reward",
+         lambda p: group_advantages(np.array([1.0, math.nan, 0.0, 1.0]), 2),
+         ValueError, r"rewards\[1\] = nan is not finite \(1 non-finite rewards\)"),
+    case("loss_of_misaligned_old_logprobs",
+         lambda p: grpo_loss(GRPOConfig(group_size=2), jnp.zeros((4, 3)), jnp.zeros((4, 5)),
+                             jnp.zeros(4), jnp.ones((4, 3))),
+         ValueError, r"grpo_loss: old_logprobs has shape \(4, 5\), logprobs \(4, 3\): allowed "
+                     r"the same \[B, T\]"),
+    case("loss_of_advantages_per_prompt",
+         lambda p: grpo_loss(GRPOConfig(group_size=2), jnp.zeros((4, 3)), jnp.zeros((4, 3)),
+                             jnp.zeros(2), jnp.ones((4, 3))),
+         ValueError, r"advantages has shape \(2,\): allowed \[B\]=\(4,\) per row"),
+    case("arithmetic_reward_of_misaligned_lengths",
+         lambda p: arithmetic_reward(jnp.zeros((2, 3), jnp.int32), jnp.zeros(3, jnp.int32),
+                                     jnp.zeros(2, jnp.int32)),
+         ValueError, r"lengths",
+         xfail="tasks.arithmetic_reward does not check shapes: bare JAX TypeError 'and got "
+               "incompatible shapes for broadcasting'"),
+    case("prompt_reader_pad_id_a_string",
+         lambda p: PromptReader([{"prompt": [1], "answer": 0}], 1, pad_id="<pad>"),
+         ConfigError, r"pad_id='<pad>' is invalid: must be an int \(a token id\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", RL_CASES)
+def test_bad_rl_task_reward_or_config_is_refused_naming_the_problem(tmp_path, call, error,
+                                                                    match):
+  with pytest.raises(error, match=match):
+    call(tmp_path)
+
+
+def test_a_nan_reward_under_jit_gives_its_group_nan_advantages_not_zero():
+  rewards = jnp.array([1.0, jnp.nan, 0.0, 1.0])
+  adv = np.asarray(jax.jit(lambda r: group_advantages(r, 2))(rewards))
+  assert np.isnan(adv[:2]).all()  # before: 0.0, a silent "no signal" for a broken reward
+  # The clean group is unaffected: (r - mean) / (std_ddof1 + eps), std = sqrt(0.5).
+  np.testing.assert_allclose(adv[2:], [-0.5, 0.5] / (np.sqrt(0.5) + 1e-6), rtol=1e-6)
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+# Not repeated: flipped, resized, added or deleted array files and broken manifests
+# (test_checkpoint_integrity.py).
+
+CKPT_STATE = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+  """A fresh Checkpointer (as a resumed run opens one) on a directory holding step 0 of
+  `CKPT_STATE`; cases only read it."""
+  directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+  writer = Checkpointer(directory)
+  writer.save(0, CKPT_STATE, {"step": 0})
+  writer.close()
+  ckpt = Checkpointer(directory)
+  yield ckpt
+  ckpt.close()
+
+
+RESTORE_CASES = [
+    case("step_not_saved", lambda c: c.restore(CKPT_STATE, step=5),
+         CheckpointError, r"checkpoint step 5 is not in .*checkpoints \(available: 0\)"),
+    case("step_a_string", lambda c: c.restore(CKPT_STATE, step="0"),
+         ConfigError, r"step='0' is invalid: allowed an int >= 0, or None for the latest"),
+    case("state_without_a_saved_array", lambda c: c.restore({"w": CKPT_STATE["w"]}),
+         CheckpointError, r"step 0 at .* does not match the state to restore into: b is in "
+                          r"the checkpoint but not in the state\..*restore it with that "
+                          r"configuration"),
+    case("state_with_an_array_not_saved", lambda c: c.restore({**CKPT_STATE, "c": jnp.ones(2)}),
+         CheckpointError, r"does not match the state to restore into: c is in the state but "
+                          r"not in the checkpoint"),
+    case("state_of_another_shape", lambda c: c.restore({**CKPT_STATE, "w": jnp.ones((4, 4))}),
+         CheckpointError, r"w has shape \(4, 3\) in the checkpoint and \(4, 4\) in the state"),
+    case("state_of_another_dtype",
+         lambda c: c.restore({**CKPT_STATE, "w": jnp.ones((4, 3), jnp.int32)}),
+         CheckpointError, r"w has dtype float32 in the checkpoint and int32 in the state \(it "
+                          r"would be cast\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", RESTORE_CASES)
+def test_bad_restore_is_refused_naming_the_step_or_array(saved_checkpoint, call, error, match):
+  with pytest.raises(error, match=match):
+    call(saved_checkpoint)
+
+
+def _flip_first_byte(path: Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[0] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+SAVE_CASES = [
+    case("save_step_a_string", lambda d: Checkpointer(d).save("a", CKPT_STATE, {}),
+         ConfigError, r"step='a' is invalid: allowed an int >= 0$"),
+    case("save_meta_not_json", lambda d: Checkpointer(d).save(0, CKPT_STATE, {"when": object()}),
+         ConfigError, r"meta\['when'\]=<object .*> is invalid: it cannot be written as JSON"),
+    case("directory_is_a_file", lambda d: (d.write_text("x"), Checkpointer(d)),
+         CheckpointError, r"checkpoint path .*checkpoints exists and is not a directory"),
+    case("keep_no_checkpoint", lambda d: Checkpointer(d, max_to_keep=0),
+         ConfigError, r"max_to_keep=0 is invalid: must be an int >= 1"),
+    case("flipped_byte_in_the_saved_meta",
+         lambda d: (lambda c: (c.save(0, CKPT_STATE, {"step": 0}),
+                               _flip_first_byte(c.step_dir(0) / "meta" / "metadata"),
+                               c.restore(CKPT_STATE)))(Checkpointer(d)),
+         CheckpointError, r"checkpoint step 0 at .* is corrupted: meta/metadata has sha256 .* "
+                          r"\(same size: its bytes changed\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", SAVE_CASES)
+def test_bad_save_or_directory_is_refused_naming_the_problem(tmp_path, call, error, match):
+  with pytest.raises(error, match=match):
+    call(tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("where", ["new", "empty"])
+def test_restore_from_a_directory_without_checkpoints_returns_none(tmp_path, where):
+  directory = tmp_path / "checkpoints"
+  if where == "empty":
+    directory.mkdir()
+  assert Checkpointer(directory).restore(CKPT_STATE) is None
+
+
+def test_saving_a_step_not_above_the_latest_warns_and_keeps_the_saved_one(tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  ckpt.save(3, CKPT_STATE, {"step": 3})
+  with pytest.warns(UserWarning, match=r"checkpoint step 2 was not saved: .* already holds "
+                                       r"step 3"):
+    ckpt.save(2, {"w": jnp.zeros((4, 3)), "b": jnp.ones(3)}, {"step": 2})
+  state, meta, step = ckpt.restore(CKPT_STATE)
+  np.testing.assert_array_equal(state["w"], CKPT_STATE["w"])
+  assert (meta, step) == ({"step": 3}, 3)
+  ckpt.close()
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def _config_file(tmp_path: Path, body: str) -> Path:
+  path = tmp_path / "config.py"
+  path.write_text(body)
+  return path
+
+
+@pytest.mark.parametrize("body,match", [
+    pytest.param(None, r"--config .*missing\.py: no such file; pass a config file",
+                 id="missing_config_file"),
+    pytest.param("def get_config():\n  return 5\n",
+                 r"config\.py: get_config\(\) returns a int; train needs an ExperimentConfig",
+                 id="get_config_of_another_type"),
+])
+def test_specjax_train_with_a_bad_config_file_exits_with_a_message(tmp_path, body, match):
+  # A real process: the exit status and stderr are what a user sees. cwd is tmp_path, so a
+  # regression that trains the default config writes nothing into the repository.
+  config = tmp_path / "missing.py" if body is None else _config_file(tmp_path, body)
+  proc = subprocess.run([sys.executable, "-m", "specjax.cli", "train", "--config", str(config)],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                        env=os.environ | {"JAX_PLATFORMS": "cpu",
+                                          "PYTHONPATH": str(REPO)})
+  assert proc.returncode == 1, proc.stderr
+  assert re.search(match, proc.stderr), proc.stderr
+  assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+  """Loading a checkpoint or training the demo model fails the test: flags are checked first."""
+  from specjax import demo
+  from specjax.models import hf
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a model was loaded or trained before the flags were checked")
+
+  monkeypatch.setattr(demo, "train_demo_model", refuse)
+  monkeypatch.setattr(hf, "load_hf", refuse)
+  monkeypatch.setattr(HFTokenizer, "from_dir", refuse)
+
+
+CLI_CASES = [
+    case("train_config_without_get_config",
+         lambda p: cli_main(["train", "--config", str(_config_file(p, "x = 1\n"))]),
+         SystemExit, r"config\.py defines no get_config\(\); see configs/arithmetic_tiny\.py"),
+    case("train_drafter_missing_config_file",
+         lambda p: cli_main(["train-drafter", "--config", str(p / "nope.py")]),
+         SystemExit, r"--config .*nope\.py: no such file"),
+    case("generate_demo_negative_temperature",
+         lambda p: generate_command(demo=True, temperature=-1.0),
+         ConfigError, r"temperature=-1\.0 is invalid: must be a finite number >= 0"),
+    case("generate_demo_zero_width", lambda p: generate_command(demo=True, widths=(2, 0)),
+         ConfigError, r"widths=\(2, 0\) is invalid: every width must be an int >= 1"),
+    case("generate_zero_new_tokens",
+         lambda p: generate_command(checkpoint=str(p), prompt=("a",), max_new_tokens=0),
+         ConfigError, r"max_new_tokens=0 is invalid: must be an int >= 1"),
+    case("generate_checkpoint_without_prompt", lambda p: generate_command(checkpoint=str(p)),
+         SystemExit, r"pass at least one --prompt"),
+    case("generate_draft_model_without_its_checkpoint",
+         lambda p: generate_command(checkpoint=str(p), prompt=("a",), drafter="draft-model"),
+         SystemExit, r"--drafter draft-model needs --draft-checkpoint DIR"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", CLI_CASES)
+def test_bad_cli_flags_fail_before_any_model_is_loaded_naming_the_flag(tmp_path, no_model, call,
+                                                                      error, match):
+  with pytest.raises(error, match=match):
+    call(tmp_path)
+
+
+def test_specjax_train_with_a_bad_flag_value_exits_2_naming_the_flag(capsys):
+  with pytest.raises(SystemExit) as info:
+    cli_main(["train", "--config", str(REPO / "configs" / "arithmetic_tiny.py"),
+              "--steps", "many"])
+  assert info.value.code == 2
+  assert re.search(r"--steps.*invalid literal for int\(\).*'many'", capsys.readouterr().err,
+                   re.S)
+
+
+# --- offline drafter data: an HF tokenizer paired with its target -----------------------------
+
+
+def test_drafter_target_whose_tokenizer_exceeds_the_model_vocab_is_refused(tmp_path):
+  from specjax.drafter_data import target_spec
+  from specjax.drafter_experiment import DrafterTrainConfig
+  _write_checkpoint(tmp_path, vocab_size=8)  # a tokenizer of 10 ids
+  with pytest.raises(ConfigError, match=r"tokenizer vocab 10 > model vocab_size 8"):
+    target_spec(DrafterTrainConfig(run_dir=str(tmp_path / "run"), target_dir=str(tmp_path)))
+
+
+def test_drafter_data_generation_stops_at_every_end_id_of_the_tokenizer(tmp_path, monkeypatch):
+  from specjax import drafter_data
+  _write_checkpoint(tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+  tokenizer = HFTokenizer.from_dir(tmp_path)
+  assert tokenizer.eos_ids == (2, 3)  # </s> and <|eot_id|>
+  calls = []
+
+  def spy(params, config, tokens, lengths, key, **kwargs):
+    calls.append(kwargs)
+    return tokens, np.ones_like(tokens)
+
+  monkeypatch.setattr(drafter_data, "self_distillation_data", spy)
+  config = SimpleNamespace(responses_per_prompt=1, generation_batch=2, seed=0,
+                           max_new_tokens=2, temperature=0.0, draft_vocab_size=None)
+  target = drafter_data.Target(None, ModelConfig(**BASE), tokenizer)
+  drafter_data.make_data(config, target, np.array([[4, 5]], np.int32), np.array([2], np.int32))
+  assert calls[0]["eos_id"] == (2, 3)
