@@ -126,8 +126,9 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     if ckpt.latest_step() is None:
       from specjax.rl.experiment import ExperimentConfig, warm_start
+      # Only the warm start's fields matter; no drafter, so any target architecture fits.
       recipe = ExperimentConfig(run_dir=config.run_dir, seed=config.seed, task=config.task,
-                                model=config.model, sft_steps=config.sft_steps,
+                                model=config.model, drafter="none", sft_steps=config.sft_steps,
                                 sft_batch=config.sft_batch,
                                 sft_learning_rate=config.sft_learning_rate,
                                 sft_eos_fraction=config.sft_eos_fraction)

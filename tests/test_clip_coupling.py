@@ -32,7 +32,7 @@ HUGE = 1e6
 def _config(**kwargs) -> ExperimentConfig:
   # warmup_steps=0 still starts the schedule at 0: the first update has learning rate 0.
   return ExperimentConfig(task=TASK, model=MODEL, learning_rate=1e-2, warmup_steps=0,
-                          max_grad_norm=1.0, **kwargs)
+                          max_grad_norm=1.0, tree_widths=(1,), **kwargs)
 
 
 def _params():

@@ -169,9 +169,15 @@ class DecodeLoop:
   verifier: Verifier = LosslessVerifier()
 
   def __post_init__(self):
-    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+    if not (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+            and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
                         ">= 1")
+    if not isinstance(self.sampling, SamplingConfig):
+      raise ConfigError(f"sampling={self.sampling!r} is invalid: must be a "
+                        "specjax.decoding.SamplingConfig (e.g. SamplingConfig(temperature=0.7))")
+    if not isinstance(self.tree, DraftTree):
+      raise ConfigError(f"tree={self.tree!r} is invalid: must be a specjax.decoding.DraftTree")
     if self.speculation is not None:
       if not isinstance(self.speculation, Adaptive):
         raise ConfigError(f"speculation={self.speculation!r} is invalid: must be "
@@ -531,6 +537,29 @@ class DecodeLoop:
         done=out.done, stats=stats)
 
 
+def _as_ids(x: Any, name: str, ndim: int) -> jax.Array:
+  """`x` as int32, refusing what the cast would change: another rank, fractional values or
+  ids past int32 (which would wrap to other tokens), and an empty batch."""
+  if not isinstance(x, jax.core.Tracer):
+    values = np.asarray(x)
+    if values.ndim != ndim or values.shape[0] == 0:
+      raise ValueError(f"{name} has shape {values.shape}: must be "
+                       f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'} with batch >= 1")
+    if not np.issubdtype(values.dtype, np.integer):
+      if not (np.issubdtype(values.dtype, np.floating) and np.all(values == np.round(values))):
+        raise ValueError(f"{name} has dtype {values.dtype} with non-integer values: token ids "
+                         "and lengths must be integers")
+    big = np.abs(values.astype(np.float64)) >= 2**31
+    if big.any():
+      where = tuple(int(i) for i in np.argwhere(big)[0])
+      raise ValueError(f"{name}{list(where)} = {values[where]} does not fit int32: token ids "
+                       "and lengths must be in [0, 2**31)")
+  elif x.ndim != ndim:
+    raise ValueError(f"{name} has shape {x.shape}: must be "
+                     f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'}")
+  return jnp.asarray(x, jnp.int32)
+
+
 def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
@@ -567,8 +596,11 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
   """
   tree = DraftTree.empty() if tree is None else tree
-  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if not isinstance(tree, DraftTree):
+    raise ConfigError(f"tree={tree!r} is invalid: must be a specjax.decoding.DraftTree (e.g. "
+                      "DraftTree.chain(3), DraftTree.from_widths((2, 1))) or None")
+  prompt_tokens = _as_ids(prompt_tokens, "prompt_tokens", 2)
+  prompt_lengths = _as_ids(prompt_lengths, "prompt_lengths", 1)
   if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop
     new = max_new_tokens if isinstance(max_new_tokens, int) else 0
     nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)

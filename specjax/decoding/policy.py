@@ -63,7 +63,20 @@ class CostTable:
   setup: tuple[float, ...] | None = None
 
   def __post_init__(self):
-    batches = tuple(int(b) for b in self.batches)
+    def number(x, integral: bool) -> float:  # what float()/int() would silently change
+      ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+      return (x if not integral or float(x).is_integer() else None) if ok else None
+
+    raw_batches = tuple(self.batches) if isinstance(self.batches, (tuple, list)) else ()
+    if not raw_batches or any(number(b, True) is None for b in raw_batches):
+      raise ConfigError(f"CostTable.batches={self.batches!r} is invalid: must be increasing "
+                        "batch sizes >= 1 (ints)")
+    if not isinstance(self.seconds, (tuple, list)) or not all(
+        isinstance(row, (tuple, list)) and all(number(x, False) is not None for x in row)
+        for row in self.seconds):
+      raise ConfigError(f"CostTable.seconds={self.seconds!r} is invalid: must be one row of "
+                        "seconds (numbers) per menu entry")
+    batches = tuple(int(b) for b in raw_batches)
     seconds = tuple(tuple(float(x) for x in row) for row in self.seconds)
     if not batches or list(batches) != sorted(set(batches)) or batches[0] < 1:
       raise ConfigError(f"CostTable.batches={self.batches!r} is invalid: must be increasing "
@@ -77,6 +90,9 @@ class CostTable:
       row = getattr(self, name)
       if row is None:
         continue
+      if not isinstance(row, (tuple, list)) or any(number(x, False) is None for x in row):
+        raise ConfigError(f"CostTable.{name}={row!r} is invalid: must be one number of "
+                          "seconds per batch size")
       row = tuple(float(x) for x in row)
       if len(row) != len(batches) or not all(
           np.isfinite(x) and (x > 0 if least is not None else x >= 0) for x in row):
@@ -197,7 +213,7 @@ class Adaptive:
   switch_margin: float = 0.05
 
   def __post_init__(self):
-    menu = tuple(self.menu)
+    menu = tuple(self.menu) if isinstance(self.menu, (tuple, list)) else ()
     if not menu or not all(isinstance(t, DraftTree) for t in menu):
       raise ConfigError(f"Adaptive.menu={self.menu!r} is invalid: must be a non-empty sequence "
                         "of DraftTree (e.g. (DraftTree.chain(2), DraftTree.chain(4)))")

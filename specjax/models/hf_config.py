@@ -11,6 +11,7 @@ code (`eagle3_io`) reuses its rope and dtype readers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,27 @@ def _int_field(hf: Mapping[str, Any], name: str, default: Any = _REQUIRED, *,
   return int(value)
 
 
+def _float_field(hf: Mapping[str, Any], name: str, default: float, *,
+                 where: str = "config.json") -> float:
+  """`hf[name]` (absent or null: `default`) as a finite float; a string, a bool or NaN is
+  refused."""
+  value = hf.get(name)
+  value = default if value is None else value
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not ok or not math.isfinite(value):
+    raise ConfigError(f"{where}: {name}={value!r} is invalid: allowed a finite number")
+  return float(value)
+
+
+def _mapping(value: Any, name: str, *, where: str = "config.json") -> Mapping[str, Any]:
+  """`value` (a JSON object, or absent: {}), refusing any other JSON type by name."""
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    raise ConfigError(f"{where}: {name}={value!r} is invalid: allowed a JSON object")
+  return value
+
+
 def _hf_dtype(hf: Mapping[str, Any]) -> str | None:
   value = hf.get("dtype", hf.get("torch_dtype"))
   return None if value is None else str(value).removeprefix("torch.")
@@ -63,8 +85,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | Non
   Precedence follows transformers v5: a non-empty legacy `rope_scaling` wins over
   `rope_parameters`, and a `rope_theta` inside the chosen dict wins over the top-level one.
   """
-  params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  params = (_mapping(hf.get("rope_scaling"), "rope_scaling")
+            or _mapping(hf.get("rope_parameters"), "rope_parameters"))
+  theta = _float_field(params, "rope_theta", _float_field(hf, "rope_theta", 10_000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))
   partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if partial != 1.0:
@@ -169,6 +192,9 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
     ConfigError: an unsupported architecture or model_type, rope type, activation or option
       (such as an active sliding window), or a non-integral integer field.
   """
+  if not isinstance(hf, Mapping):
+    raise ConfigError(f"config.json holds a {type(hf).__name__}: allowed a JSON object of "
+                      "model settings")
   family = _family(hf)
   missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads") if f not in hf]
@@ -184,20 +210,21 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
   d_model = _int_field(hf, "hidden_size")
   n_heads = _int_field(hf, "num_attention_heads")
   theta, scaling = _rope_from_hf(hf)
-  heads = hf.get("specjax") or {}
+  heads = _mapping(hf.get("specjax"), "specjax")
   int_head = lambda name, default: _int_field(heads, name, default, where="config.json specjax")
   return ModelConfig(
       vocab_size=_int_field(hf, "vocab_size"),
       d_model=d_model,
       n_layers=n_layers,
       n_heads=n_heads,
-      n_kv_heads=(_int_field(hf, "num_key_value_heads") if hf.get("num_key_value_heads")
-                  else n_heads),
-      head_dim=_int_field(hf, "head_dim") if hf.get("head_dim") else d_model // n_heads,
+      n_kv_heads=(_int_field(hf, "num_key_value_heads")
+                  if hf.get("num_key_value_heads") is not None else n_heads),
+      head_dim=(_int_field(hf, "head_dim") if hf.get("head_dim") is not None
+                else d_model // n_heads),
       mlp_dim=_int_field(hf, "intermediate_size"),
       rope_theta=theta,
       rope_scaling=scaling,
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=_float_field(hf, "rms_norm_eps", 1e-6),
       # Qwen2 always has q/k/v biases; Llama and Qwen3 have them (and an o_proj bias, which
       # `load_hf` checks is zero) when attention_bias is set.
       qkv_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),

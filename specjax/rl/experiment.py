@@ -175,6 +175,12 @@ class ExperimentConfig:
     if not 0 <= self.sft_eos_fraction <= 1:
       raise ConfigError(f"sft_eos_fraction={self.sft_eos_fraction!r} is invalid: must be in "
                         "[0, 1]")
+    require(self.drafter in _DRAFTERS, "drafter", f"allowed one of {sorted(_DRAFTERS)}")
+    require(self.speculation in ("fixed", "adaptive"), "speculation",
+            "allowed 'fixed' or 'adaptive'")
+    # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
+    if _DRAFTERS[self.drafter] is not None:
+      _DRAFTERS[self.drafter]().validate(self.model, self.tree)
 
   def eagle3_config(self) -> Eagle3Config:
     """The EAGLE-3 head's architecture: `eagle3_dir`'s, or one sized for `model`."""
@@ -202,7 +208,10 @@ class ExperimentConfig:
     if drafter == "eagle3":
       draft = Eagle3Drafter(self.eagle3_config())
     else:
-      draft = {"none": None, "mtp": MTPDrafter(), "medusa": MedusaDrafter()}[drafter]
+      if drafter not in _DRAFTERS:
+        raise ConfigError(f"drafter={drafter!r} is invalid: allowed one of {sorted(_DRAFTERS)}")
+      make = _DRAFTERS[drafter]
+      draft = make() if make is not None else None
     tree, speculation = None, None
     if draft is not None and self.speculation == "adaptive":
       speculation = self.adaptive(costs)
@@ -235,6 +244,9 @@ class ExperimentConfig:
             else optax.clip_by_global_norm(self.max_grad_norm))
     return optax.chain(clip, optax.adam(schedule))
 
+
+# The drafters a config names; EAGLE-3's head is built from the config (`eagle3_config`).
+_DRAFTERS = {"none": None, "mtp": MTPDrafter, "medusa": MedusaDrafter, "eagle3": None}
 
 # Top-level parameter keys of the draft heads, the only weights the detached drafter loss
 # (`specjax.supervised.draft_head_loss`) reaches; the rest is the trunk, which only the

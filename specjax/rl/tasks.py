@@ -192,8 +192,13 @@ class ArithmeticTask:
 
     def positive_int(field: str, minimum: int):
       value = getattr(self, field)
-      require(isinstance(value, int) and value >= minimum, field, f"must be an int >= {minimum}")
+      require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, field,
+              f"must be an int >= {minimum}")
 
+    for field in ("test_fraction", "format_reward"):
+      value = getattr(self, field)
+      require(isinstance(value, (int, float)) and not isinstance(value, bool), field,
+              "must be a number")
     positive_int("max_digits", 1)
     positive_int("num_operands", 2)
     positive_int("num_train", 1)
@@ -313,6 +318,11 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
   Returns:
     `[B]` float32 rewards.
   """
+  if not (jnp.ndim(tokens) == 2 and jnp.shape(lengths) == jnp.shape(tokens)[:1]
+          and jnp.shape(answers) == jnp.shape(tokens)[:1]):
+    raise ValueError(f"arithmetic_reward: tokens {jnp.shape(tokens)}, lengths "
+                     f"{jnp.shape(lengths)}, answers {jnp.shape(answers)}: allowed tokens "
+                     "[B, T] with lengths and answers [B]")
   tok = CharTokenizer(WORKED_ALPHABET)
   zero_id, minus_id, mark_id, equals_id = (tok.encode(c)[0] for c in "0-;=")
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -429,6 +439,16 @@ class CustomTask:
       if bad:
         raise ConfigError(f"{split}[{bad[0]}] of task {self.name!r} is invalid: must be an "
                           "Example")
+    if not callable(self.reward_fn):
+      raise ConfigError(f"reward_fn={self.reward_fn!r} is invalid: must be a function "
+                        "(completion: str, reference: str) -> float")
+    for split in SPLITS:  # prompts the tokenizer cannot encode fail here, not at data prep
+      for i, e in enumerate(getattr(self, split)):
+        try:
+          self.tokenizer.encode(e.prompt)
+        except ValueError as err:
+          raise ConfigError(f"{split}[{i}] of task {self.name!r} is invalid: its prompt "
+                            f"{e.prompt!r} cannot be encoded by the tokenizer ({err})") from None
     object.__setattr__(self, "train", tuple(self.train))
     object.__setattr__(self, "test", tuple(self.test))
 
@@ -501,11 +521,16 @@ def read_gsm8k_jsonl(path: str | os.PathLike) -> list[tuple[str, float]]:
   if not path.is_file():
     raise TaskError(f"{path}: no such file")
   rows = []
-  with path.open(encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
+  with path.open("rb") as f:  # bytes, so a line that is not UTF-8 can be named
+    for lineno, raw in enumerate(f, start=1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise TaskError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line); the "
+                        "file must be UTF-8 JSON lines") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:

@@ -286,6 +286,18 @@ def check_depth(drafter: Drafter, tree: DraftTree, limit: int) -> None:
         f"most {limit} tokens ahead with this configuration")
 
 
+def check_heads(drafter: Drafter, params: Any, key: str, needed: int) -> None:
+  """Raise a clear `ConfigError` unless `params[key]` holds the `needed` draft heads the
+  drafter reads (a checkpoint saved without its heads, or a trunk-only `init_params`)."""
+  heads = params.get(key) if isinstance(params, dict) else None
+  if heads is None or len(heads) < needed:
+    have = "is missing" if heads is None else f"has {len(heads)}"
+    raise ConfigError(
+        f"params['{key}'] {have}: {type(drafter).__name__} needs {needed} trained head(s) "
+        f"there (the config says so); load a checkpoint saved with its heads, or pick a "
+        "drafter that does not need them (a draft model, n-gram)")
+
+
 LevelScorer = Callable[[int, np.ndarray, jax.Array, Carry], tuple[jax.Array, Carry]]
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.decoding.drafters.base import (Drafter, NoState, Proposal, check_depth,
+from specjax.decoding.drafters.base import (Drafter, NoState, Proposal, check_depth, check_heads,
                                             draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -42,6 +42,7 @@ class MedusaDrafter(Drafter):
 
   def propose(self, params, config: ModelConfig, state: NoState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, NoState]:
+    check_heads(self, params, "medusa", tree.depth)
     heads = medusa_logits(params, config, ctx.last_hidden)  # [num_medusa_heads, B, V]
 
     def score(d, parents, tokens, carry):

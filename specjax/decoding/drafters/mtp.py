@@ -36,7 +36,8 @@ import numpy as np
 from flax import struct
 
 from specjax.decoding.drafters.base import (AcceptedWindow, Drafter, Proposal, check_depth,
-                                            commit_if_full, draft_level_by_level)
+                                            check_heads, commit_if_full,
+                                            draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -114,6 +115,7 @@ class MTPDrafter(Drafter):
   def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
            plain_rounds=False) -> MTPState:
     """Teacher-force the used modules over the prompt (ragged) and commit their frontiers."""
+    check_heads(self, params, "mtp", tree.depth)
     b, p, e = prompt.hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
