@@ -16,12 +16,11 @@ run exactly: every step is a pure function of the checkpointed state and the dat
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +30,7 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
-                              MedusaDrafter, MTPDrafter, SamplingConfig, calibrate, generate)
-from specjax.decoding.calibrate import default_cache_dir
+                              MedusaDrafter, MTPDrafter, SamplingConfig)
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
@@ -40,6 +38,7 @@ from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_ea
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.losses import GRPOConfig
+from specjax.rl.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, TrainState, init_train_state,
                                 make_prime_fn, make_train_step)
@@ -351,110 +350,6 @@ def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3We
   log(f"EAGLE-3 head distilled: {config.eagle3_steps} steps, training-time-test accuracy "
       f"{np.round(history[-1]['accuracy'], 2).tolist()}")
   return head
-
-
-def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
-             samples: int = 8) -> float:
-  """Held-out accuracy (fraction of responses with reward 1): greedy, or the mean over
-  `samples` responses per prompt drawn at the rollout temperature."""
-  tok = config.task.tokenizer
-  reader = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id, shuffle=False)
-  batch = reader.batch_at(0)
-  k = samples if sampled else 1
-  sampling = SamplingConfig(config.temperature) if sampled else SamplingConfig(0.0)
-  out = generate(params, config.model, np.repeat(batch.tokens, k, 0),
-                 np.repeat(batch.lengths, k, 0), jax.random.key(config.seed + 1),
-                 max_new_tokens=config.max_new_tokens, sampling=sampling, eos_id=tok.eos_id,
-                 pad_id=tok.pad_id)
-  rewards = config.task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
-  return float((rewards >= 1.0).mean())
-
-
-def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
-                     tokens: int = 16, drafter_params: Eagle3Weights | None = None) -> float:
-  """Mean acceptance length of the speculative rollout's tree (`tree_widths`, also with
-  adaptive speculation) on held-out prompts, generating a fixed `tokens` per row (no EOS):
-  it compares drafters on equal work even when the policy's response lengths change during
-  training."""
-  rc = config.fixed_tree().train_config().rollout
-  if rc.drafter is None:
-    return 1.0
-  tok = config.task.tokenizer
-  batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
-                       shuffle=False).batch_at(0)
-  out = generate(params, config.model, batch.tokens, batch.lengths,
-                 jax.random.key(config.seed + 2), max_new_tokens=tokens,
-                 sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, pad_id=tok.pad_id,
-                 drafter_params=drafter_params)
-  return float(out.stats.tokens_per_round)
-
-
-def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any = None,
-                  log=print) -> CostTable | None:
-  """With adaptive speculation: the seconds per round of each menu entry at the rollout's
-  shapes (`batch` prompts x G rows).
-
-  Measured once per run (or read from the calibration cache) and kept in the run directory
-  (`speculation_costs.json`): a resumed run chooses its trees from the same table, so it
-  reproduces the uninterrupted run.
-  """
-  if config.speculation != "adaptive" or config.drafter == "none":
-    return None
-  kept = Path(config.run_dir) / "speculation_costs.json"
-  menu = config.adaptive().menu
-  if kept.exists():
-    costs = CostTable(**json.loads(kept.read_text()))
-    log(f"speculation costs per round, as measured when this run started ({kept}):\n"
-        f"{costs.format(menu)}")
-    return costs
-  rc = config.fixed_tree().train_config().rollout
-  start = time.perf_counter()
-  costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
-                    batch_sizes=(batch.tokens.shape[0] * config.grpo.group_size,),
-                    prompt_len=batch.tokens.shape[1], max_new_tokens=config.max_new_tokens,
-                    drafter_params=drafter_params, sampling=rc.sampling)
-  tmp = kept.with_suffix(".tmp")  # a kill mid-write must not leave half a table
-  tmp.write_text(json.dumps(dataclasses.asdict(costs)))
-  tmp.replace(kept)
-  log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; also cached in "
-      f"{default_cache_dir()}):\n{costs.format(menu)}")
-  return costs
-
-
-def rollout_speedup(params, config: ExperimentConfig, batch,
-                    drafter_params: Eagle3Weights | None = None,
-                    costs: CostTable | None = None) -> dict[str, float]:
-  """Rollout tokens per second, plain vs speculative, same engine, same prompts (B = prompts
-  x G rows); `costs` for adaptive speculation (`rollout_costs`).
-
-  The two arms alternate call by call (`speedup_repeats` each, medians), so that a slow
-  spell of a shared machine hits both alike. With adaptive speculation, `plain_share` is the
-  fraction of rounds that ran plain decoding.
-  """
-  g = config.grpo.group_size
-  tokens = jnp.repeat(batch.tokens, g, 0)
-  lengths = jnp.repeat(batch.lengths, g, 0)
-  arms = []  # (plain, speculative); with drafter="none" both are plain decoding
-  for name in ("none", config.drafter):
-    rc = config.train_config(name, costs).rollout
-    arms.append(functools.partial(
-        generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
-        sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
-        eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None))
-    jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
-  rates = ([], [])
-  for r in range(config.speedup_repeats):
-    for run, arm_rates in zip(arms, rates):
-      start = time.perf_counter()
-      out = jax.block_until_ready(run(jax.random.key(r + 1)))
-      arm_rates.append(int(out.lengths.sum()) / (time.perf_counter() - start))
-  plain, spec = (float(np.median(x)) for x in rates)
-  rounds = np.asarray(out.stats.tree_rounds, np.float64)
-  summary = {"plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
-             "acceptance_length": float(out.stats.tokens_per_round)}
-  if len(rounds) > 1:
-    summary["plain_share"] = float(rounds[0] / max(rounds.sum(), 1.0))
-  return summary
 
 
 def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> TrainState:
