@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -19,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import tokenizers
 
 from specjax.errors import ConfigError
+from specjax.jsonfile import read_object
 
 
 class TokenizerError(ValueError):
@@ -161,17 +161,7 @@ def _read_json(file: Path) -> dict[str, Any]:
   file and the position when it is not one."""
   if not file.is_file():
     return {}
-  try:
-    value = json.loads(file.read_text(encoding="utf-8"))
-  except json.JSONDecodeError as err:
-    raise TokenizerError(f"{file}: malformed JSON at line {err.lineno} column {err.colno}: "
-                         f"{err.msg}; re-download it or save the tokenizer again") from None
-  except UnicodeDecodeError as err:
-    raise TokenizerError(f"{file}: not UTF-8 text (byte {err.start}); re-download it or save "
-                         "the tokenizer again") from None
-  if not isinstance(value, dict):
-    raise TokenizerError(f"{file}: holds a JSON {type(value).__name__}, expected an object")
-  return value
+  return read_object(file, TokenizerError, "re-download it or save the tokenizer again")
 
 
 def _config_ids(file: Path, field: str, value: Any) -> list[int]:

@@ -207,6 +207,16 @@ def test_the_policy_switches_the_drafter_off_when_plain_decoding_alone_beats_eve
   assert int(Adaptive(menu, costs=CostTable(**table)).choose(poor, 4)) == 0
 
 
+def _ragged_batch_and_plain(m):
+  """8 ragged prompts and their greedy plain decoding (40 tokens, EOS 7): an EOS that some
+  rows meet early and others late or never, so a compacting batch shrinks 8 -> 4 -> 2."""
+  tokens = progression_batch(np.random.default_rng(9), 8, 10)
+  prompts, lengths = jnp.asarray(tokens), jnp.array([10, 4, 7, 10, 5, 9, 6, 8])
+  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
+                   max_new_tokens=40, sampling=GREEDY, eos_id=7)
+  return prompts, lengths, plain
+
+
 class _OffAtRoundTwo(Adaptive):
   """chain3 for two rounds, drafter off at the third, then chain3 again (which the loop
   must not follow: the drafter's state is stale once it was switched off)."""
@@ -223,10 +233,7 @@ def test_switching_the_drafter_off_mid_call_stays_exact_and_stays_off(
     progression_models, progression_eagle, name):
   m = progression_models
   drafter, drafter_params, _ = _drafters(m, progression_eagle)[name]
-  tokens = progression_batch(np.random.default_rng(9), 8, 10)
-  prompts, lengths = jnp.asarray(tokens), jnp.array([10, 4, 7, 10, 5, 9, 6, 8])
-  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
-                   max_new_tokens=40, sampling=GREEDY, eos_id=7)
+  prompts, lengths, plain = _ragged_batch_and_plain(m)
   policy = _OffAtRoundTwo((DraftTree.chain(3),), costs=CostTable((8,), ((1.0,), (1.0,))))
   # Compaction: the later phases ask the policy again, and it says chain3.
   out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
@@ -295,11 +302,7 @@ def test_compacting_the_batch_as_rows_finish_keeps_every_row_exact(
     progression_models, progression_eagle, name):
   m = progression_models
   drafter, drafter_params, menu = _drafters(m, progression_eagle)[name]
-  tokens = progression_batch(np.random.default_rng(9), 8, 10)
-  prompts, lengths = jnp.asarray(tokens), jnp.array([10, 4, 7, 10, 5, 9, 6, 8])
-  # An EOS that some rows meet early and others late or never: the batch shrinks 8 -> 4 -> 2.
-  plain = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
-                   max_new_tokens=40, sampling=GREEDY, eos_id=7)
+  prompts, lengths, plain = _ragged_batch_and_plain(m)
   assert len(set(np.asarray(plain.lengths).tolist())) >= 3, plain.lengths
   policy = CyclingPolicy(menu, costs=CostTable((2, 8), ((1.0, 1.0),) * (len(menu) + 1)))
   for kwargs in (dict(tree=menu[-1]), dict(speculation=policy)):

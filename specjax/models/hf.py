@@ -50,6 +50,7 @@ from safetensors.numpy import save_file
 
 from specjax import atomic
 from specjax.errors import CheckpointError, ConfigError
+from specjax.jsonfile import read_object
 from specjax.models.config import ModelConfig
 # config.json translation lives in hf_config; its public names are re-exported from here,
 # where callers have always imported them.
@@ -191,18 +192,7 @@ def _get(tree: Any, key: tuple) -> Any:
 
 def _read_json(file: Path) -> dict[str, Any]:
   """The JSON object in `file`, or a `CheckpointError` naming the file and the bad position."""
-  try:
-    value = json.loads(file.read_text(encoding="utf-8"))
-  except json.JSONDecodeError as err:
-    raise CheckpointError(f"{file}: malformed JSON at line {err.lineno} column {err.colno} "
-                          f"(char {err.pos}): {err.msg}; re-download or re-export the "
-                          "checkpoint") from None
-  except UnicodeDecodeError as err:
-    raise CheckpointError(f"{file}: not UTF-8 text (byte {err.start}): {err.reason}; "
-                          "re-download or re-export the checkpoint") from None
-  if not isinstance(value, dict):
-    raise CheckpointError(f"{file}: holds a JSON {type(value).__name__}, expected an object")
-  return value
+  return read_object(file, CheckpointError, "re-download or re-export the checkpoint")
 
 
 def _corrupt(file: Path, err: Exception) -> CheckpointError:
