@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.errors import ConfigError
+from specjax.models.attention import Visibility
 from specjax.models.config import ModelConfig
 
 
@@ -104,8 +105,5 @@ def attention_mask(lengths: jax.Array, num_new: int, max_len: int,
   Returns:
     `[B, T, S]` bool.
   """
-  rel = jnp.arange(max_len)[None, :] - lengths[:, None]  # [B, S]
-  in_new = (rel >= 0) & (rel < num_new)
-  among_new = jnp.take_along_axis(
-      new_mask, jnp.clip(rel, 0, num_new - 1)[:, None, :], axis=2)  # [B, T, S]
-  return (rel < 0)[:, None, :] | (in_new[:, None, :] & among_new)
+  new_mask = jnp.broadcast_to(new_mask, (lengths.shape[0], num_new, num_new))
+  return Visibility(lengths=lengths, new_mask=new_mask).slots(0, max_len)

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from specjax.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+ATTENTION_IMPLS = ("auto", "dense", "blocked")
+# "auto" attention turns blocked from this cache size on (see `ModelConfig.attention_impl`).
+AUTO_BLOCKED_MIN_SLOTS = 2048
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -91,6 +94,11 @@ class ModelConfig:
     num_medusa_heads: Medusa residual-MLP heads (0 = none).
     medusa_layers: residual blocks per Medusa head.
     family: checkpoint family written by `save_hf` ("llama", "qwen2", "qwen3").
+    attention_impl: how a forward with a cache attends (`specjax.models.attention`):
+      "dense" scores every slot of the buffer, "blocked" only the blocks of
+      `attention_block` slots below the longest live row; "auto" picks blocked for caches
+      of at least `AUTO_BLOCKED_MIN_SLOTS` slots. Forwards without a cache are dense.
+    attention_block: slots per block of blocked attention.
   """
 
   vocab_size: int
@@ -113,10 +121,12 @@ class ModelConfig:
   num_medusa_heads: int = 0
   medusa_layers: int = 1
   family: Literal["llama", "qwen2", "qwen3"] = "llama"
+  attention_impl: Literal["auto", "dense", "blocked"] = "auto"
+  attention_block: int = 256
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "mlp_dim", "max_position", "medusa_layers"):
+                 "mlp_dim", "max_position", "medusa_layers", "attention_block"):
       value = getattr(self, name)
       _require(_is_int(value) and value > 0, name, value, "must be a positive int")
     for name in ("num_mtp_modules", "num_medusa_heads"):
@@ -139,6 +149,8 @@ class ModelConfig:
     _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
     _require(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"one of {DTYPES}")
     _require(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")
+    _require(self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl,
+             f"one of {ATTENTION_IMPLS}")
     _require(
         self.rope_scaling is None or isinstance(self.rope_scaling, Llama3RopeScaling),
         "rope_scaling",
@@ -161,6 +173,12 @@ class ModelConfig:
   @property
   def weight_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.param_dtype)
+
+  def blocked_attention(self, max_len: int) -> bool:
+    """Whether a forward over a cache of `max_len` slots uses blocked attention."""
+    if self.attention_impl == "auto":
+      return max_len >= AUTO_BLOCKED_MIN_SLOTS
+    return self.attention_impl == "blocked"
 
   @property
   def group_size(self) -> int:

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.cache import KVCache, attention_mask
+from specjax.models.attention import Visibility, blocked_attention, dense_attention
+from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -92,7 +93,7 @@ def _write(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 
 def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
-          mask: jax.Array, kv: tuple[jax.Array, jax.Array] | None, slots: jax.Array | None,
+          vis: Visibility, kv: tuple[jax.Array, jax.Array] | None, slots: jax.Array | None,
           inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
   """One pre-norm transformer block (attention + SwiGLU MLP).
 
@@ -100,7 +101,7 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
     layer: the block's parameters.
     x: `[B, T, E]` residual stream.
     positions: `[B, T]` absolute positions (for RoPE).
-    mask: `[B, T, S]` visibility (S = T without a cache).
+    vis: which slots (cache slots, or the T new tokens without a cache) each query sees.
     kv: this layer's `(keys, values)` buffers `[B, K, S, H]`, or None.
     slots: `[B, T]` slots the new keys/values are written to (with `kv`).
     inv_freq: `[H/2]` RoPE inverse frequencies.
@@ -138,14 +139,10 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
                                          config.head_dim)
   if kv is None:
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-  scores = jnp.einsum("BKUH,BKSH->BKUS", q, keys.astype(dt),
-                      preferred_element_type=jnp.float32)
-  scores = scores.reshape(b, config.n_kv_heads, config.group_size, t, -1)
-  scores = scores / math.sqrt(config.head_dim)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  probs = probs.reshape(b, config.n_kv_heads, config.group_size * t, -1)
-  attn = jnp.einsum("BKUS,BKSH->BKUH", probs, values.astype(dt))
+  if kv is not None and config.blocked_attention(keys.shape[2]):
+    attn = blocked_attention(q, keys, values, vis, config.group_size, config.attention_block)
+  else:
+    attn = dense_attention(q, keys, values, vis, config.group_size)
   attn = attn.reshape(b, config.n_kv_heads, config.group_size, t, config.head_dim)
   attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, K, R, H]
   # Contract over the flattened Q*H axis (X below): with two contracting dims XLA:CPU
@@ -198,16 +195,16 @@ def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, position
   new_mask = jnp.broadcast_to(new_mask, (b, t, t))
   inv_freq = rope_frequencies(config)
   if cache is None:
-    mask, slots = new_mask, None
+    vis, slots = Visibility(lengths=jnp.zeros((b,), jnp.int32), new_mask=new_mask), None
   else:
     if len(cache.keys) != len(layers):
       raise ValueError(f"cache has {len(cache.keys)} layers, the model {len(layers)}")
-    mask = attention_mask(cache.lengths, t, cache.max_len, new_mask)
+    vis = Visibility(lengths=cache.lengths, new_mask=new_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   keys, values, intermediates = [], [], []
   for i, layer in enumerate(layers):
     kv = None if cache is None else (cache.keys[i], cache.values[i])
-    x, new_kv = block(layer, config, x, positions, mask, kv, slots, inv_freq)
+    x, new_kv = block(layer, config, x, positions, vis, kv, slots, inv_freq)
     if new_kv is not None:
       keys.append(new_kv[0])
       values.append(new_kv[1])
