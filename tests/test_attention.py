@@ -4,6 +4,7 @@ import importlib.util
 import math
 import pathlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,9 @@ import pytest
 from conftest import progression_batch
 from specjax.decoding import DraftModelDrafter, DraftTree, MTPDrafter, SamplingConfig, generate
 from specjax.models import ConfigError, KVCache, ModelConfig, forward, init_params
-from specjax.models.attention import Visibility, blocked_attention, dense_attention
+from specjax.models import attention
+from specjax.models.attention import (Visibility, _kernel_tiling, blocked_attention,
+                                     dense_attention)
 from specjax.models.config import AUTO_BLOCKED_MIN_SLOTS
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -68,6 +71,53 @@ def test_blocked_forward_matches_dense_for_chains_and_trees(family, max_len, blo
     np.testing.assert_allclose(blocked, dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("max_len", [256, 304])
+def test_pallas_decode_kernel_matches_dense_and_falls_back_for_verify(max_len):
+  """Interpreted on CPU, the Pallas GPU decode kernel gives the dense decode step at 1e-5;
+  forwards over several tokens (prefill, tree verify) say so and use blocked attention."""
+  attention._say_fallback.cache_clear()  # the message is said once per process
+  base = CONFIG.replace(n_kv_heads=1)  # R = 4 query heads per kv head
+  params = init_params(base, jax.random.key(0))
+  results = {}
+  for impl in ("dense", "pallas_interpret"):
+    config = base.replace(attention_impl=impl)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      first = _prefilled(config, params, max_len, [70, 31, 1])
+      step = forward(params, config, jnp.array([[5], [6], [7]]), first.cache.lengths[:, None],
+                     first.cache)
+      tree_tokens = jax.random.randint(jax.random.key(2), (3, 5), 0, config.vocab_size)
+      verify = forward(params, config, tree_tokens, step.cache.lengths[:, None] + TREE_DEPTHS,
+                       step.cache, new_mask=TREE_MASK[None], advance=0)
+    said = " ".join(str(w.message) for w in caught)
+    if impl == "dense":
+      assert not said
+    else:
+      assert "one new token per row" in said and "using blocked attention" in said
+    results[impl] = (step.logits, verify.logits, step.cache.values[0])
+  for dense, kernel in zip(results["dense"], results["pallas_interpret"]):
+    np.testing.assert_allclose(kernel, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_pallas_on_a_backend_without_the_kernel_falls_back_with_a_message():
+  attention._say_fallback.cache_clear()
+  config = CONFIG.replace(attention_impl="pallas")
+  params = init_params(config, jax.random.key(0))
+  cache = KVCache.create(config, 1, 64)
+  with pytest.warns(UserWarning, match="GPU kernel and the backend is 'cpu'.*pallas_interpret"):
+    got = forward(params, config, jnp.array([[3]]), jnp.array([[0]]), cache).logits
+  want = forward(params, CONFIG, jnp.array([[3]]), jnp.array([[0]]), cache).logits
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_kernel_tiling_covers_what_the_kernel_accepts():
+  assert _kernel_tiling(2048) == (16, 128)
+  assert _kernel_tiling(256) == (16, 16)
+  assert _kernel_tiling(304) == (1, 16)  # 304 = 19 x 16: one split of 19 tiles
+  assert _kernel_tiling(100) is None  # no split into parts of 16 slots
+  assert _kernel_tiling(8) is None
+
+
 def test_blocked_attention_reads_no_slot_above_the_longest_live_row():
   """Slots above the last block holding a live entry hold NaN: dense sees them (NaN x 0 is
   NaN), blocked never reads them; below them, where both read, they agree."""
@@ -102,10 +152,10 @@ def test_blocked_attention_bf16_stays_close_to_dense():
                              atol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["mtp_tree", "draft_model_chain"])
+@pytest.mark.parametrize("name", ["mtp_tree", "draft_model_chain", "plain_pallas"])
 def test_greedy_generation_is_identical_with_blocked_attention(progression_models, name):
-  """The whole engine (prefill, MTP / draft-model caches, tree verify) on blocked attention
-  emits the tokens plain dense decoding emits."""
+  """The whole engine (prefill, MTP / draft-model caches, tree verify) on blocked attention,
+  and plain decoding on the (interpreted) Pallas kernel, emit what dense decoding emits."""
   m = progression_models
   rng = np.random.default_rng(5)
   prompts, lengths = jnp.asarray(progression_batch(rng, 3, 12)), jnp.array([12, 7, 4])
@@ -113,6 +163,14 @@ def test_greedy_generation_is_identical_with_blocked_attention(progression_model
   plain = generate(m["params"], m["config"].replace(attention_impl="dense"), prompts, lengths,
                    jax.random.key(0), max_new_tokens=20, sampling=greedy)
   blocked = m["config"].replace(attention_impl="blocked", attention_block=8)
+  if name == "plain_pallas":
+    attention._say_fallback.cache_clear()
+    with pytest.warns(UserWarning, match="one new token per row"):
+      kernel = generate(m["params"], m["config"].replace(attention_impl="pallas_interpret"),
+                        prompts, lengths, jax.random.key(0), max_new_tokens=20, sampling=greedy)
+    np.testing.assert_array_equal(kernel.tokens, plain.tokens)
+    np.testing.assert_allclose(kernel.logprobs, plain.logprobs, atol=1e-5)
+    return
   if name == "mtp_tree":
     kwargs = {"drafter": MTPDrafter(), "tree": DraftTree.from_widths((2, 2, 1))}
   else:
@@ -148,7 +206,7 @@ def test_auto_picks_blocked_for_large_caches_only():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"attention_impl": "flash"}, "attention_impl='flash' is invalid: one of"),
+    ({"attention_impl": "flash"}, "attention_impl='flash' is invalid: one of.*pallas"),
     ({"attention_block": 0}, "attention_block=0 is invalid: must be a positive int"),
     ({"attention_block": 2.5}, "attention_block=2.5 is invalid"),
 ])

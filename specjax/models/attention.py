@@ -11,6 +11,12 @@ Both implementations compute the same thing: query t of row b attends to the com
   normaliser and weighted sum in float32), in a loop bounded by the longest live row: blocks
   above `max(lengths) + T` are never read. An RL rollout with an 8k-32k token budget spends
   most of its steps with a mostly empty cache, and pays for what it holds.
+- `pallas` runs JAX's shipped Pallas GPU decode kernel
+  (`jax.experimental.pallas.ops.gpu.decode_attention`, split-K flash decoding that also stops
+  at each row's live length) for decode steps (T = 1) on a GPU; `pallas_interpret` runs the
+  same kernel in Pallas interpret mode on any backend (tests, debugging). Where the kernel
+  does not apply (a verify pass or tree, T > 1; a TPU, whose shipped kernels need a paged
+  cache; a shape it cannot tile) the forward uses `blocked` and says why, once.
 
 Shape letters: see `specjax` (B batch, T new tokens, S cache slots, K kv heads, R = Q / K,
 U = R x T query rows per kv head, H head_dim, C slots in one block).
@@ -18,13 +24,17 @@ U = R x T query rows per kv head, H head_dim, C slots in one block).
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 _NEG = float(jnp.finfo(jnp.float32).min)
+# Smallest split of the buffer the Pallas decode kernel accepts, and its largest KV tile.
+_KERNEL_MIN_SPLIT, _KERNEL_MAX_BLOCK, _KERNEL_MAX_SPLITS = 16, 128, 16
 
 
 @struct.dataclass
@@ -120,3 +130,91 @@ def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Vis
   num_blocks = (vis.extent() + size - 1) // size
   m, l, acc = jax.lax.fori_loop(0, jnp.minimum(num_blocks, -(-s // size)), visit, (m, l, acc))
   return (acc / l.reshape(b, k, u, 1)).astype(dt)
+
+
+def _kernel_tiling(max_len: int) -> tuple[int, int] | None:
+  """`(k_splits, block_k)` for the Pallas decode kernel over `max_len` slots, or None.
+
+  The kernel cuts the buffer into `k_splits` equal parts of at least 16 slots, each read in
+  tiles of `block_k` (a power of two >= 16) that divide it.
+  """
+  for k_splits in (16, 8, 4, 2, 1):
+    split = max_len // k_splits
+    if max_len % k_splits or split < _KERNEL_MIN_SPLIT:
+      continue
+    block_k = _KERNEL_MAX_BLOCK
+    while block_k >= _KERNEL_MIN_SPLIT and split % block_k:
+      block_k //= 2
+    if block_k >= _KERNEL_MIN_SPLIT:
+      return k_splits, block_k
+  return None
+
+
+def pallas_unsupported(num_new: int, max_len: int, head_dim: int, interpret: bool) -> str | None:
+  """Why the Pallas decode kernel cannot run this forward (None when it can)."""
+  if num_new != 1:
+    return ("the kernel decodes one new token per row; forwards over several (a prefill into "
+            "the cache, a verify pass, a draft tree)")
+  backend = jax.default_backend()
+  if not interpret and backend != "gpu":
+    return (f"it is a GPU kernel and the backend is {backend!r} (the TPU kernels JAX ships "
+            "need a paged cache; use attention_impl='pallas_interpret' to run it interpreted)")
+  if _kernel_tiling(max_len) is None:
+    return f"the kernel cannot tile a cache of {max_len} slots (needs a multiple of 16, >= 16)"
+  if not interpret and (head_dim < 16 or head_dim & (head_dim - 1)):
+    return f"the GPU kernel needs a power-of-two head_dim >= 16, not {head_dim}"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _say_fallback(reason: str) -> None:
+  warnings.warn(f"attention_impl='pallas': {reason}; using blocked attention", stacklevel=2)
+
+
+def pallas_decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility,
+                            group_size: int, interpret: bool) -> jax.Array:
+  """Decode attention (T = 1) with the Pallas GPU kernel; the query sees `lengths + 1` slots.
+
+  Args:
+    q: `[B, K, R, H]` (U = R for one new token).
+    keys, values: `[B, K, S, H]` cache buffers (the new entry already written).
+    vis: visibility with T = 1.
+    group_size: R.
+    interpret: run the kernel in Pallas interpret mode (any backend).
+  """
+  from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: PLC0415 (GPU-only)
+  b, k, r, h = q.shape
+  k_splits, block_k = _kernel_tiling(keys.shape[2])
+  # The kernel takes [B, S, K, H] and swaps to [B, K, S, H] itself: the two swaps cancel.
+  out = decode_attention.gqa(
+      q.reshape(b, k * r, h), keys.swapaxes(1, 2).astype(q.dtype),
+      values.swapaxes(1, 2).astype(q.dtype), kv_seq_len=vis.lengths + 1,
+      k_splits=k_splits, block_k=block_k, interpret=interpret)
+  return out.reshape(b, k, r, h)
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility, config,
+           cached: bool) -> jax.Array:
+  """Attention as `config.attention_impl` asks; forwards without a cache are dense.
+
+  Args:
+    q: `[B, K, U, H]`.
+    keys, values: `[B, K, S, H]`.
+    vis: which slots each query sees.
+    config: the `ModelConfig` (`attention_impl`, `attention_block`, `group_size`).
+    cached: whether `keys` / `values` are a cache (S slots) rather than the T new tokens.
+  """
+  r = config.group_size
+  if not cached:
+    return dense_attention(q, keys, values, vis, r)
+  impl, s = config.attention_impl, keys.shape[2]
+  if impl.startswith("pallas"):
+    interpret = impl == "pallas_interpret"
+    reason = pallas_unsupported(vis.num_new, s, q.shape[-1], interpret)
+    if reason is None:
+      return pallas_decode_attention(q, keys, values, vis, r, interpret)
+    _say_fallback(reason)
+    impl = "blocked"
+  if impl == "blocked" or config.blocked_attention(s):
+    return blocked_attention(q, keys, values, vis, r, config.attention_block)
+  return dense_attention(q, keys, values, vis, r)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from specjax.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-ATTENTION_IMPLS = ("auto", "dense", "blocked")
+ATTENTION_IMPLS = ("auto", "dense", "blocked", "pallas", "pallas_interpret")
 # "auto" attention turns blocked from this cache size on (see `ModelConfig.attention_impl`).
 AUTO_BLOCKED_MIN_SLOTS = 2048
 DTYPES = ("float32", "bfloat16", "float16")
@@ -97,7 +97,9 @@ class ModelConfig:
     attention_impl: how a forward with a cache attends (`specjax.models.attention`):
       "dense" scores every slot of the buffer, "blocked" only the blocks of
       `attention_block` slots below the longest live row; "auto" picks blocked for caches
-      of at least `AUTO_BLOCKED_MIN_SLOTS` slots. Forwards without a cache are dense.
+      of at least `AUTO_BLOCKED_MIN_SLOTS` slots; "pallas" runs JAX's Pallas GPU decode
+      kernel for decode steps on a GPU ("pallas_interpret": interpreted, any backend) and
+      blocked attention where it does not apply. Forwards without a cache are dense.
     attention_block: slots per block of blocked attention.
   """
 
@@ -121,7 +123,7 @@ class ModelConfig:
   num_medusa_heads: int = 0
   medusa_layers: int = 1
   family: Literal["llama", "qwen2", "qwen3"] = "llama"
-  attention_impl: Literal["auto", "dense", "blocked"] = "auto"
+  attention_impl: Literal["auto", "dense", "blocked", "pallas", "pallas_interpret"] = "auto"
   attention_block: int = 256
 
   def __post_init__(self):

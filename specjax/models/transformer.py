@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.models.attention import Visibility, blocked_attention, dense_attention
+from specjax.models.attention import Visibility, attend
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 
@@ -139,10 +139,7 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
                                          config.head_dim)
   if kv is None:
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-  if kv is not None and config.blocked_attention(keys.shape[2]):
-    attn = blocked_attention(q, keys, values, vis, config.group_size, config.attention_block)
-  else:
-    attn = dense_attention(q, keys, values, vis, config.group_size)
+  attn = attend(q, keys, values, vis, config, cached=kv is not None)
   attn = attn.reshape(b, config.n_kv_heads, config.group_size, t, config.head_dim)
   attn = attn.transpose(0, 3, 1, 2, 4)  # [B, T, K, R, H]
   # Contract over the flattened Q*H axis (X below): with two contracting dims XLA:CPU
