@@ -27,6 +27,7 @@ from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree, MedusaDraf
                               MTPDrafter, NGramDrafter, SamplingConfig, calibrate, generate)
 from specjax.decoding.policy import describe
 from specjax.errors import ConfigError
+from specjax.tokenizer import with_bos
 
 DrafterName = Literal["none", "mtp", "medusa", "ngram", "draft-model"]
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -47,14 +48,6 @@ def _drafter(name: DrafterName, draft_checkpoint: str | None):
     params, config = load_hf(draft_checkpoint)
     return DraftModelDrafter(config), params
   return None, None
-
-
-def _with_bos(ids: list[int], bos_id: int | None) -> list[int]:
-  """`ids` led by `bos_id` (when there is one): prepended unless already first, as when the
-  prompt text spells the BOS token itself (chat-formatted prompts often do)."""
-  if bos_id is None or ids[:1] == [bos_id]:
-    return ids
-  return [bos_id] + ids
 
 
 def _timed(fn):
@@ -135,7 +128,7 @@ def generate_command(
     # <|end_of_text|>); stopping on the tokenizer's EOS alone runs past the turn's end.
     eos_id = tuple(dict.fromkeys(tokenizer.eos_ids + eos_token_ids(checkpoint)))
 
-  encoded = [_with_bos(tokenizer.encode(p), bos_id) for p in prompt]
+  encoded = [with_bos(tokenizer.encode(p), bos_id) for p in prompt]
   width = max(len(e) for e in encoded)
   tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
   for i, e in enumerate(encoded):

@@ -25,6 +25,14 @@ class TokenizerError(ValueError):
   """Text, an id or a tokenizer directory that cannot be used; the message names it."""
 
 
+def with_bos(ids: list[int], bos_id: int | None) -> list[int]:
+  """`ids` led by `bos_id` (when there is one): prepended unless already first, as when the
+  prompt text spells the BOS token itself (chat-formatted prompts often do)."""
+  if bos_id is None or ids[:1] == [bos_id]:
+    return list(ids)
+  return [bos_id] + list(ids)
+
+
 def _check_text(text: Any) -> None:
   if not isinstance(text, str):
     raise TokenizerError(f"text={text!r} is invalid: encode takes a str, got "

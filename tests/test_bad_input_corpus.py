@@ -158,6 +158,16 @@ HF_CASES = [
          ConfigError, r"specjax"),
     case("head_dim_zero", _then_load(lambda p: _edit_config(p, head_dim=0)),
          ConfigError, r"head_dim=0"),
+    case("tensor_holding_nan",
+         _then_load(lambda p: _edit_tensors(
+             p, lambda t: t.update({UP: np.where(np.arange(48)[:, None] < 2, np.nan,
+                                                 t[UP]).astype(np.float32)}))),
+         CheckpointError, rf"tensor '{re.escape(UP)}' in .*model\.safetensors holds 64 "
+                          r"non-finite values \(NaN or inf\) of 1536; .*re-export"),
+    case("save_params_holding_inf",
+         lambda p: save_hf({**HF_PARAMS, "final_norm": HF_PARAMS["final_norm"].at[3].set(
+             jnp.inf)}, HF_CONFIG, p.parent / "never_written"),
+         CheckpointError, r"params final_norm holds 1 non-finite values .* refusing to save"),
     case("config_from_hf_of_a_list", lambda p: config_from_hf([1, 2]),
          ConfigError, r"list|object|dict"),
 ]
@@ -168,6 +178,15 @@ def test_bad_hf_checkpoint_is_refused_naming_the_file_field_or_tensor(export, ca
                                                                       match):
   with pytest.raises(error, match=match):
     call(export)
+
+
+def test_a_refused_save_leaves_the_earlier_export_as_it_was(export):
+  before = {f.name: f.read_bytes() for f in export.iterdir()}
+  nan = {**HF_PARAMS, "embed": HF_PARAMS["embed"].at[0, 0].set(jnp.nan)}
+  with pytest.raises(CheckpointError, match="params embed holds 1 non-finite"):
+    save_hf(nan, HF_CONFIG, export)
+  assert {f.name: f.read_bytes() for f in export.iterdir()} == before
+  assert [p.name for p in export.parent.iterdir()] == [export.name]  # no temporary left
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -460,6 +479,12 @@ RL_CASES = [
          RewardError, r"returned \[1\.0\], which is not a real number"),
     case("custom_reward_of_unequal_lengths", lambda p: _custom().reward(["2"], ["2", "3"]),
          ValueError, r"task 't': 1 completions but 2 references"),
+    case("gsm8k_empty_file", lambda p: read_gsm8k_jsonl(_jsonl(p, b"\n  \n")),
+         TaskError, r"d\.jsonl: no questions \(the file is empty or blank\)"),
+    case("gsm8k_answer_overflowing_a_float",
+         lambda p: read_gsm8k_jsonl(_jsonl(p, b'{"question": "q", "answer": "#### '
+                                       + b"9" * 400 + b'"}\n')),
+         TaskError, r"d\.jsonl:1: the answer after '####' is too large for a float"),
     case("gsm8k_line_not_utf8", lambda p: read_gsm8k_jsonl(_jsonl(p, GOOD_LINE + b"\xff\n")),
          TaskError, r"d\.jsonl:2"),
     case("advantages_of_a_nan_reward",

@@ -6,6 +6,7 @@ import json
 import random
 import re
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from specjax.models import ConfigError
 from specjax.rl import (ARITHMETIC_ALPHABET, WORKED_ALPHABET, ArithmeticPrompts, ArithmeticTask, CustomTask,
                         Example, GSM8KTask, PromptReader, PythonReward, RewardError, Task,
-                        TaskError, decode_completions, encode_prompt, extract_answer,
+                        TaskError, answers_match, decode_completions, encode_prompt, extract_answer,
                         parse_number, prepare_prompts, read_gsm8k_jsonl)
 from specjax.tokenizer import CharTokenizer
 
@@ -397,3 +398,17 @@ def test_reader_process_slices_tile_the_global_batch(arithmetic_source):
   with pytest.raises(ValueError, match=r"process_count=3 is invalid: must be an int >= 1 "
                      r"dividing batch_size=8"):
     PromptReader(source, 8, process_count=3)
+
+
+def test_encode_prompt_adds_bos_once_even_when_the_text_spells_it():
+  tok = SimpleNamespace(bos_id=1, encode=lambda text: ([1] if text.startswith("<s>") else [])
+                        + [5, 6])
+  assert encode_prompt(tok, "hi") == [1, 5, 6]
+  assert encode_prompt(tok, "<s>hi") == [1, 5, 6]
+  assert encode_prompt(SimpleNamespace(bos_id=None, encode=lambda text: [5]), "x") == [5]
+
+
+def test_an_overflowing_number_matches_no_reference():
+  assert not answers_match(parse_number("9" * 400), 3.0)
+  assert not answers_match(3.0, float("inf"))
+  assert answers_match(0.1 + 0.2, 0.3)

@@ -271,7 +271,18 @@ def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
       if shape != t.stored_shape:
         raise CheckpointError(f"tensor {t.name!r} in {file.name} has shape {shape}, expected "
                               f"{t.stored_shape}")
-      _set(tree, t.key, jnp.asarray(t.to_param(handle.get_tensor(t.name)).astype(dtype)))
+      stored = handle.get_tensor(t.name)
+      _check_finite(stored, f"tensor {t.name!r} in {file}", "the checkpoint is damaged or was "
+                    "saved from a diverged run; re-export it from a healthy state")
+      _set(tree, t.key, jnp.asarray(t.to_param(stored).astype(dtype)))
+
+
+def _check_finite(array: np.ndarray, what: str, remedy: str) -> None:
+  """Refuse NaN / inf weights: they would load (or save) as a model that emits garbage."""
+  bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+  if bad:
+    raise CheckpointError(f"{what} holds {bad} non-finite values (NaN or inf) of "
+                          f"{np.size(array)}; {remedy}")
 
 
 def _get_tensor(files: dict[str, Path], name: str) -> np.ndarray:
@@ -340,7 +351,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
   Raises:
     CheckpointError: missing `config.json` or weights file; malformed JSON; a corrupt or
       truncated safetensors file; a shard outside `path`; a missing, misshapen, non-float or
-      unexpected tensor.
+      unexpected tensor, or one holding NaN / inf.
     ConfigError: an unsupported architecture or option in `config.json`.
   """
   path = atomic.existing(Path(path), CONFIG_FILE)
@@ -412,7 +423,10 @@ def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise ConfigError(f"params {'/'.join(map(str, t.key))} has dtype {value.dtype}: allowed "
                         "a float dtype (float16, bfloat16, float32 or float64)")
-    out[t.name] = t.to_stored(np.asarray(value))
+    value = np.asarray(value)
+    _check_finite(value, f"params {'/'.join(map(str, t.key))}", "refusing to save it; train "
+                  "from the last good checkpoint (a NaN learning rate or reward, say)")
+    out[t.name] = t.to_stored(value)
   return out
 
 
@@ -541,7 +555,8 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
   Raises:
     ConfigError: a param missing or of the wrong shape or a non-float dtype for `config`, a
       bad shard size, or a token id outside the vocabulary.
-    CheckpointError: `path` exists and is not a directory, or cannot be replaced.
+    CheckpointError: a param holds NaN / inf (nothing is written), or `path` exists and is
+      not a directory, or cannot be replaced.
     OSError: writing failed (e.g. ENOSPC); `path` is unchanged and the temporary is removed.
   """
   if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:

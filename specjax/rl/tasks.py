@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import ConfigError
-from specjax.tokenizer import CharTokenizer, Tokenizer
+from specjax.tokenizer import CharTokenizer, Tokenizer, with_bos
 
 SPLITS = ("train", "test")
 ARITHMETIC_ALPHABET = "0123456789+-*="
@@ -96,9 +96,9 @@ class Task(Protocol):
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-  """Prompt ids as the policy sees them: BOS (when the tokenizer has one), then the text."""
-  bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  return bos + tokenizer.encode(text)
+  """Prompt ids as the policy sees them: BOS (when the tokenizer has one and the text does not
+  already start with it), then the text."""
+  return with_bos(tokenizer.encode(text), tokenizer.bos_id)
 
 
 def decode_completions(tokenizer: Tokenizer, tokens, lengths) -> list[str]:
@@ -506,8 +506,11 @@ def format_number(value: float) -> str:
 
 
 def answers_match(predicted: float | None, reference: float) -> bool:
-  """Numeric equality up to a relative 1e-6 (decimals such as 0.1 + 0.2)."""
-  return predicted is not None and abs(predicted - reference) <= 1e-6 * max(1.0, abs(reference))
+  """Numeric equality up to a relative 1e-6 (decimals such as 0.1 + 0.2); never for a
+  non-finite number (an overflowing "999...9" is not equal to everything)."""
+  if predicted is None or not (math.isfinite(predicted) and math.isfinite(reference)):
+    return False
+  return abs(predicted - reference) <= 1e-6 * max(1.0, abs(reference))
 
 
 def read_gsm8k_jsonl(path: str | os.PathLike) -> list[tuple[str, float]]:
@@ -546,7 +549,13 @@ def read_gsm8k_jsonl(path: str | os.PathLike) -> list[tuple[str, float]]:
       value = parse_number(row["answer"].rsplit("####", 1)[1])
       if value is None:
         raise TaskError(f"{where}: no number after '####' in 'answer'")
+      if not math.isfinite(value):
+        raise TaskError(f"{where}: the answer after '####' is too large for a float "
+                        f"({value}); every completion would compare wrongly with it")
       rows.append((row["question"], value))
+  if not rows:
+    raise TaskError(f"{path}: no questions (the file is empty or blank); expected one JSON "
+                    "object with 'question' and 'answer' per line")
   return rows
 
 
