@@ -323,6 +323,25 @@ def test_tfds_array_record_round_trip_without_tensorflow(tmp_path):
   assert len(list(tmp_path.rglob("*train.array_record*"))) == 2
 
 
+def test_a_damaged_prompt_file_is_refused_naming_the_directory_to_delete(tmp_path):
+  task = ArithmeticTask(num_train=3000, num_test=8, seed=5)
+  prepare_prompts(task, tmp_path)
+  file = next(tmp_path.rglob("*train.array_record*"))
+  data = file.read_bytes()
+  file.write_bytes(data[:len(data) // 2])  # truncated: refused when the split is opened
+  with pytest.raises(TaskError, match=r"1\.0\.0: the 'train' prompt file is unreadable "
+                                      r"\(.*\)\. It is a cache derived from task 'arithmetic': "
+                                      r"delete .*1\.0\.0 and rerun"):
+    prepare_prompts(task, tmp_path)
+  middle = len(data) // 2  # a damaged chunk mid-file: refused when its records are read
+  file.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 256])
+                   + data[middle + 256:])
+  reader = PromptReader(prepare_prompts(task, tmp_path)["train"], 8, pad_id=TOK.pad_id)
+  with pytest.raises(TaskError, match=r"prompt records \[\d+, .*\]\.\.\. are unreadable "
+                                      r"\(.*\); delete .*1\.0\.0 and rerun"):
+    reader.padded_len
+
+
 def test_gsm8k_builder_round_trip_keeps_float_answers_and_references(tmp_path):
   tok = CharTokenizer("".join(sorted(set("".join(GOOD) + "QuestionAnswer:\n?"))))
   task = GSM8KTask(_write(tmp_path / "train.jsonl", GOOD), tok,

@@ -35,7 +35,8 @@ from etils import epath
 from flax import struct
 
 from specjax.errors import ConfigError
-from specjax.rl.tasks import SPLITS, ArithmeticTask, GSM8KTask, Task, encode_prompt
+from specjax.rl.tasks import (SPLITS, ArithmeticTask, GSM8KTask, Task, TaskError,
+                              encode_prompt)
 
 _RECORD_FORMAT = "1"  # bump when the record layout changes, so old datasets are not reused
 
@@ -147,11 +148,25 @@ def prepare_prompts(task: Task, data_dir: str | os.PathLike) -> dict[str, Sequen
 
   Returns:
     split name -> random-access source of decoded records (a tfds `ArrayRecordDataSource`).
+
+  Raises:
+    TaskError: a prepared file is corrupt or truncated (naming the directory to delete).
   """
   builder = prompt_builder(task, data_dir)
   builder.download_and_prepare(
       download_config=tfds.download.DownloadConfig(try_download_gcs=False))
-  return {split: builder.as_data_source(split) for split in SPLITS}
+  sources = {}
+  for split in SPLITS:
+    try:
+      sources[split] = builder.as_data_source(split)
+      if len(sources[split]):
+        sources[split][len(sources[split]) - 1]  # a truncated file fails here, not mid-run
+    except RuntimeError as err:  # array_record's C++ reader: corrupt or truncated file
+      raise TaskError(
+          f"{builder.data_dir}: the {split!r} prompt file is unreadable ({err}). It is a "
+          f"cache derived from task {task.name!r}: delete {builder.data_dir} and rerun to "
+          "rebuild it") from None
+  return sources
 
 
 @struct.dataclass
@@ -248,7 +263,14 @@ class PromptReader:
   def _read(self, indices) -> list[Mapping[str, Any]]:
     indices = [int(i) for i in indices]
     getitems = getattr(self.source, "__getitems__", None)
-    return list(getitems(indices)) if getitems else [self.source[i] for i in indices]
+    try:
+      return list(getitems(indices)) if getitems else [self.source[i] for i in indices]
+    except RuntimeError as err:  # array_record's C++ reader: a damaged chunk mid-file
+      info = getattr(self.source, "dataset_info", None)
+      where = info.data_dir if info is not None else "the prepared prompt dataset"
+      raise TaskError(f"{where}: prompt records {indices[:4]}{'...' if len(indices) > 4 else ''}"
+                      f" are unreadable ({err}); delete {where} and rerun `prepare_prompts` "
+                      "to rebuild it from the task") from None
 
   def record_indices(self, position: int) -> np.ndarray:
     """`[batch_size / process_count]` record indices of this process's prompts of the batch
