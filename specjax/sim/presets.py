@@ -1,0 +1,62 @@
+"""Named model specs: the architectures of public checkpoints (from their `config.json`), and
+small ones that match this repository's CPU benchmarks.
+
+Parameter counts (computed, norms left out): llama3-8b 8.03B, qwen3-8b 8.19B, qwen3-32b 32.8B,
+qwen3-235b-a22b 235.1B of which 22.2B active, qwen3-30b-a3b 30.5B / 3.4B active,
+qwen3-0.6b 0.60B, llama3.2-1b 1.24B.
+"""
+
+from __future__ import annotations
+
+from specjax.errors import ConfigError
+from specjax.sim.model import ModelSpec
+
+_QWEN_VOCAB, _LLAMA_VOCAB = 151936, 128256
+
+MODELS: dict[str, ModelSpec] = {
+    # benchmarks/decode_step.py's "25m" config, float32 as the CPU benchmarks run it.
+    "tiny": ModelSpec("tiny", n_layers=12, d_model=384, n_heads=6, n_kv_heads=2, head_dim=64,
+                      vocab=8192, mlp_dim=1024, weight_bytes=4, kv_bytes=4),
+    "tiny-draft": ModelSpec("tiny-draft", n_layers=2, d_model=384, n_heads=6, n_kv_heads=2,
+                            head_dim=64, vocab=8192, mlp_dim=1024, weight_bytes=4, kv_bytes=4),
+    # benchmarks/accelerator.py's 1.1B bf16 model.
+    "bench-1b": ModelSpec("bench-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+                          head_dim=64, vocab=32000, mlp_dim=8192),
+    "llama3.2-1b": ModelSpec("llama3.2-1b", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+                             head_dim=64, vocab=_LLAMA_VOCAB, mlp_dim=8192,
+                             tied_embeddings=True),
+    "llama3-8b": ModelSpec("llama3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                           head_dim=128, vocab=_LLAMA_VOCAB, mlp_dim=14336),
+    "qwen3-0.6b": ModelSpec("qwen3-0.6b", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8,
+                            head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=3072, tied_embeddings=True),
+    "qwen3-8b": ModelSpec("qwen3-8b", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8,
+                          head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=12288),
+    "qwen3-32b": ModelSpec("qwen3-32b", n_layers=64, d_model=5120, n_heads=64, n_kv_heads=8,
+                           head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=25600),
+    "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", n_layers=48, d_model=2048, n_heads=32,
+                               n_kv_heads=4, head_dim=128, vocab=_QWEN_VOCAB, n_experts=128,
+                               experts_per_token=8, expert_dim=768),
+    "qwen3-235b-a22b": ModelSpec("qwen3-235b-a22b", n_layers=94, d_model=4096, n_heads=64,
+                                 n_kv_heads=4, head_dim=128, vocab=_QWEN_VOCAB, n_experts=128,
+                                 experts_per_token=8, expert_dim=1536),
+}
+
+# The draft model `--drafter draft-model` uses for a target unless told otherwise: the
+# family's smallest sibling, sharing the tokenizer.
+DEFAULT_DRAFT_MODEL = {"tiny": "tiny-draft", "bench-1b": "tiny-draft",
+                       "llama3-8b": "llama3.2-1b", "llama3.2-1b": "tiny-draft"}
+
+
+def model_spec(name: str) -> ModelSpec:
+  """The named preset; the error lists the allowed names."""
+  if not isinstance(name, str) or name.lower() not in MODELS:
+    raise ConfigError(f"model {name!r} is unknown: allowed {', '.join(MODELS)}")
+  return MODELS[name.lower()]
+
+
+def default_draft_model(target: str) -> ModelSpec:
+  """The draft model for a target preset (Qwen3 targets: qwen3-0.6b)."""
+  name = DEFAULT_DRAFT_MODEL.get(target, "qwen3-0.6b" if target.startswith("qwen3") else None)
+  if name is None:
+    raise ConfigError(f"no default draft model for {target!r}: pass one of {', '.join(MODELS)}")
+  return MODELS[name]
