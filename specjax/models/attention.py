@@ -43,7 +43,8 @@ class Visibility:
 
   Attributes:
     lengths: `[B]` committed entries per row before this forward (0 without a cache).
-    new_mask: `[B, T, T]` bool, visibility among the new tokens.
+    new_mask: `[B, T, n]` bool: may query t see new slot `lengths + j`? (n = T when each
+      query writes one slot; a drafter's tree level may see more slots than it has queries.)
   """
 
   lengths: jax.Array
@@ -51,19 +52,20 @@ class Visibility:
 
   @property
   def num_new(self) -> int:
+    """n, the new slots `lengths + j` a query may see."""
     return self.new_mask.shape[-1]
 
   def slots(self, start: jax.Array | int, size: int) -> jax.Array:
     """`[B, T, size]` bool: may query t see slot `start + c`? (`start` may be traced.)"""
-    t = self.num_new
+    n = self.num_new
     rel = start + jnp.arange(size)[None, :] - self.lengths[:, None]  # [B, C]
-    in_new = (rel >= 0) & (rel < t)
+    in_new = (rel >= 0) & (rel < n)
     among_new = jnp.take_along_axis(
-        self.new_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)  # [B, T, C]
+        self.new_mask, jnp.clip(rel, 0, n - 1)[:, None, :], axis=2)  # [B, T, C]
     return (rel < 0)[:, None, :] | (in_new[:, None, :] & among_new)
 
   def extent(self) -> jax.Array:
-    """Slots below which every visible slot of every row lies: `max(lengths) + T`."""
+    """Slots below which every visible slot of every row lies: `max(lengths) + n`."""
     return jnp.max(self.lengths) + self.num_new
 
 
@@ -82,7 +84,7 @@ def dense_attention(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Visib
     `[B, K, U, H]` in the dtype of `q`.
   """
   b, k, u, h = q.shape
-  t, s, dt = vis.num_new, keys.shape[2], q.dtype
+  t, s, dt = u // group_size, keys.shape[2], q.dtype
   scores = jnp.einsum("BKUH,BKSH->BKUS", q, keys.astype(dt),
                       preferred_element_type=jnp.float32)
   scores = scores.reshape(b, k, group_size, t, s) / math.sqrt(h)
@@ -100,7 +102,7 @@ def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Vis
   block is read from `S - C` and its slots already counted are masked out.
   """
   b, k, u, h = q.shape
-  t, s, dt = vis.num_new, keys.shape[2], q.dtype
+  t, s, dt = u // group_size, keys.shape[2], q.dtype
   size = min(block, s)
   scale = 1.0 / math.sqrt(h)
 
@@ -210,7 +212,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility, co
   impl, s = config.attention_impl, keys.shape[2]
   if impl.startswith("pallas"):
     interpret = impl == "pallas_interpret"
-    reason = pallas_unsupported(vis.num_new, s, q.shape[-1], interpret)
+    reason = pallas_unsupported(q.shape[2] // r, s, q.shape[-1], interpret)
     if reason is None:
       return pallas_decode_attention(q, keys, values, vis, r, interpret)
     _say_fallback(reason)

@@ -98,12 +98,15 @@ def attention_mask(lengths: jax.Array, num_new: int, max_len: int,
 
   Args:
     lengths: `[B]` committed lengths before this forward.
-    num_new: T.
+    num_new: n, the new slots `lengths + j` the queries may see (T when every query writes
+      one; a drafter's tree level sees all n nodes written so far).
     max_len: S.
-    new_mask: `[B, T, T]` bool, visibility among the new tokens.
+    new_mask: `[B, T, n]` bool (or broadcastable), visibility of the new slots.
 
   Returns:
     `[B, T, S]` bool.
   """
-  new_mask = jnp.broadcast_to(new_mask, (lengths.shape[0], num_new, num_new))
+  new_mask = jnp.broadcast_to(new_mask, lengths.shape[:1] + new_mask.shape[-2:])
+  if new_mask.shape[-1] != num_new:
+    raise ValueError(f"new_mask has {new_mask.shape[-1]} new slots, num_new={num_new}")
   return Visibility(lengths=lengths, new_mask=new_mask).slots(0, max_len)
