@@ -374,7 +374,9 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
     params, opt_state, drafter = carry
     grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    # In float32: a bf16 sum of squares over every parameter loses most of its digits.
+    metrics["grad_norm"] = optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32),
+                                                          grads))
     if train_eagle:
       drafter, drafter_metrics = _eagle3_update(
           drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
