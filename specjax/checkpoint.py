@@ -14,6 +14,11 @@ skipped for an older one, since resuming from an older step silently repeats tra
 user may not want to repeat. A step without the file (written before specjax recorded
 digests) restores with a warning.
 
+With several processes (`jax.distributed`) every process calls `save` and `restore` together
+on a directory they share: each writes its own shards and reads the ones its devices need,
+so a state saved on one topology restores on another (pass the new shardings in the abstract
+state); `save` returns on every process once the digest is written.
+
 Saving is synchronous: `save` blocks until the step is on disk anyway, and a failed
 asynchronous save leaves orbax's background threads unjoinable, so the process could not
 exit after the error.
@@ -31,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from specjax import atomic
 from specjax.errors import CheckpointError, ConfigError
@@ -257,17 +263,21 @@ class Checkpointer:
                     f"{latest}, and only a step above the latest is written (the existing one "
                     "is unchanged)", stacklevel=2)
       return
-    if jax.process_index() != 0:
-      return
     step_dir = self.step_dir(step)
     try:
-      _write_digest(step_dir)
+      if jax.process_index() == 0:
+        _write_digest(step_dir)
     except OSError as err:
       raise CheckpointError(
           f"checkpoint step {step} was written to {step_dir} but its digest {DIGEST_FILE} "
           f"cannot be ({type(err).__name__}: {err}); the step restores only with a warning "
           "that it is unverified. Make the directory writable (and check free space) or pass "
           "another one.") from err
+    finally:
+      if jax.process_count() > 1:
+        # Every process returns once the step is verifiable: a restore or a listing right
+        # after the save must not find the digest missing.
+        multihost_utils.sync_global_devices(f"specjax checkpoint {step} digest")
 
   def verify(self, step: int) -> bool:
     """Check every file of `step` against its `DIGEST_FILE`; False (with a warning) when the

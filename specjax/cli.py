@@ -1,6 +1,8 @@
 """The `specjax` command.
 
   specjax train --config configs/arithmetic_tiny.py [--steps 300 --grpo.group-size 8 ...]
+  specjax train --config FILE --mesh.fsdp 2 --coordinator-address HOST:PORT --num-processes 2 \
+                --process-id I     # one of several processes (GPU / CPU clusters)
   specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --ttt-steps 4 ...]
   specjax train-drafter --target-dir HF_DIR --gsm8k-file train.jsonl --run-dir runs/head
   specjax generate --demo                      # train the built-in tiny model, then decode
@@ -181,12 +183,30 @@ def load_experiment(path: str):
 
 
 def train_command(argv: list[str]) -> dict:
-  """`specjax train --config FILE [--field value ...]`: any config field can be overridden."""
-  from specjax.rl.experiment import ExperimentConfig, run
+  """`specjax train --config FILE [--field value ...]`: any config field can be overridden.
+
+  On several processes every process runs the same command line (with its own
+  `--process-id`, or the cluster's environment): `jax.distributed` is joined first
+  (`specjax.rl.join_cluster`), then the run shards its train state over the mesh of all
+  processes' devices (`--mesh.data/--mesh.fsdp/--mesh.tensor`). Only process 0 prints.
+  """
   parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
   parser.add_argument("--config", required=True,
                       help="a config file, e.g. configs/arithmetic_tiny.py")
+  parser.add_argument("--coordinator-address", default=None,
+                      help="HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+  parser.add_argument("--num-processes", type=int, default=None,
+                      help="processes of the run (default: $JAX_NUM_PROCESSES)")
+  parser.add_argument("--process-id", type=int, default=None,
+                      help="this process, 0 .. N - 1 (default: $JAX_PROCESS_ID)")
   known, rest = parser.parse_known_args(argv)
+  from specjax.rl.distributed import join_cluster
+  try:
+    # Before anything touches a device: jax.distributed must come first.
+    join_cluster(known.coordinator_address, known.num_processes, known.process_id)
+  except ConfigError as err:
+    raise SystemExit(f"specjax train: {err}") from None
+  from specjax.rl.experiment import ExperimentConfig, run
   default = load_experiment(known.config)
   if not isinstance(default, ExperimentConfig):
     # tyro would ignore a default of another type and run ExperimentConfig's own defaults.
@@ -195,6 +215,8 @@ def train_command(argv: list[str]) -> dict:
   config = tyro.cli(ExperimentConfig, default=default, args=rest,
                     prog=f"specjax train --config {known.config}")
   summary = run(config)
+  if jax.process_index() != 0:
+    return summary
   print(json.dumps(summary, indent=2))
   print(f"held-out accuracy, greedy: {summary['accuracy_before']:.3f} before RL -> "
         f"{summary['accuracy_after']:.3f} after; at the rollout temperature (8 samples per "
@@ -238,7 +260,10 @@ def train_drafter_command(argv: list[str]) -> dict:
 
 COMMANDS = {
     "train": "GRPO with speculative rollouts from a config file: specjax train --config "
-             "configs/arithmetic_tiny.py [--field value ...] (--help lists the fields)",
+             "configs/arithmetic_tiny.py [--field value ...] (--help lists the fields); on "
+             "several processes add --coordinator-address HOST:PORT --num-processes N "
+             "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; "
+             "none on a TPU pod slice)",
     "train-drafter": "train an EAGLE-3 draft head offline: specjax train-drafter [--config "
                      "FILE] [--field value ...]",
     "generate": "generate text (speculatively) from a checkpoint and print acceptance "

@@ -20,6 +20,7 @@ Shape letters: see `specjax` (B batch, S cache slots, K kv heads, H head_dim).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -29,12 +30,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.params import init_params, param_axes
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "Rules", "batch_sharding", "init_sharded_params",
+    "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "Rules", "batch_sharding", "init_sharded_params",
     "kv_cache_shardings", "logical_sharding", "logical_to_mesh", "make_mesh",
     "opt_state_shardings", "param_shapes", "param_shardings", "replicated", "shard_params",
 ]
@@ -95,6 +97,54 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
   # (sharding-in-types) axes, the jax.make_mesh default, would demand annotations on them.
   return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
                        devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The shape of a run's `("data", "fsdp", "tensor")` mesh over every device of every
+  process (`make_mesh`). One axis may be -1: all the devices the other two leave.
+
+  The default is pure data parallelism over all devices, what a run on one accelerator, on
+  8 of them or on a pod slice needs unless the model does not fit one device (then fsdp
+  splits parameters and optimizer moments; tensor splits heads, MLP and vocabulary).
+
+  Attributes:
+    data: batch split, parameters replicated.
+    fsdp: batch split and parameters split along "embed".
+    tensor: heads, MLP hidden units and vocabulary split (Megatron style).
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.asdict(self)
+    for name, size in sizes.items():
+      if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+        raise ConfigError(f"mesh.{name}={size!r} is invalid: must be an int >= 1, or -1 for "
+                          "all the devices the other axes leave")
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+      raise ConfigError(f"{' and '.join(f'mesh.{n}=-1' for n in free)} is invalid: at most "
+                        "one axis may be -1")
+
+  def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh over `devices` (default: all devices of all processes).
+
+    Raises:
+      ConfigError: the shape does not cover the devices exactly.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    try:
+      return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
+    except ValueError as err:
+      shape = f"mesh.data={self.data}, mesh.fsdp={self.fsdp}, mesh.tensor={self.tensor}"
+      fixed = math.prod(s for s in (self.data, self.fsdp, self.tensor) if s != -1)
+      raise ConfigError(
+          f"{shape} is invalid: there are {len(devices)} devices ({jax.process_count()} "
+          f"process(es) x {jax.local_device_count()}); the sizes must multiply to that, or one "
+          f"be -1 and the others' product ({fixed}) divide it") from err
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

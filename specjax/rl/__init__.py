@@ -1,8 +1,12 @@
 """RL post-training: tasks and rewards, prompt datasets (TFDS / ArrayRecord), GRPO losses, the
-fused train step and the experiment loop."""
+fused train step, its sharding over a mesh and several processes, and the experiment loop."""
 
 from specjax.rl.data import (ArithmeticPrompts, GSM8KPrompts, PromptBatch, PromptReader,
                              TaskPrompts, prepare_prompts, prompt_builder)
+from specjax.rl.distributed import (broadcast_json, distribute, global_batch, join_cluster,
+                                    local_copy, process_prompts, process_rows,
+                                    prompt_batch_shardings, sharded_prime_fn,
+                                    sharded_train_step, train_state_shardings)
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                token_entropy)
@@ -20,9 +24,12 @@ __all__ = [
     "Example", "GRPOConfig", "GRPOMetrics", "GSM8KPrompts", "GSM8KTask", "KL_ESTIMATORS",
     "PromptBatch", "PromptReader", "PythonReward", "RewardError", "Rollout", "RolloutConfig",
     "SPLITS", "Task", "TaskError", "TaskPrompts", "TrainConfig", "TrainState",
-    "aggregate_tokens", "answers_match", "arithmetic_reward", "decode_completions",
-    "encode_prompt", "extract_answer", "format_number", "group_advantages", "grpo_loss",
-    "init_train_state", "kl_estimate", "make_prime_fn", "make_split_step", "make_train_step",
-    "parse_number", "prepare_prompts", "prompt_builder", "read_gsm8k_jsonl", "rollout",
-    "sequence_logprobs", "token_entropy", "WORKED_ALPHABET",
+    "aggregate_tokens", "answers_match", "arithmetic_reward", "broadcast_json",
+    "decode_completions", "distribute", "encode_prompt", "extract_answer", "format_number",
+    "global_batch", "group_advantages", "grpo_loss", "init_train_state", "join_cluster",
+    "kl_estimate", "local_copy", "make_prime_fn", "make_split_step", "make_train_step",
+    "parse_number", "prepare_prompts", "process_prompts", "process_rows",
+    "prompt_batch_shardings",
+    "prompt_builder", "read_gsm8k_jsonl", "rollout", "sequence_logprobs", "sharded_prime_fn",
+    "sharded_train_step", "token_entropy", "train_state_shardings", "WORKED_ALPHABET",
 ]

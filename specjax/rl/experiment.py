@@ -11,10 +11,18 @@ online-trained head against its frozen starting copy on the final policy; a PNG 
 
 A killed run resumes from its last checkpoint and reproduces the metrics of an uninterrupted
 run exactly: every step is a pure function of the checkpointed state and the data position.
+
+Several devices and processes: the train state lives on the mesh `config.mesh` (over every
+device of every process; `specjax.rl.distributed`), each process feeds its own rows of the
+prompts, and orbax checkpoints the state shard by shard. The warm start, evaluations and
+measurements run on every process alone (on its first device, from a gathered copy of the
+parameters); process 0's warm start and measured speculation costs are the ones used
+everywhere, and only process 0 logs and writes files besides the checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,11 +45,15 @@ from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
+from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
+                                    process_prompts, prompt_batch_shardings, sharded_prime_fn,
+                                    sharded_train_step, train_state_shardings)
 from specjax.rl.losses import GRPOConfig
 from specjax.rl.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, TrainState, init_train_state,
-                                make_prime_fn, make_train_step)
+                                make_prime_fn)
+from specjax.sharding import MeshConfig
 from specjax.supervised import init_supervised_state, make_supervised_step
 
 
@@ -98,6 +110,11 @@ class ExperimentConfig:
     max_checkpoints: checkpoints kept (>= 1: the newest is what a resumed run starts from).
     eval_prompts: held-out prompts evaluated (greedy) before and after RL.
     speedup_repeats: timed calls of each arm of the rollout speedup measurement (median).
+    mesh: the device mesh of the train state and step (`data`, `fsdp`, `tensor`; one of them
+      -1 for all the devices the others leave). The default splits the prompts of each step
+      over every device of every process (data parallelism); `fsdp` also splits parameters
+      and optimizer moments, `tensor` heads, MLP units and vocabulary. A prompt batch that
+      the batch axes do not divide is replicated instead.
   """
 
   run_dir: str = "runs/arithmetic"
@@ -133,6 +150,7 @@ class ExperimentConfig:
   max_checkpoints: int = 2
   eval_prompts: int = 500
   speedup_repeats: int = 9
+  mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
     def require(ok: bool, field: str, allowed: str):
@@ -160,6 +178,8 @@ class ExperimentConfig:
     require(is_int(self.seed) and self.seed >= 0, "seed", "must be an int >= 0")
     require(isinstance(self.clip_heads_separately, bool), "clip_heads_separately",
             "must be True or False")
+    require(isinstance(self.mesh, MeshConfig), "mesh", "must be a MeshConfig(data=, fsdp=, "
+            "tensor=)")
     for name in ("learning_rate", "sft_learning_rate", "drafter_learning_rate",
                  "max_grad_norm"):
       require(is_real(getattr(self, name)) and getattr(self, name) > 0, name,
@@ -437,8 +457,37 @@ def _kept_metrics(path: Path, step: int, log=print) -> list[str]:
   return kept
 
 
+def _shared_costs(measure) -> CostTable | None:
+  """`measure()` (`rollout_costs`) on process 0, its table on every process.
+
+  The costs choose each round's tree, which is compiled into the step, so every process must
+  hold the same table; timings differ from host to host, and process 0 alone writes the
+  table into the run directory.
+  """
+  if jax.process_count() == 1:
+    return measure()
+  costs = measure() if jax.process_index() == 0 else None
+  shared = broadcast_json(None if costs is None else dataclasses.asdict(costs))
+  return None if shared is None else CostTable(**shared)
+
+
+def _with_shardings(abstract, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
+
+
 def run(config: ExperimentConfig, log=print) -> dict:
-  """Run (or resume) the experiment; returns the final summary."""
+  """Run (or resume) the experiment; returns the final summary.
+
+  With several processes every process calls this with the same config (`specjax train`
+  does after joining the cluster); only process 0 calls `log` and writes files other than
+  checkpoints, and only its summary has the entries read from them (`acceptance_first`,
+  `acceptance_last`, `probe_acceptance_after_frozen`).
+  """
+  lead = jax.process_index() == 0
+  if not lead:
+    log = lambda _: None  # one process reports; the others run the same program silently
+  mesh = config.mesh.make()
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   # The state's structure does not depend on how each round's tree is chosen; adaptive
@@ -449,15 +498,21 @@ def run(config: ExperimentConfig, log=print) -> dict:
   reward = config.task.reward
   train_records, test_records = _records(config.task, "train"), _records(config.task, "test")
   test_records = test_records[:config.eval_prompts]
-  reader = PromptReader(train_records, batch_size=config.prompts_per_step, pad_id=tok.pad_id,
+  prompts = config.prompts_per_step
+  # Whole batches (shapes, measurements), and the rows this process's devices hold.
+  reader = PromptReader(train_records, batch_size=prompts, pad_id=tok.pad_id,
                         seed=config.seed)
+  mine = process_prompts(reader, mesh)
+  batch_shardings = prompt_batch_shardings(reader.batch_at(0), mesh)
+  feed = lambda position: global_batch(mine(position), batch_shardings, prompts)
   ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_checkpoints)
   abstract = _abstract_state(config, tc, optimizer)
   if config.async_mode:
     # The pending rollout is part of the state from the first step on.
     abstract = jax.eval_shape(make_prime_fn(tc, reward, pad_id=tok.pad_id), abstract,
                               reader.batch_at(0))
-  restored = ckpt.restore(abstract)
+  shardings = train_state_shardings(abstract, mesh, tc)
+  restored = ckpt.restore(_with_shardings(abstract, shardings))
   metrics_file = run_dir / "metrics.jsonl"
   if restored is None:
     log(f"policy: {count_params(init_params(config.model, jax.random.key(0))):,} parameters")
@@ -465,46 +520,60 @@ def run(config: ExperimentConfig, log=print) -> dict:
     head = None
     if tc.eagle3 is not None:
       head = initial_eagle3_head(params, config, log)
-      save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
-                  np.asarray(head.d2t))
+      if lead:
+        save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
+                    np.asarray(head.d2t))
     state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
-    costs = rollout_costs(params, config, reader.batch_at(0), head, log)
+    costs = _shared_costs(lambda: rollout_costs(params, config, reader.batch_at(0), head, log))
     tc = config.train_config(costs=costs)
     position = 0
     if config.async_mode:
-      state = make_prime_fn(tc, reward, pad_id=tok.pad_id)(state, reader.batch_at(position))
+      state = distribute(state, shardings.replace(pending=None))
+      prime = sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
+      state = prime(state, feed(position))
       position = reader.next_position(position)
+    else:
+      state = distribute(state, shardings)
     meta = {"step": 0, "position": position,
-            "accuracy_before": evaluate(state.params, config, test_records),
-            "sampled_accuracy_before": evaluate(state.params, config, test_records,
-                                                sampled=True),
-            "probe_acceptance_before": probe_acceptance(state.params, config, test_records,
+            "accuracy_before": evaluate(params, config, test_records),
+            "sampled_accuracy_before": evaluate(params, config, test_records, sampled=True),
+            "probe_acceptance_before": probe_acceptance(params, config, test_records,
                                                         drafter_params=head)}
     _check_finite(0, {}, state, config, last_checkpoint=None)
     ckpt.save(0, state, meta)
-    metrics_file.write_text("")
+    if lead:
+      metrics_file.write_text("")
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
-    costs = rollout_costs(state.params, config, reader.batch_at(0), _drafter_params(state), log)
+    local = local_copy({"params": state.params, "drafter": _drafter_params(state)})
+    costs = _shared_costs(lambda: rollout_costs(local["params"], config, reader.batch_at(0),
+                                                local["drafter"], log))
     tc = config.train_config(costs=costs)
-    # Drop metrics logged after the checkpoint: those steps run again, identically.
-    kept = _kept_metrics(metrics_file, meta["step"], log)
-    metrics_file.write_text("".join(line + "\n" for line in kept))
+    if lead:
+      # Drop metrics logged after the checkpoint: those steps run again, identically.
+      kept = _kept_metrics(metrics_file, meta["step"], log)
+      metrics_file.write_text("".join(line + "\n" for line in kept))
   log(f"held-out accuracy before RL: greedy {meta['accuracy_before']:.3f}, sampled "
       f"{meta['sampled_accuracy_before']:.3f}")
 
-  from tensorboardX import SummaryWriter
-  writer = SummaryWriter(str(run_dir / "tensorboard"))
-  train_step = make_train_step(tc, reward, optimizer, pad_id=tok.pad_id)
+  writer = None
+  if lead:
+    from tensorboardX import SummaryWriter
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+  train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
+                                  pad_id=tok.pad_id)
   position, last_checkpoint = meta["position"], meta["step"]
-  # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
-  # truncated last line (which resuming drops).
-  with open(metrics_file, "ab", buffering=0) as out, tqdm.trange(
-      meta["step"], config.steps, desc="grpo", initial=meta["step"], total=config.steps) as bar:
+  with contextlib.ExitStack() as files:
+    # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
+    # truncated last line (which resuming drops).
+    out = files.enter_context(open(metrics_file, "ab", buffering=0)) if lead else None
+    bar = files.enter_context(tqdm.trange(meta["step"], config.steps, desc="grpo",
+                                          initial=meta["step"], total=config.steps,
+                                          disable=not lead))
     for step in bar:
       start = time.perf_counter()
-      state, metrics = train_step(state, reader.batch_at(position))
+      state, metrics = train_step(state, feed(position))
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - start
       _check_finite(step + 1, metrics, state, config, last_checkpoint)
@@ -512,40 +581,43 @@ def run(config: ExperimentConfig, log=print) -> dict:
       record = {"step": step + 1, "position": position, **_jsonable(metrics),
                 "step_time_s": elapsed,
                 "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
-      out.write((json.dumps(record) + "\n").encode())
-      for k, v in record.items():
-        if np.ndim(v) == 0 and k != "step":
-          writer.add_scalar(k, v, step + 1)
+      if lead:
+        out.write((json.dumps(record) + "\n").encode())
+        for k, v in record.items():
+          if np.ndim(v) == 0 and k != "step":
+            writer.add_scalar(k, v, step + 1)
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
         ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
         last_checkpoint = step + 1
-  writer.close()
+  if lead:
+    writer.close()
 
+  final = local_copy({"params": state.params, "drafter": _drafter_params(state)})
+  params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
-             "accuracy_after": evaluate(state.params, config, test_records),
+             "accuracy_after": evaluate(params, config, test_records),
              "sampled_accuracy_before": meta["sampled_accuracy_before"],
-             "sampled_accuracy_after": evaluate(state.params, config, test_records,
-                                                sampled=True),
+             "sampled_accuracy_after": evaluate(params, config, test_records, sampled=True),
              "probe_acceptance_before": meta["probe_acceptance_before"],
-             "probe_acceptance_after": probe_acceptance(state.params, config, test_records,
-                                                        drafter_params=_drafter_params(state))}
-  if tc.eagle3 is not None:
+             "probe_acceptance_after": probe_acceptance(params, config, test_records,
+                                                        drafter_params=head)}
+  if tc.eagle3 is not None and lead:
     # The head RL started from, frozen, on the final policy: what online training bought.
     _, frozen, d2t = load_eagle3(run_dir / "eagle3_initial", config.model)
     summary["probe_acceptance_after_frozen"] = probe_acceptance(
-        state.params, config, test_records,
+        params, config, test_records,
         drafter_params=Eagle3Weights(params=frozen, d2t=jnp.asarray(d2t, jnp.int32)))
-    save_eagle3(run_dir / "eagle3", state.drafter.weights.params, tc.eagle3.config,
-                np.asarray(state.drafter.weights.d2t))
-  summary |= rollout_speedup(state.params, config, reader.batch_at(0),
-                             _drafter_params(state), costs)
-  history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
-  summary["acceptance_first"] = float(np.mean([h["acceptance_length"] for h in history[:5]]))
-  summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-  _plot(history, run_dir / "curves.png")
+    save_eagle3(run_dir / "eagle3", head.params, tc.eagle3.config, np.asarray(head.d2t))
+  summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs)
+  if lead:
+    history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    summary["acceptance_first"] = float(np.mean([h["acceptance_length"]
+                                                 for h in history[:5]]))
+    summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(history, run_dir / "curves.png")
   ckpt.close()
   return summary
 

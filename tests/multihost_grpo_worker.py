@@ -1,0 +1,98 @@
+"""One process of the multi-host GRPO test (run by tests/test_multihost_grpo.py, not by pytest).
+
+  python tests/multihost_grpo_worker.py PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT OUT_DIR
+
+Joins a cluster of local CPU processes with `join_cluster` (the path `specjax train` takes),
+builds the global `MESH`, places the same initial train state as the single-process
+reference on it, and runs the fused GRPO step in sync and in async mode, each process
+reading only its own prompts. The final async state (pending rollout included) is
+checkpointed by every process together. Process 0 writes the metrics, the parameters and
+every leaf of the checkpointed state, gathered. On the way it checks which prompt rows each
+process feeds (also under a device order that interleaves the processes) and the broadcast
+of host-side values; those checks are written for 2 processes x 2 devices.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+
+pid, nproc, ndev, port, out_dir = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                   sys.argv[4], Path(sys.argv[5]))
+jax.config.update("jax_num_cpu_devices", ndev)
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from specjax.rl.distributed import join_cluster  # noqa: E402
+
+assert join_cluster(f"localhost:{port}", nproc, pid, env={})
+
+import numpy as np  # noqa: E402
+
+from specjax.checkpoint import Checkpointer  # noqa: E402
+from specjax.rl import distributed  # noqa: E402
+from specjax.rl.trainer import make_prime_fn  # noqa: E402
+from specjax.sharding import MeshConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_multihost_grpo import (MESH, PROMPTS, STEPS, TOK, config, flat,  # noqa: E402
+                                 initial_state, optimizer, reader, reward)
+
+assert jax.process_count() == nproc and jax.device_count() == nproc * ndev
+mesh = MESH.make()
+# Each process feeds its own half of the prompts.
+assert list(distributed.process_rows(mesh, PROMPTS)) == [2 * pid, 2 * pid + 1]
+mine = distributed.process_prompts(reader(), mesh)
+batch_shardings = distributed.prompt_batch_shardings(reader().batch_at(0), mesh)
+feed = lambda position: distributed.global_batch(mine(position), batch_shardings, PROMPTS)
+
+# A device order that interleaves the processes (as a topology-aware one may): process p
+# holds rows p and p + 2, picked from the whole batch, and the global batch is still whole.
+devices = np.array(jax.devices()).reshape(nproc, ndev).T.reshape(-1)
+interleaved = MeshConfig(data=-1).make(list(devices))
+assert list(distributed.process_rows(interleaved, PROMPTS)) == [pid, pid + 2]
+shardings = distributed.prompt_batch_shardings(reader().batch_at(0), interleaved)
+picked = distributed.global_batch(distributed.process_prompts(reader(), interleaved)(8),
+                                  shardings, PROMPTS)
+for got, want in zip(jax.tree.leaves(distributed.local_copy(picked)),
+                     jax.tree.leaves(reader().batch_at(8))):
+  np.testing.assert_array_equal(got, want)
+
+# Host-side decisions (measured costs) are process 0's everywhere.
+assert distributed.broadcast_json({"costs": [0.5, 1e-3]} if pid == 0 else None) == {
+    "costs": [0.5, 1e-3]}
+
+results = {}
+for mode in ("sync", "async"):
+  cfg = config(async_mode=mode == "async")
+  state = initial_state(cfg)
+  if cfg.async_mode:
+    primed = jax.eval_shape(make_prime_fn(cfg, reward, pad_id=TOK.pad_id),
+                            state, reader().batch_at(0))
+    shardings = distributed.train_state_shardings(primed, mesh, cfg)
+    state = distributed.distribute(state, shardings.replace(pending=None))
+    prime = distributed.sharded_prime_fn(cfg, reward, shardings, batch_shardings,
+                                         pad_id=TOK.pad_id)
+    state = prime(state, feed(0))
+  else:
+    shardings = distributed.train_state_shardings(state, mesh, cfg)
+    state = distributed.distribute(state, shardings)
+  step = distributed.sharded_train_step(cfg, reward, optimizer(), shardings,
+                                        batch_shardings, pad_id=TOK.pad_id)
+  offset = PROMPTS if cfg.async_mode else 0
+  for i in range(STEPS):
+    state, metrics = step(state, feed(offset + PROMPTS * i))
+    for key, value in jax.device_get(metrics).items():
+      results[f"{mode}/metrics/{i}/{key}"] = np.asarray(value)
+  assert state.params["layers"][0]["wq"].sharding == shardings.params["layers"][0]["wq"]
+  assert not state.params["embed"].is_fully_addressable  # split across the processes
+  for key, value in flat(distributed.local_copy(state.params)).items():
+    results[f"{mode}/params/{key}"] = np.asarray(value)
+
+ckpt = Checkpointer(out_dir / "checkpoints")
+ckpt.save(STEPS, state, {"step": STEPS})
+ckpt.close()
+for key, value in flat(distributed.local_copy(state)).items():
+  results[f"saved/{key}"] = np.asarray(value)
+if pid == 0:
+  np.savez(out_dir / "result.npz", **results)
+print(f"process {pid}/{nproc}: done", flush=True)

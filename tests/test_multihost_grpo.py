@@ -1,0 +1,334 @@
+"""Multi-host GRPO: the fused step (sync and async) run by 2 local processes x 2 CPU devices,
+each feeding its own prompts, gives the single-process metrics and parameters; the state
+they checkpoint together restores on one process, on one device and on another mesh, to the
+same values. Also: the train state's shardings, and joining a cluster from flags or the
+environment."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from specjax import cli
+from specjax.checkpoint import Checkpointer
+from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
+from specjax.errors import ConfigError
+from specjax.models import ModelConfig, init_params
+from specjax.rl import (ArithmeticTask, GRPOConfig, PromptReader, encode_prompt,
+                        train_state_shardings)
+from specjax.rl.distributed import join_cluster, process_prompts, process_rows
+from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
+                                make_train_step)
+from specjax.sharding import MeshConfig
+
+TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
+TOK = TASK.tokenizer
+# One MTP module drafting one token: the smallest speculative step (it compiles fastest).
+MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                    head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)
+PROMPTS = 4  # per step, global: 2 per process
+STEPS = 2
+# fsdp spans the two processes (each holds half of every "embed" dimension and half of the
+# prompts), tensor the two devices of one process.
+MESH = MeshConfig(data=1, fsdp=2, tensor=2)
+METRICS = ("reward_mean", "loss", "kl", "mtp_ce", "entropy", "grad_norm",
+           "response_length_mean", "acceptance_length")
+
+
+def config(async_mode: bool) -> TrainConfig:
+  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                          sampling=SamplingConfig(1.0), drafter=MTPDrafter(),
+                          tree=DraftTree.chain(1))
+  return TrainConfig(model=MODEL, grpo=GRPOConfig(group_size=4, beta=0.05, num_minibatches=2,
+                                                  tis_cap=2.0),
+                     rollout=rollout, async_mode=async_mode)
+
+
+def optimizer():
+  # Adam's first step is lr * g / (|g| + eps): with the default eps=1e-8 it is lr * sign(g),
+  # so a gradient element that is float noise on both sides (~1e-9, e.g. the KL's gradient
+  # while the policy still equals the reference) would move by +-lr with a random sign. A
+  # larger eps keeps such noise at noise level; real gradients (~1e-3) still take full steps.
+  return optax.adam(1e-3, eps=1e-4)
+
+
+def reward(tokens, lengths, answers):
+  """Parity of the first response token: random responses differ within a group, so the
+  advantages, and the policy gradient, are not zero (the task's reward is 0 for an untrained
+  policy)."""
+  del lengths, answers
+  return (tokens[:, 0] % 2).astype(jnp.float32)
+
+
+def initial_state(cfg: TrainConfig):
+  return init_train_state(cfg, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
+
+
+def reader() -> PromptReader:
+  records = [{"prompt": encode_prompt(TOK, e.prompt), "reference": e.reference,
+              "answer": e.answer} for e in TASK.examples("train")]
+  return PromptReader(records, batch_size=PROMPTS, pad_id=TOK.pad_id)
+
+
+def flat(tree) -> dict:
+  """Leaves by their path, e.g. ".params['embed']"."""
+  return {jax.tree_util.keystr(path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _spawn(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
+  """Start `cmd` with its output in the file `log` (a pipe nobody reads could fill up)."""
+  with open(log, "w") as out:
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+
+
+def _single_process_reference() -> dict:
+  """The metrics and parameters of the unsharded step on one device."""
+  out = {}
+  for mode in ("sync", "async"):
+    cfg = config(async_mode=mode == "async")
+    state = initial_state(cfg)
+    offset = 0
+    if cfg.async_mode:
+      state = make_prime_fn(cfg, reward, pad_id=TOK.pad_id)(state, reader().batch_at(0))
+      offset = PROMPTS
+    step = make_train_step(cfg, reward, optimizer(), pad_id=TOK.pad_id)
+    for i in range(STEPS):
+      state, metrics = step(state, reader().batch_at(offset + PROMPTS * i))
+      for key, value in jax.device_get(metrics).items():
+        out[f"{mode}/metrics/{i}/{key}"] = np.asarray(value)
+    for key, value in flat(state.params).items():
+      out[f"{mode}/params/{key}"] = np.asarray(value)
+  return out
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory):
+  """Run the 2 x 2 cluster; the single-process reference is computed while it runs."""
+  out_dir = tmp_path_factory.mktemp("multihost_grpo")
+  port = str(_free_port())
+  worker = Path(__file__).with_name("multihost_grpo_worker.py")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  logs = [out_dir / f"worker{i}.log" for i in range(2)]
+  procs = [_spawn([sys.executable, str(worker), str(i), "2", "2", port, str(out_dir)], log,
+                  env=env) for i, log in enumerate(logs)]
+  try:
+    reference = _single_process_reference()
+    for p in procs:
+      p.wait(timeout=600)
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log.read_text()[-3000:]
+  return dict(np.load(out_dir / "result.npz")), reference, out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fused_step_on_2_processes_x_2_devices_gives_the_single_process_metrics_and_params(
+    cluster_run, mode):
+  result, reference, _ = cluster_run
+  for i in range(STEPS):
+    for key in METRICS:
+      name = f"{mode}/metrics/{i}/{key}"
+      np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-5,
+                                 err_msg=name)
+  params = [k for k in reference if k.startswith(f"{mode}/params/")]
+  assert params and set(params) == {k for k in result if k.startswith(f"{mode}/params/")}
+  for name in params:
+    np.testing.assert_allclose(result[name], reference[name], rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+  # Negative control: the steps moved the parameters by far more than the tolerance.
+  initial = flat(init_params(MODEL, jax.random.key(0)))
+  moved = max(np.abs(result[f"{mode}/params/{k}"] - np.asarray(v)).max()
+              for k, v in initial.items())
+  assert moved > 1e-3, moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2), (1, 8, 1)],
+                         ids=["one_device", "2x2x2", "1x8x1"])
+def test_checkpoint_saved_by_2_processes_restores_on_one_process_to_identical_values(
+    cluster_run, shape):
+  result, _, out_dir = cluster_run
+  cfg = config(async_mode=True)
+  abstract = jax.eval_shape(make_prime_fn(cfg, reward, pad_id=TOK.pad_id),
+                            jax.eval_shape(lambda: initial_state(cfg)), reader().batch_at(0))
+  mesh_config = MeshConfig(*shape)
+  mesh = mesh_config.make(jax.devices()[:1] if shape == (1, 1, 1) else None)
+  shardings = train_state_shardings(abstract, mesh, cfg)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+  ckpt = Checkpointer(out_dir / "checkpoints")
+  state, meta, step = ckpt.restore(target)
+  ckpt.close()
+  assert step == STEPS and meta == {"step": STEPS}
+  restored = flat(state)
+  saved = {k[len("saved/"):]: v for k, v in result.items() if k.startswith("saved/")}
+  assert set(restored) == set(saved) and ".pending.tokens" in saved
+  for name, value in restored.items():
+    assert value.sharding == flat(shardings)[name], name
+    np.testing.assert_array_equal(np.asarray(value), saved[name], err_msg=name)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# A run of few compilations: plain rollouts, no warm start, two async steps.
+CLI_ARGS = ["--steps", "2", "--checkpoint-every", "1", "--sft-steps", "0", "--eval-prompts", "4",
+            "--speedup-repeats", "1", "--prompts-per-step", "4", "--grpo.group-size", "2",
+            "--drafter", "none", "--async-mode", "--grpo.tis-cap", "2.0", "--model.d-model", "32",
+            "--model.mlp-dim", "64", "--model.n-layers", "1", "--model.head-dim", "16",
+            "--model.n-heads", "2", "--model.n-kv-heads", "2", "--model.num-mtp-modules", "0"]
+
+
+@pytest.mark.slow
+def test_specjax_train_on_2_processes_joins_from_flags_or_environment_and_process_0_reports(
+    tmp_path):
+  port = _free_port()
+  run_dir = tmp_path / "run"
+  cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
+         str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir), *CLI_ARGS]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+  by_env = env | {"JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+                  "JAX_PROCESS_ID": "0"}
+  by_flags = [f"--coordinator-address=localhost:{port}", "--num-processes=2", "--process-id=1"]
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  procs = [_spawn(cmd, logs[0], env=by_env, cwd=ROOT),
+           _spawn(cmd + by_flags, logs[1], env=env, cwd=ROOT)]
+  try:
+    for p in procs:
+      p.wait(timeout=600)
+  finally:
+    for p in procs:
+      p.kill()
+  outputs = [log.read_text() for log in logs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+  assert "held-out accuracy, greedy" in outputs[0]
+  assert "held-out accuracy" not in outputs[1] and "policy:" not in outputs[1]
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2]
+  ckpt = Checkpointer(run_dir / "checkpoints")
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
+
+
+def test_specjax_train_with_a_partial_cluster_specification_exits_naming_what_is_missing(
+    monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  with pytest.raises(SystemExit, match=r"^specjax train: .* but not the coordinator address "
+                                       r"\(--coordinator-address or JAX_COORDINATOR_ADDRESS\)"):
+    cli.main(["train", "--config", str(ROOT / "configs" / "arithmetic_tiny.py"),
+              "--num-processes", "2", "--process-id", "0"])
+
+
+def test_train_state_shardings_split_parameters_moments_and_pending_rows_and_replicate_the_rest():
+  cfg = config(async_mode=True)
+  abstract = jax.eval_shape(make_prime_fn(cfg, reward, pad_id=TOK.pad_id),
+                            jax.eval_shape(lambda: initial_state(cfg)), reader().batch_at(0))
+  mesh = MeshConfig(data=2, fsdp=2, tensor=2).make()
+  sh = train_state_shardings(abstract, mesh, cfg)
+  assert sh.params["layers"][0]["wq"].spec == P("fsdp", "tensor", None)
+  assert sh.ref_params["layers"][0]["wq"].spec == P("fsdp", "tensor", None)
+  adam = sh.opt_state[0]
+  assert adam.mu["layers"][0]["wq"].spec == P("fsdp", "tensor", None)
+  assert adam.nu["embed"] == sh.params["embed"]
+  assert adam.count.spec == P()
+  # 16 rows (4 prompts x G=4) over data x fsdp = 4; the rollout's statistics replicated.
+  assert sh.pending.tokens.spec == P(("data", "fsdp"), None)
+  assert sh.pending.rewards.spec == P(("data", "fsdp"))
+  assert sh.pending.accepted_per_depth.spec == P()
+  assert sh.step.spec == P() and sh.key.spec == P()
+  # A structure of shardings for every leaf of the state, nothing more.
+  assert jax.tree.structure(sh) == jax.tree.structure(abstract)
+  # 4 prompts over 8 batch shards do not divide: the prompts fall back to fewer axes, and
+  # the one process holds (and reads) all of them.
+  assert list(process_rows(mesh, PROMPTS)) == [0, 1, 2, 3]
+  np.testing.assert_array_equal(process_prompts(reader(), mesh)(8).tokens,
+                                reader().batch_at(8).tokens)
+
+
+def test_train_state_shardings_place_an_eagle3_head_and_its_moments_like_the_policy():
+  from specjax.decoding import Eagle3Drafter, Eagle3Weights
+  from specjax.models import Eagle3Config
+  from specjax.models.eagle3 import init_eagle3
+
+  model = MODEL.replace(n_layers=2, num_mtp_modules=0)
+  eagle = Eagle3Config.for_target(model)
+  cfg = TrainConfig(model=model, grpo=GRPOConfig(group_size=4), rollout=RolloutConfig(
+      max_new_tokens=4, eos_id=TOK.eos_id, drafter=Eagle3Drafter(eagle),
+      tree=DraftTree.chain(2)))
+  abstract = jax.eval_shape(lambda: init_train_state(
+      cfg, init_params(model, jax.random.key(0)), optimizer(), seed=1,
+      drafter_params=Eagle3Weights(init_eagle3(eagle, jax.random.key(1)),
+                                   jnp.zeros((eagle.draft_vocab_size,), jnp.int32))))
+  mesh = MeshConfig(data=2, fsdp=2, tensor=2).make()
+  sh = train_state_shardings(abstract, mesh, cfg)
+  head = sh.drafter.weights.params
+  assert head["layer"]["wo"].spec == P("tensor", None, "fsdp")
+  assert sh.drafter.opt_state[0].mu["layer"]["wo"] == head["layer"]["wo"]
+  assert sh.drafter.weights.d2t.spec == P()
+  assert sh.ref_params is None and sh.pending is None
+  assert jax.tree.structure(sh) == jax.tree.structure(abstract)
+
+
+def test_mesh_config_rejects_shapes_that_do_not_cover_the_devices():
+  with pytest.raises(ConfigError, match=r"mesh.data=3, mesh.fsdp=1, mesh.tensor=1 is invalid: "
+                                        r"there are 8 devices"):
+    MeshConfig(data=3).make()
+  with pytest.raises(ConfigError, match=r"mesh.data=-1 and mesh.tensor=-1 is invalid"):
+    MeshConfig(data=-1, tensor=-1)
+  with pytest.raises(ConfigError, match=r"mesh.fsdp=0 is invalid: must be an int >= 1"):
+    MeshConfig(fsdp=0)
+  assert MeshConfig().make().shape == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert MeshConfig(data=2, tensor=-1).make().shape == {"data": 2, "fsdp": 1, "tensor": 4}
+
+
+@pytest.mark.parametrize("flags, env, missing", [
+    (dict(coordinator_address="localhost:1234"), {}, "number of processes .* process id"),
+    ({}, {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "coordinator address"),
+    (dict(process_id=0), {"JAX_COORDINATOR_ADDRESS": "h:1"}, "number of processes"),
+])
+def test_a_partial_cluster_specification_is_an_error_naming_what_is_missing(flags, env,
+                                                                           missing):
+  with pytest.raises(ConfigError, match=rf"but not the {missing}"):
+    join_cluster(**flags, env=env, detect=False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(coordinator_address="localhost:1", num_processes=2, process_id=2),
+     r"process id=2 is invalid: allowed 0..1"),
+    (dict(coordinator_address="localhost", num_processes=2, process_id=0),
+     r"coordinator address='localhost' is invalid: must be HOST:PORT"),
+    (dict(coordinator_address="localhost:1", num_processes=0, process_id=0),
+     r"number of processes=0 is invalid"),
+])
+def test_an_out_of_range_cluster_specification_is_an_error(flags, message):
+  with pytest.raises(ConfigError, match=message):
+    join_cluster(**flags, env={}, detect=False)
+
+
+def test_no_cluster_specification_or_a_cluster_of_one_is_a_single_process():
+  assert not join_cluster(env={}, detect=False)
+  assert not join_cluster(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1",
+                               "JAX_PROCESS_ID": "0"}, detect=False)
+  with pytest.raises(ConfigError, match=r"JAX_PROCESS_ID='one' is invalid: must be an int"):
+    join_cluster(env={"JAX_PROCESS_ID": "one"}, detect=False)
