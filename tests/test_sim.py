@@ -230,6 +230,17 @@ def test_device_profiles_parse_and_round_trip_through_json():
   assert sim.DeviceProfile.from_json(profile.to_json()) == profile
 
 
+def test_calibration_takes_the_repeats_of_its_shapes_in_turn():
+  # Round robin after one warm-up pass: a burst of load from other work then slows every
+  # shape alike instead of bending the efficiency curve (sequential repeats would give
+  # [0, 0, 0, 1, 1, 1, 2, 2, 2] after the warm-ups).
+  from specjax.sim.calibrate import _interleaved_medians
+  order = []
+  seconds = _interleaved_medians([lambda i=i: order.append(i) for i in range(3)], repeats=2)
+  assert order == [0, 1, 2] + [0, 1, 2] * 2
+  assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+
+
 def test_calibrate_profile_measures_this_machine_and_the_cli_simulates_on_it(tmp_path, capsys):
   profile = sim.calibrate_profile(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
                                   decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)

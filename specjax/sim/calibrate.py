@@ -10,6 +10,11 @@
    batch 8), against a mostly full cache: `mem_eff` and `layer_overhead_s` are fitted to
    them with `fit_efficiency`; `kv_eff` is set to the fitted `mem_eff`.
 
+The matmul shapes, and the decoders, are timed with their repeats interleaved (medians), so
+that load from other work on a shared machine does not bend the efficiency curve. On a CPU,
+pass `matmul_dim` large enough that the weights do not fit in its caches (4096 float32: 64 MB),
+as a model's weights do not; `benchmarks/sim_validation.py` does.
+
 Not measured, and set so that they do not pretend to be: `round_overhead_s` and
 `spec_round_overhead_s` (0; fit them to `specjax.decoding.calibrate` tables), `attn_flops_eff`
 and `train_mfu` (half the best matmul efficiency), links (a single device: the copy
@@ -31,15 +36,31 @@ from specjax.sim.hardware import Curve, DeviceProfile
 from specjax.sim.model import ModelSpec
 
 
+def _seconds(fn: Callable) -> float:
+  import jax
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
 def _median_seconds(fn: Callable, repeats: int) -> float:
   import jax
   jax.block_until_ready(fn())  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  return statistics.median(_seconds(fn) for _ in range(repeats))
+
+
+def _interleaved_medians(fns: Sequence[Callable], repeats: int) -> list[float]:
+  """Median seconds of each of `fns` (compiled and warmed up first), their repeats taken in
+  turn, so that a burst of load from other work on a shared machine hits them alike rather
+  than bending the shape of what is measured."""
+  import jax
+  for fn in fns:
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, samples in zip(fns, times):
+      samples.append(_seconds(fn))
+  return [statistics.median(samples) for samples in times]
 
 
 def _memory_capacity(device) -> float:
@@ -56,13 +77,14 @@ def _matmul_curve(dtype: str, dim: int, rows: Sequence[int], repeats: int):
   w = jnp.asarray(rng.standard_normal((dim, dim)), dtype)
   itemsize = jnp.dtype(dtype).itemsize
   product = jax.jit(lambda x, w: x @ w)
+  rows = sorted(set(rows))
+  xs = [jnp.asarray(rng.standard_normal((n, dim)), dtype) for n in rows]
+  seconds = _interleaved_medians([lambda x=x: product(x, w) for x in xs], repeats)
   points = []
-  for n in sorted(set(rows)):
-    x = jnp.asarray(rng.standard_normal((n, dim)), dtype)
-    seconds = _median_seconds(lambda: product(x, w), repeats)
+  for n, s in zip(rows, seconds):
     flops = 2.0 * n * dim * dim
     intensity = flops / ((2 * n * dim + dim * dim) * itemsize)
-    points.append((intensity, flops / seconds))
+    points.append((intensity, flops / s))
   peak = max(rate for _, rate in points)
   return peak, Curve(tuple((i, rate / peak) for i, rate in points))
 
@@ -107,7 +129,7 @@ def _decode_measurements(dtype: str, cases: Sequence[tuple[int, int, int]],
   import jax.numpy as jnp
   from specjax.models import KVCache, forward
   committed, max_len = 192, 256
-  measured = []
+  runs, specs = [], []
   for width, b, t in cases:
     config, params, spec = _decode_model(dtype, width)
 
@@ -122,13 +144,15 @@ def _decode_measurements(dtype: str, cases: Sequence[tuple[int, int, int]],
     toks = jnp.zeros((b, t), jnp.int32)
     positions = jnp.broadcast_to(committed + jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def run(jitted=jitted, params=params, toks=toks, positions=positions):
+    def run(jitted=jitted, params=params, toks=toks, positions=positions, state=state):
       out, state["cache"] = jitted(params, state["cache"], toks, positions)
       return out
 
-    seconds = _median_seconds(run, repeats)
-    measured.append(Measurement("forward", spec, seconds, rows=b, tokens=t, context=committed))
-  return measured
+    runs.append(run)
+    specs.append((spec, b, t))
+  seconds = _interleaved_medians(runs, repeats)
+  return [Measurement("forward", spec, s, rows=b, tokens=t, context=committed)
+          for (spec, b, t), s in zip(specs, seconds)]
 
 
 def calibrate_profile(*, dtype: str | None = None, matmul_dim: int = 1024,
