@@ -147,8 +147,10 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
   np.testing.assert_array_equal(out.tokens, plain.tokens)
   files = list((tmp_path / "calibration").glob("*.json"))
   assert len(files) == 1
+  # The table generate measured, read back from disk: the same shapes and sampling find it.
   table = calibrate(m["params"], m["config"], MTPDrafter(), kwargs["speculation"],
-                    batch_sizes=(4,), prompt_len=12, max_new_tokens=24)
+                    batch_sizes=(4,), prompt_len=12, max_new_tokens=24, sampling=GREEDY)
+  assert list((tmp_path / "calibration").glob("*.json")) == files
   assert len(table.seconds) == 3 and all(x > 0 for row in table.seconds for x in row)
   # What leaving the drafter out costs is measured too: its plain rounds and its prefill.
   assert table.alone[0] > 0 and table.setup[0] >= 0

@@ -45,17 +45,31 @@ def _config(sampling=SamplingConfig(1.0), speculative=True, **kwargs):
   return TrainConfig(model=MODEL, grpo=grpo, rollout=rollout, **kwargs)
 
 
-def _run(config, steps, step_fn=None, state=None, params_seed=0):
+def _run(config, steps, step_fn=None, state=None, params_seed=0, first=0):
+  """`steps` steps from `state` (default: a fresh one), on the batches of steps `first`,
+  `first + 1`, ...; returns the state, the metrics of each step and the step function."""
   optimizer = optax.adam(1e-3)
   if state is None:
     state = init_train_state(config, init_params(MODEL, jax.random.key(params_seed)),
                              optimizer, seed=1)
   step_fn = step_fn or make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id)
   reader, history = _reader(), []
-  for i in range(steps):
+  for i in range(first, first + steps):
     state, metrics = step_fn(state, reader.batch_at(4 * i))
     history.append(jax.tree.map(np.asarray, metrics))
   return state, history, step_fn
+
+
+@pytest.fixture(scope="module")
+def fused_run():
+  """The default config's fused step, run for 4 steps from a fresh state, compiled once for
+  the tests that check it: its history, the parameters after step 3 (copied, as the next
+  step donates them) and the final state and step function."""
+  state, history, step = _run(_config(), 3)
+  params_at_3 = jax.tree.map(np.array, state.params)
+  state, last, step = _run(_config(), 1, step, state, first=3)
+  return {"history": history + last, "params_at_3": params_at_3, "state": state,
+          "step": step}
 
 
 def test_greedy_rollouts_with_and_without_speculation_train_identically():
@@ -70,13 +84,13 @@ def test_greedy_rollouts_with_and_without_speculation_train_identically():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_train_step_compiles_once_and_updates_the_policy_and_drafter():
+def test_train_step_compiles_once_and_updates_the_policy_and_drafter(fused_run):
   config = _config()
   state0 = init_train_state(config, init_params(MODEL, jax.random.key(0)), optax.adam(1e-3), 1)
   embed0 = np.asarray(state0.params["embed"])
   mtp0 = np.asarray(state0.params["mtp"][0]["proj"])
-  state, history, step = _run(config, 4)
-  assert step._cache_size() == 1
+  state, history, step = fused_run["state"], fused_run["history"], fused_run["step"]
+  assert len(history) == 4 and step._cache_size() == 1
   assert int(state.step) == 4
   assert not np.allclose(state.params["embed"], embed0)
   assert not np.allclose(state.params["mtp"][0]["proj"], mtp0)
@@ -103,7 +117,7 @@ def test_async_step_updates_on_the_rollout_generated_one_step_earlier():
   assert step._cache_size() == 1
 
 
-def test_split_mode_with_a_python_reward_matches_the_fused_step():
+def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
   config = _config()
 
   def python_reward(responses, lengths, batch):
@@ -114,13 +128,14 @@ def test_split_mode_with_a_python_reward_matches_the_fused_step():
     return [float(t == r and e) for t, r, e in zip(texts, refs, ended)]
 
   optimizer = optax.adam(1e-3)
-  fused_state, fused, _ = _run(config, 3)
+  fused, fused_params = fused_run["history"][:3], fused_run["params_at_3"]
   split_state, split, _ = _run(config, 3, make_split_step(config, python_reward, optimizer,
                                                           pad_id=TOK.pad_id))
+  assert len(fused) == len(split) == 3
   for f, s in zip(fused, split):
     for key in ("reward_mean", "loss", "mtp_ce", "response_length_mean"):
       np.testing.assert_allclose(f[key], s[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  for a, b in zip(jax.tree.leaves(fused_state.params), jax.tree.leaves(split_state.params)):
+  for a, b in zip(jax.tree.leaves(fused_params), jax.tree.leaves(split_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -179,11 +194,14 @@ TRAIN_ARGS = ["--steps", "12", "--checkpoint-every", "2", "--sft-steps", "5", "-
               "--model.n-kv-heads", "2"]
 
 
-def _train(run_dir, extra=(), **popen):
+def _train(run_dir, compiled, extra=(), **popen):
+  """Start `specjax train` in a subprocess; its programs are cached in and read from the
+  directory `compiled`, so a run after the first loads them instead of compiling again."""
   cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
          str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir),
          *TRAIN_ARGS, *extra]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(compiled),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   env.pop("XLA_FLAGS", None)
   return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, **popen)
@@ -195,23 +213,34 @@ def _metrics(run_dir):
   return [{k: v for k, v in r.items() if k not in drop} for r in rows]
 
 
+def _wait_for_steps(run, run_dir, steps, timeout=300):
+  """Wait until `run` has logged `steps` steps in `run_dir`; it must not exit before."""
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+      return
+    assert run.poll() is None, run.stdout.read()
+    time.sleep(0.02)
+  raise AssertionError(f"{run_dir} logged fewer than {steps} steps in {timeout} s")
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-  full = _train(tmp_path / "full")
-  killed = _train(tmp_path / "killed")
-  metrics = tmp_path / "killed" / "metrics.jsonl"
-  deadline = time.time() + 300
+  compiled = tmp_path / "compiled"
+  full = _train(tmp_path / "full", compiled)
+  # Once the full run has logged a step it has compiled (and cached) every program a run
+  # needs up to its training steps: the run to kill then loads them rather than compiling
+  # them a second time on the same cores.
+  _wait_for_steps(full, tmp_path / "full", 1)
+  killed = _train(tmp_path / "killed", compiled)
   # Kill once step 3 is logged: checkpoint 2 is complete and the run is far from step 12.
-  while time.time() < deadline:
-    if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-      break
-    assert killed.poll() is None, killed.stdout.read()
-    time.sleep(0.05)
+  _wait_for_steps(killed, tmp_path / "killed", 3)
   killed.send_signal(signal.SIGKILL)
   killed.wait()
   steps = Checkpointer(tmp_path / "killed" / "checkpoints").all_steps()
   assert steps and 2 <= max(steps) < 12, steps  # killed mid-run, after a checkpoint
-  resumed = _train(tmp_path / "killed")
+  resumed = _train(tmp_path / "killed", compiled)
   out, _ = resumed.communicate(timeout=600)
   assert resumed.returncode == 0, out
   assert "resumed from" in out
@@ -309,8 +338,22 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
   assert accept["online"] > accept["frozen"] + 0.3, accept
 
 
+@pytest.fixture
+def compiled_on_disk(tmp_path_factory):
+  """JAX's persistent compilation cache, in a directory of this test's, while it runs: a
+  second run in the same process (a resume) loads the programs the first compiled, which
+  its new jit functions would otherwise compile again."""
+  from jax.experimental.compilation_cache import compilation_cache
+  before = jax.config.jax_compilation_cache_dir
+  compilation_cache.reset_cache()
+  compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("compiled")))
+  yield
+  compilation_cache.reset_cache()
+  compilation_cache.set_cache_dir(before)
+
+
 @pytest.mark.slow
-def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
+def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path, compiled_on_disk):
   import runpy
   from specjax.models import load_eagle3
   from specjax.rl.experiment import run
