@@ -385,9 +385,18 @@ def train_eagle3_head(target: Params, lang: PhraseLanguage, spec: EagleSpec,
 # ---------------------------------------------------------------------------------- cache
 
 
+# ModelConfig fields that choose how a model runs, not what it computes: a trained model
+# cached before they existed (or under other values) is still the same model.
+_RUNTIME_FIELDS = frozenset({"attention_impl", "attention_block"})
+
+
 def _key(*objs) -> str:
-  text = json.dumps([dataclasses.asdict(o) if dataclasses.is_dataclass(o) else o
-                     for o in objs], sort_keys=True, default=str)
+  def fields(o):
+    if not dataclasses.is_dataclass(o):
+      return o
+    return {k: v for k, v in dataclasses.asdict(o).items() if k not in _RUNTIME_FIELDS}
+
+  text = json.dumps([fields(o) for o in objs], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

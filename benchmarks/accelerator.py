@@ -494,7 +494,7 @@ def section_rl(ctx: Context) -> dict:
 
   @jax.jit
   def rollout_fn(params, batch, key):
-    roll, responses, lengths = rollout(params, config, batch.tokens, batch.lengths, key)
+    roll, responses, lengths, _ = rollout(params, config, batch.tokens, batch.lengths, key)
     return score(config, roll, even_reward(responses, lengths, batch.answers))
 
   logprob_fn = jax.jit(lambda params, tokens: sequence_logprobs(params, model, tokens,

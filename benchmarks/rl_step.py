@@ -10,7 +10,8 @@ per prompt at temperature 1 -> JAX reward -> group advantages -> update -> onlin
 update. The arms differ only in the rollout: plain autoregressive, MTP chain, EAGLE-3 chain
 (its head trained online, detached), or EAGLE-3 with adaptive speculation (each round runs
 plain decoding or one of the menu's chains, by costs `calibrate` measured on this machine
-before the run and acceptance counted during the rollout) — in the same engine, from the
+before the run and acceptance counted during the rollout; in the "carry" arm, counted from
+the earlier rollouts too: `RolloutConfig.acceptance_carry`) — in the same engine, from the
 same state, on the same prompts.
 
 Arms are interleaved step by step (step i of every arm, then step i + 1), so a burst of load
@@ -79,8 +80,9 @@ class Arm:
     head = lambda st: None if st.drafter is None else st.drafter.weights
 
     def roll_fn(st, batch, key):
-      roll, responses, lengths = rollout(st.params, config, batch.tokens, batch.lengths, key,
-                                         drafter_params=head(st))
+      roll, responses, lengths, _ = rollout(st.params, config, batch.tokens, batch.lengths,
+                                            key, drafter_params=head(st),
+                                            acceptance=st.acceptance)
       return score(config, roll, reward_fn(responses, lengths, batch.answers))
 
     self.roll_fn = jax.jit(roll_fn)
@@ -119,6 +121,9 @@ def main(argv=None) -> int:
   parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE-3 chain length")
   parser.add_argument("--adaptive-menu", default="1,2,3,4,6",
                       help="chain lengths of the adaptive EAGLE-3 arm's menu ('' : no such arm)")
+  parser.add_argument("--acceptance-carry", type=float, default=0.5,
+                      help="an adaptive arm that carries this weight of each rollout's "
+                           "acceptance counts into the next (0: no such arm)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per arm")
   parser.add_argument("--cache-dir", type=Path,
                       default=Path(__file__).resolve().parent / ".cache")
@@ -153,11 +158,15 @@ def main(argv=None) -> int:
                       cache_dir=args.cache_dir / "calibration")
     print("adaptive arm's costs per round:\n" + costs.format(policy.menu))
     setups.append(("eagle3 adaptive", Eagle3Drafter(M.EAGLE3), None, policy.with_costs(costs)))
+    if args.acceptance_carry:
+      setups.append(("eagle3 adapt+carry", Eagle3Drafter(M.EAGLE3), None,
+                     policy.with_costs(costs)))
   arms = []
   for name, drafter, tree, speculation in setups:
+    carry = args.acceptance_carry if name.endswith("carry") else 0.0
     config = TrainConfig(model=M.TARGET, grpo=grpo, rollout=RolloutConfig(
         max_new_tokens=args.max_new, eos_id=None, sampling=sampling, drafter=drafter,
-        tree=tree, speculation=speculation))
+        tree=tree, speculation=speculation, acceptance_carry=carry))
     optimizer = optax.adam(1e-5)
     state = init_train_state(
         config, jax.tree.map(jnp.array, target), optimizer, seed=0,
@@ -170,10 +179,10 @@ def main(argv=None) -> int:
       arm.run(batch, i, timed=i > 0)
 
   plain = arms[0]
-  print(f"{'rollout':<16}{'step s':>8}{'rollout s':>11}{'update s':>10}{'rollout %':>11}"
+  print(f"{'rollout':<20}{'step s':>8}{'rollout s':>11}{'update s':>10}{'rollout %':>11}"
         f"{'accept':>8}{'step x':>8}{'rollout x':>11}")
   for arm in arms:
-    print(f"{arm.name:<16}{arm.median('step'):>8.3f}{arm.median('rollout'):>11.3f}"
+    print(f"{arm.name:<20}{arm.median('step'):>8.3f}{arm.median('rollout'):>11.3f}"
           f"{arm.median('update'):>10.3f}"
           f"{100 * arm.median('rollout') / arm.median('step'):>10.0f}%"
           f"{float(arm.metrics['acceptance_length']):>8.2f}"

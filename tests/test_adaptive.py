@@ -267,9 +267,22 @@ def test_a_call_the_policy_would_run_plain_throughout_runs_without_the_drafter(
   np.testing.assert_array_equal(out.stats.tree_rounds, [rounds, 0, 0])
   assert out.stats.acceptance.hits.shape == (3, 3) and int(out.stats.acceptance.rounds) == rounds
   assert out.stats.accepted_per_depth.shape == (3,)
-  # Counts carried from an earlier call may favour a chain: the policy then decides per round.
+  # Counts carried from an earlier call do not bring the drafter back where the prior says
+  # no tree pays (a static decision): the call runs plain and returns them unchanged.
   carried = AcceptanceCounts(reached=jnp.full((3, 3), 1e6), hits=jnp.full((3, 3), 1e6),
-                             rounds=jnp.zeros((), jnp.int32))
+                             rounds=jnp.full((), 7, jnp.int32))
+  out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
+                 max_new_tokens=24, sampling=sampling, drafter=MTPDrafter(), speculation=dear,
+                 acceptance=carried)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.stats.acceptance.hits, carried.hits)
+  assert int(out.stats.acceptance.rounds) == 7 + rounds
+  # Counts of another menu are refused, naming the shape this policy needs.
+  with pytest.raises(ConfigError, match=r"menu of 3 entries .* need \(3, 3\)"):
+    generate(m["params"], m["config"], prompts, lengths, jax.random.key(3), max_new_tokens=24,
+             sampling=sampling, drafter=MTPDrafter(), speculation=dear,
+             acceptance=AcceptanceCounts.zeros(2, 3))
+  # Where a chain can pay, carried counts that favour one make the policy run it.
   cheap = dear.with_costs(CostTable((4,), ((1.0,), (1.01,), (1.02,))))
   out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
                  max_new_tokens=24, sampling=sampling, drafter=MTPDrafter(), speculation=cheap,

@@ -224,6 +224,10 @@ def _generate(params=GEN_PARAMS, prompts=PROMPTS, lengths=LENGTHS, **kwargs):
   return generate(params, GEN_CONFIG, prompts, lengths, jax.random.key(0), **kwargs)
 
 
+def _generate_with_key(key):
+  return generate(GEN_PARAMS, GEN_CONFIG, PROMPTS, LENGTHS, key, max_new_tokens=3)
+
+
 @jax.jit
 def _generate_under_jit(prompts, lengths):
   return _generate(prompts=prompts, lengths=lengths).logprobs
@@ -289,6 +293,19 @@ GENERATE_CASES = [
     case("mtp_drafter_with_params_without_mtp_modules",
          lambda: _generate(params=_without("mtp"), drafter=MTPDrafter(), tree=CHAIN1),
          ConfigError, r"params\['mtp'\]"),
+    case("key_an_int_seed", lambda: _generate_with_key(0),
+         ConfigError, r"key=0 is invalid: must be one JAX PRNG key, e\.g\. jax\.random\.key\(0\)"),
+    case("key_none", lambda: _generate_with_key(None),
+         ConfigError, r"key=None is invalid: must be one JAX PRNG key"),
+    case("key_raw_data_of_another_shape",
+         lambda: _generate_with_key(jnp.zeros(3, jnp.uint32)),
+         ConfigError, r"key=<uint32 array of shape \(3,\)> is invalid: must be one JAX PRNG "
+                      r"key.*uint32 of shape \(2,\)"),
+    case("key_raw_data_of_another_dtype", lambda: _generate_with_key(jnp.zeros(2, jnp.int32)),
+         ConfigError, r"key=<int32 array of shape \(2,\)> is invalid"),
+    case("key_a_batch_of_keys",
+         lambda: _generate_with_key(jax.random.split(jax.random.key(0), 2)),
+         ConfigError, r"key=<key<fry> array of shape \(2,\)> is invalid: .*nor a batch of keys"),
     case("prompt_token_outside_the_vocabulary_under_jit",
          lambda: _generate_under_jit(_with(PROMPTS, (1, 2), 16), LENGTHS),
          Exception, r"prompt_tokens",
@@ -306,6 +323,12 @@ GENERATE_CASES = [
 def test_bad_generate_input_is_refused_naming_the_argument(call, error, match):
   with pytest.raises(error, match=match):
     call()
+
+
+def test_generate_takes_a_typed_key_or_the_raw_key_data_of_prngkey_alike():
+  typed = _generate_with_key(jax.random.key(0))
+  for raw in (jax.random.PRNGKey(0), np.asarray(jax.random.PRNGKey(0))):
+    np.testing.assert_array_equal(_generate_with_key(raw).tokens, typed.tokens)
 
 
 def test_draft_tree_parents_given_as_a_list_or_numpy_ints_make_the_same_hashable_tree():
@@ -465,6 +488,12 @@ RL_CASES = [
          ConfigError, r"tree depth 3 is too deep for MTPDrafter"),
     case("experiment_unknown_drafter", lambda p: ExperimentConfig(drafter="foo"),
          ConfigError, r"drafter='foo' is invalid"),
+    case("experiment_acceptance_carry_with_fixed_trees",
+         lambda p: ExperimentConfig(acceptance_carry=0.5),
+         ConfigError, r"acceptance_carry=0\.5 is invalid: needs speculation='adaptive'"),
+    case("experiment_acceptance_carry_above_one",
+         lambda p: ExperimentConfig(speculation="adaptive", acceptance_carry=2.0),
+         ConfigError, r"acceptance_carry=2\.0 is invalid: must be a number in \[0, 1\]"),
     case("custom_task_example_a_tuple", lambda p: _custom(train=[("1+1=", "2")]),
          ConfigError, r"train\[0\] of task 't' is invalid: must be an Example"),
     case("custom_task_without_a_name", lambda p: _custom(name=""),

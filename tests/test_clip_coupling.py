@@ -18,7 +18,8 @@ from specjax.errors import ConfigError
 from specjax.models import ModelConfig, init_params
 from specjax.models.transformer import forward
 from specjax.rl import ArithmeticTask
-from specjax.rl.experiment import _DRAFT_HEADS, ExperimentConfig, _clip_trunk_and_heads
+from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.rl.experiment import ExperimentConfig, _clip_trunk_and_heads
 from specjax.supervised import draft_head_loss
 
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -87,7 +88,7 @@ def test_the_heads_clipped_apart_are_exactly_what_the_detached_drafter_loss_reac
   def policy_loss(p):
     return jax.nn.logsumexp(forward(p, MODEL, tokens, positions).logits, -1).mean()
 
-  assert _reached(jax.grad(drafter_loss)(params)) == set(_DRAFT_HEADS) == set(HEADS)
+  assert _reached(jax.grad(drafter_loss)(params)) == set(DRAFT_HEAD_KEYS) == set(HEADS)
   assert _reached(jax.grad(policy_loss)(params)) == set(params) - set(HEADS)
 
 

@@ -17,12 +17,14 @@ import pytest
 
 from specjax import sharding
 from specjax.checkpoint import DIGEST_FILE, Checkpointer, CheckpointError
-from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
+from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig
+from specjax.errors import ConfigError
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
-from specjax.rl.tasks import decode_completions
+from specjax.rl.distributed import train_state_shardings
+from specjax.rl import trainer
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
-                                make_split_step, make_train_step)
+                                make_split_step, make_train_step, rollout)
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -45,6 +47,16 @@ def _config(sampling=SamplingConfig(1.0), speculative=True, **kwargs):
   return TrainConfig(model=MODEL, grpo=grpo, rollout=rollout, **kwargs)
 
 
+def _ended_reward(responses, lengths, answers):
+  """1 for a row that ended on EOS, 0 for one cut at max_new_tokens. A random policy earns it
+  on some rows and not on others, so advantages and the policy's gradient are never all zero
+  (the task's own reward rarely pays a random policy anything, and then the trunk would not
+  move, whatever the test checks)."""
+  del answers
+  last = jnp.take_along_axis(responses, jnp.maximum(lengths - 1, 0)[:, None], 1)[:, 0]
+  return ((last == TOK.eos_id) & (lengths > 0)).astype(jnp.float32)
+
+
 def _run(config, steps, step_fn=None, state=None, params_seed=0, first=0):
   """`steps` steps from `state` (default: a fresh one), on the batches of steps `first`,
   `first + 1`, ...; returns the state, the metrics of each step and the step function."""
@@ -52,7 +64,7 @@ def _run(config, steps, step_fn=None, state=None, params_seed=0, first=0):
   if state is None:
     state = init_train_state(config, init_params(MODEL, jax.random.key(params_seed)),
                              optimizer, seed=1)
-  step_fn = step_fn or make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id)
+  step_fn = step_fn or make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id)
   reader, history = _reader(), []
   for i in range(first, first + steps):
     state, metrics = step_fn(state, reader.batch_at(4 * i))
@@ -101,6 +113,129 @@ def test_train_step_compiles_once_and_updates_the_policy_and_drafter(fused_run):
     assert np.all(np.isfinite(history[-1][key])), key
 
 
+def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
+  # Chains of 1 and 2 pay at the prior (0.9) at 16 rows: without evidence the policy drafts.
+  menu = Adaptive((DraftTree.chain(1), DraftTree.chain(2)),
+                  costs=CostTable((16,), ((1.0,), (1.05,), (1.1,))))
+  base = _config()
+  config = dataclasses.replace(base, rollout=dataclasses.replace(
+      base.rollout, tree=None, speculation=menu, acceptance_carry=1.0))
+  state0 = init_train_state(config, init_params(MODEL, jax.random.key(0)), optax.adam(1e-3), 1)
+  assert state0.acceptance.reached.shape == (3, 2) and int(state0.acceptance.rounds) == 0
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  spec = train_state_shardings(state0, mesh, config).acceptance
+  assert all(s.is_fully_replicated for s in jax.tree.leaves(spec))
+
+  batch = _reader().batch_at(0)
+  roll = jax.jit(lambda acceptance: rollout(state0.params, config, batch.tokens, batch.lengths,
+                                            jax.random.key(0), TOK.pad_id, None, acceptance))
+  _, _, _, fresh = roll(state0.acceptance)
+  assert float(fresh.reached[1:].sum()) >= 1  # no evidence: a chain ran
+  # Evidence that no draft is ever accepted, carried in: every round is plain, no new counts.
+  never = state0.acceptance.replace(reached=jnp.full((3, 2), 1e6))
+  r, _, _, after = roll(never)
+  assert float(r.tokens_per_round) == 1.0
+  assert np.all(np.asarray(after.reached) <= 1e6) and float(after.hits.sum()) == 0
+  assert int(after.rounds) > 0
+
+  state, _, step = _run(config, 1, state=state0)
+  first = int(state.acceptance.rounds)
+  assert first > 0
+  state, _, step = _run(config, 1, step, state, first=1)
+  assert step._cache_size() == 1
+  # The second rollout's counts run on from the first's instead of starting from the prior.
+  assert int(state.acceptance.rounds) > first
+  with pytest.raises(ConfigError, match="acceptance_carry=1.5 is invalid"):
+    dataclasses.replace(config.rollout, acceptance_carry=1.5)
+  with pytest.raises(ConfigError, match="needs speculation"):
+    dataclasses.replace(base.rollout, acceptance_carry=0.5)
+
+
+# A second end token beside the tokenizer's EOS: a digit the untrained policy samples often.
+TWO_EOS = (TOK.eos_id, TOK.encode("9")[0])
+
+
+@pytest.fixture(scope="module")
+def two_eos_step():
+  """One fused step (plain rollouts, the cheapest to compile) whose rollout ends rows on
+  either id of `TWO_EOS`, given as a list. Its reward, 1 for a row that ended on an end token
+  and 0 for one cut at max_new_tokens, gives groups unequal advantages, so the policy loss
+  reaches the trunk. Returns the config, the step's metrics and the responses and lengths
+  the reward saw."""
+  # One minibatch: its gradient norms are the step's, not means over minibatches.
+  base = _config(speculative=False, grpo=GRPOConfig(group_size=4, beta=0.05))
+  config = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout,
+                                                                 eos_id=list(TWO_EOS)))
+  seen = {}
+
+  def reward(responses, lengths, answers):
+    del answers
+    jax.debug.callback(lambda r, n: seen.update(responses=np.asarray(r), lengths=np.asarray(n)),
+                       responses, lengths)
+    last = jnp.take_along_axis(responses, jnp.maximum(lengths - 1, 0)[:, None], 1)[:, 0]
+    return jnp.isin(last, jnp.asarray(TWO_EOS)).astype(jnp.float32)
+
+  optimizer = optax.adam(1e-3)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, seed=1)
+  step = make_train_step(config, reward, optimizer, pad_id=TOK.pad_id)
+  _, metrics = step(state, _reader().batch_at(0))
+  metrics = jax.tree.map(np.asarray, metrics)
+  return config, metrics, seen["responses"], seen["lengths"]
+
+
+def test_rollouts_with_two_eos_ids_end_each_row_on_either(two_eos_step):
+  config, metrics, responses, lengths = two_eos_step
+  assert config.rollout.eos_id == TWO_EOS and hash(config)  # the list became a tuple
+  n = config.rollout.max_new_tokens
+  ended_on = []
+  for row, length in zip(responses, lengths):
+    stops = [j for j in range(length) if row[j] in TWO_EOS]
+    # A row ends right after its first end token, or runs to max_new_tokens without one.
+    assert (stops == [] and length == n) or stops == [length - 1], (row, length)
+    ended_on.append(row[length - 1] if stops else None)
+  assert set(ended_on) >= set(TWO_EOS)  # rows ended on each of the two ids
+  # rollout_metrics counts a row ending on either id as ended, not clipped.
+  clipped = np.mean([e is None for e in ended_on])
+  np.testing.assert_allclose(metrics["response_clip_frac"], clipped)
+  np.testing.assert_allclose(metrics["reward_mean"], 1 - clipped)
+
+
+def test_rollout_config_eos_ids_are_checked():
+  base = _config().rollout
+  assert dataclasses.replace(base, eos_id=np.int64(2)).eos_id == 2
+  assert dataclasses.replace(base, eos_id=None).eos_id is None
+  for bad, match in ((True, r"eos_id=True is invalid \(True not a token id\)"),
+                     ((), r"eos_id=\(\) is invalid: must be None, a token id >= 0, or a "
+                          r"non-empty list or tuple of them"),
+                     ([2, "3"], r"eos_id=\[2, '3'\] is invalid \('3' not a token id\)"),
+                     (-1, r"eos_id=-1 is invalid \(-1 not a token id\)")):
+    with pytest.raises(ConfigError, match=match):
+      dataclasses.replace(base, eos_id=bad)
+
+
+def test_grad_norms_of_the_trunk_and_the_heads_make_up_the_total(two_eos_step):
+  _, metrics, _, _ = two_eos_step
+  total, trunk, heads = (float(metrics[k]) for k in
+                         ("grad_norm", "grad_norm_trunk", "grad_norm_heads"))
+  assert trunk > 0 and heads > 0  # the policy loss reaches the trunk, the drafter loss the heads
+  np.testing.assert_allclose(np.hypot(trunk, heads), total, rtol=1e-5)
+
+
+def test_grad_norms_are_float32_and_omit_the_heads_when_the_model_has_none():
+  grads = {"embed": jnp.full((3, 4), 1e-3, jnp.bfloat16),
+           "layers": [{"w": jnp.full((256, 256), 1e-2, jnp.bfloat16)}],
+           "mtp": [{"proj": jnp.full((2,), 3.0, jnp.bfloat16)}]}
+  norms = trainer._grad_norms(grads)
+  trunk = np.sqrt(12 * np.float64(np.float32(jnp.bfloat16(1e-3))) ** 2
+                  + 256 * 256 * np.float64(np.float32(jnp.bfloat16(1e-2))) ** 2)
+  np.testing.assert_allclose(norms["grad_norm_trunk"], trunk, rtol=1e-6)
+  np.testing.assert_allclose(norms["grad_norm_heads"], np.sqrt(18.0), rtol=1e-6)
+  np.testing.assert_allclose(norms["grad_norm"], np.hypot(trunk, np.sqrt(18.0)), rtol=1e-6)
+  assert all(v.dtype == jnp.float32 for v in norms.values())
+  without = trainer._grad_norms({k: v for k, v in grads.items() if k != "mtp"})
+  assert set(without) == {"grad_norm", "grad_norm_trunk"}
+
+
 def test_async_step_updates_on_the_rollout_generated_one_step_earlier():
   config = _config(async_mode=True)
   optimizer = optax.adam(1e-3)
@@ -120,12 +255,9 @@ def test_async_step_updates_on_the_rollout_generated_one_step_earlier():
 def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
   config = _config()
 
-  def python_reward(responses, lengths, batch):
-    refs = np.repeat([str(a) for a in batch.answers], config.grpo.group_size)
-    texts = decode_completions(TOK, responses, lengths)
-    ended = [int(responses[i, n - 1]) == TOK.eos_id if n else False
-             for i, n in enumerate(lengths)]
-    return [float(t == r and e) for t, r, e in zip(texts, refs, ended)]
+  def python_reward(responses, lengths, batch):  # _ended_reward on the host
+    return [float(n > 0 and int(responses[i, n - 1]) == TOK.eos_id)
+            for i, n in enumerate(lengths)]
 
   optimizer = optax.adam(1e-3)
   fused, fused_params = fused_run["history"][:3], fused_run["params_at_3"]

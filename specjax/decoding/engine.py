@@ -43,7 +43,7 @@ from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.params import check_params
-from specjax.models.transformer import ForwardOutput, forward
+from specjax.models.transformer import ForwardOutput, forward, unembed
 
 Params = dict[str, Any]
 
@@ -278,11 +278,16 @@ class DecodeLoop:
     """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`).
 
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
+    A call that the prior alone shows cannot gain from its drafter
+    (`Adaptive.plain_throughout`, decided while tracing) runs without one whatever the counts
+    say, and returns them unchanged.
     """
-    if (acceptance is None and self.speculation is not None
+    if acceptance is not None:
+      self._check_acceptance(acceptance)
+    if (self.speculation is not None
         and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]),
                                               self.max_new_tokens)):
-      return self._without_drafter(params, prompt_tokens, prompt_lengths, key)
+      return self._without_drafter(params, prompt_tokens, prompt_lengths, key, acceptance)
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
     if acceptance is not None:
       state = state.replace(acceptance=acceptance)
@@ -304,19 +309,37 @@ class DecodeLoop:
                         prompt_lengths)
 
   def _without_drafter(self, params: Params, prompt_tokens: jax.Array,
-                       prompt_lengths: jax.Array, key: jax.Array) -> GenerationResult:
+                       prompt_lengths: jax.Array, key: jax.Array,
+                       acceptance: AcceptanceCounts | None = None) -> GenerationResult:
     """Plain decoding with no drafter state at all, its statistics shaped as the policy's
     (every round counted as the menu's plain entry): what a call runs when the policy would
-    choose plain decoding in every round (`Adaptive.plain_throughout`)."""
+    choose plain decoding in every round (`Adaptive.plain_throughout`). Counts passed in
+    come back as they were: plain rounds tell nothing about the drafter."""
     result = self.drafter_free(prompt_tokens.shape[1])(params, prompt_tokens, prompt_lengths,
                                                        key)
     stats = result.stats
     depth = max(self.envelope.depth, 1)
-    acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
+    if acceptance is None:
+      acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
     return result.replace(stats=stats.replace(
         accepted_per_depth=jnp.zeros((depth,), jnp.float32),
         tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
-        acceptance=acceptance.replace(rounds=stats.rounds)))
+        acceptance=acceptance.replace(rounds=acceptance.rounds + stats.rounds)))
+
+  def _check_acceptance(self, acceptance: Any) -> None:
+    """Counts from another call must be this policy's: `[I, D]` for its menu."""
+    want = (len(self.menu), max(self.envelope.depth, 1))
+    if self.speculation is None:
+      raise ConfigError("acceptance counts are the speculation policy's; this call has none "
+                        "(pass speculation=Adaptive(...), or acceptance=None)")
+    if not isinstance(acceptance, AcceptanceCounts):
+      raise ConfigError(f"acceptance must be AcceptanceCounts (an earlier call's "
+                        f"stats.acceptance), got {type(acceptance).__name__}")
+    shapes = (np.shape(acceptance.reached), np.shape(acceptance.hits))
+    if shapes != (want, want):
+      raise ConfigError(f"acceptance counts of shape {shapes[0]} do not fit this policy: its "
+                        f"menu of {want[0]} entries (plain decoding included) and depth "
+                        f"{want[1]} need {want}; pass the counts of a call with the same menu")
 
   def drafter_free(self, prompt_len: int) -> DecodeLoop:
     """This loop without its drafter, nor the cache slots its trees would need (attention
@@ -343,11 +366,13 @@ class DecodeLoop:
     b, p = prompt_tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
     cache = KVCache.create(self.config, b, self.max_len)
+    # The output head only where the first token is sampled: `[B, P, V]` logits of every
+    # prompt position would be the largest array of a rollout with a real vocabulary.
     out = forward(params, self.config, prompt_tokens, positions, cache, advance=prompt_lengths,
-                  hidden_layers=self.hidden_layers)
+                  hidden_layers=self.hidden_layers, compute_logits=False)
     last = (prompt_lengths - 1)[:, None]
-    logits = _take_path(out.logits, last)[:, 0]
     last_hidden = _take_path(out.hidden, last)[:, 0]
+    logits = unembed(params, self.config, last_hidden)
     key, k_first = jax.random.split(key)
     first = sample_tokens(k_first, processed_logprobs(logits, self.sampling), self.sampling)
     rows = jnp.arange(b)
@@ -363,7 +388,8 @@ class DecodeLoop:
         done=done, cache=out.cache, last_hidden=last_hidden, drafter_state=None, key=key,
         rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
         accepted_at_depth=jnp.zeros((max(self.envelope.depth, 1),), jnp.int32),
-        emitted=jnp.zeros((), jnp.int32), drafts=jnp.zeros((), jnp.int32), tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
+        emitted=jnp.zeros((), jnp.int32), drafts=jnp.zeros((), jnp.int32),
+        tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
         acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)),
         drafter_off=jnp.zeros((), bool))
     if self.speculative:
@@ -576,7 +602,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     config: target configuration.
     prompt_tokens: `[B, P]` right-padded prompts.
     prompt_lengths: `[B]` prompt lengths (1..P).
-    key: PRNG key.
+    key: one PRNG key (`jax.random.key(seed)`, or the raw data of `jax.random.PRNGKey(seed)`).
     max_new_tokens: exact upper bound of generated tokens per row.
     sampling: temperature / top-k / top-p (temperature 0 = greedy).
     drafter: a drafter (`specjax.decoding.drafters`), or None for plain decoding.
@@ -599,6 +625,16 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   if not isinstance(tree, DraftTree):
     raise ConfigError(f"tree={tree!r} is invalid: must be a specjax.decoding.DraftTree (e.g. "
                       "DraftTree.chain(3), DraftTree.from_widths((2, 1))) or None")
+  # One key, typed or raw (jax.random.PRNGKey's uint32 data); anything else would fail deep
+  # inside the loop's first jax.random.split with an error that names no argument.
+  raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+  array = isinstance(key, (jax.Array, np.ndarray))
+  if not (array and ((key.shape == () and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key))
+                     or (key.shape == raw_shape and key.dtype == np.uint32))):
+    got = f"<{key.dtype} array of shape {key.shape}>" if array else repr(key)
+    raise ConfigError(f"key={got} is invalid: must be one JAX PRNG key, e.g. "
+                      "jax.random.key(0), or the raw key data of jax.random.PRNGKey(0) "
+                      f"(uint32 of shape {raw_shape}); not a seed, nor a batch of keys")
   prompt_tokens = _as_ids(prompt_tokens, "prompt_tokens", 2)
   prompt_lengths = _as_ids(prompt_lengths, "prompt_lengths", 1)
   if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop

@@ -167,6 +167,10 @@ class AcceptanceCounts:
     return cls(reached=jnp.zeros((entries, depth), jnp.float32),
                hits=jnp.zeros((entries, depth), jnp.float32), rounds=jnp.zeros((), jnp.int32))
 
+  def scaled(self, weight: float) -> AcceptanceCounts:
+    """The counts weighing `weight` times as much evidence (the round count unchanged)."""
+    return self.replace(reached=weight * self.reached, hits=weight * self.hits)
+
   def observe(self, entry: int, tree_depth: int, accepted: jax.Array, active: jax.Array,
               decay: float) -> AcceptanceCounts:
     """Add one round of entry `entry` (a tree of depth `tree_depth`): `accepted [B]` drafts

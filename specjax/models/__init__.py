@@ -10,7 +10,7 @@ from specjax.models.eagle3 import (Eagle3Config, build_draft_vocab, check_d2t, c
                                    to_target_vocab)
 from specjax.models.eagle3_io import (eagle3_config_from_hf, eagle3_config_to_hf, load_eagle3,
                                       save_eagle3)
-from specjax.models.heads import (HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
+from specjax.models.heads import (DRAFT_HEAD_KEYS, HeadOutput, medusa_logits, mtp_forward, mtp_head_logits,
                                   mtp_logits_all)
 from specjax.models.hf import load_hf, save_hf
 from specjax.models.hf_config import config_from_hf, config_to_hf
@@ -19,7 +19,8 @@ from specjax.models.transformer import (ForwardOutput, causal_mask, embed, forwa
                                         unembed)
 
 __all__ = [
-    "CheckpointError", "ConfigError", "Eagle3Config", "ForwardOutput", "HeadOutput", "KVCache",
+    "CheckpointError", "ConfigError", "DRAFT_HEAD_KEYS", "Eagle3Config", "ForwardOutput",
+    "HeadOutput", "KVCache",
     "Llama3RopeScaling", "ModelConfig", "attention_mask", "build_draft_vocab", "causal_mask",
     "check_d2t", "check_params", "config_from_hf", "config_to_hf", "count_params", "count_tokens",
     "default_aux_layers", "eagle3_cache", "eagle3_config_from_hf", "eagle3_config_to_hf",

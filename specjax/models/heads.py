@@ -25,6 +25,12 @@ from specjax.models.transformer import embed, rms_norm, run_blocks, unembed
 
 Params = dict[str, Any]
 
+DRAFT_HEAD_KEYS = ("mtp", "medusa")
+"""Top-level parameter keys of the draft heads (present only when the config has them).
+The detached drafter loss (`specjax.supervised.draft_head_loss`) reaches only these; the
+rest is the trunk, which only the policy loss reaches (the heads are not part of the
+policy's forward). RL clips, and reports gradient norms of, the two parts apart."""
+
 
 @struct.dataclass
 class HeadOutput:

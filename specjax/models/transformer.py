@@ -21,6 +21,7 @@ from flax import struct
 from specjax.models.attention import Visibility, attend
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.layout import constrain_rows
 
 Params = dict[str, Any]
 
@@ -237,7 +238,7 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
   for idx in hidden_layers:
     if not 0 <= idx < config.n_layers:
       raise ValueError(f"hidden_layers contains {idx}; allowed: 0..{config.n_layers - 1}")
-  x = embed(params, config, tokens)
+  x = constrain_rows(embed(params, config, tokens))  # rows split under a mesh (layout.py)
   x, intermediates, cache = run_blocks(params["layers"], config, x, positions, cache, new_mask,
                                        hidden_layers)
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)

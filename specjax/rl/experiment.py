@@ -37,12 +37,13 @@ import optax
 import tqdm
 
 from specjax.checkpoint import Checkpointer
-from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
-                              MedusaDrafter, MTPDrafter, SamplingConfig)
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftTree, Eagle3Drafter,
+                              Eagle3Weights, MedusaDrafter, MTPDrafter, SamplingConfig)
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_eagle3
+from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
@@ -76,6 +77,9 @@ class ExperimentConfig:
       to produce the most tokens per second (`specjax.decoding.Adaptive`), with costs that
       `calibrate` measures on this machine at the rollout's shapes before training (cached
       on disk). Speculation then never costs more than it brings.
+    acceptance_carry: with adaptive speculation, the weight in [0, 1] of one rollout's
+      acceptance counts in the next (`RolloutConfig.acceptance_carry`; kept in the train
+      state and its checkpoints). 0: each rollout starts from the policy's prior.
     eagle3_dir: with drafter "eagle3", an EAGLE-3 head in the public layout to start from
       (`specjax train-drafter` writes one); None distils one from the warm-started policy.
     eagle3_draft_vocab: draft vocabulary of a distilled head (None: the whole vocabulary).
@@ -129,6 +133,7 @@ class ExperimentConfig:
   drafter: Literal["none", "mtp", "medusa", "eagle3"] = "mtp"
   tree_widths: tuple[int, ...] = (1, 1)
   speculation: Literal["fixed", "adaptive"] = "fixed"
+  acceptance_carry: float = 0.0
   eagle3_dir: str | None = None
   eagle3_draft_vocab: int | None = None
   eagle3_steps: int = 300
@@ -197,6 +202,12 @@ class ExperimentConfig:
     require(self.drafter in _DRAFTERS, "drafter", f"allowed one of {sorted(_DRAFTERS)}")
     require(self.speculation in ("fixed", "adaptive"), "speculation",
             "allowed 'fixed' or 'adaptive'")
+    require(is_real(self.acceptance_carry) and 0 <= self.acceptance_carry <= 1,
+            "acceptance_carry", "must be a number in [0, 1]")
+    require(not self.acceptance_carry or (self.speculation == "adaptive"
+                                          and self.drafter != "none"), "acceptance_carry",
+            "needs speculation='adaptive' and a drafter (only the adaptive policy keeps "
+            "acceptance counts); leave it 0 otherwise")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
     if _DRAFTERS[self.drafter] is not None:
       _DRAFTERS[self.drafter]().validate(self.model, self.tree)
@@ -236,14 +247,28 @@ class ExperimentConfig:
       speculation = self.adaptive(costs)
     elif draft is not None:
       tree = self.tree
-    rollout = RolloutConfig(max_new_tokens=self.max_new_tokens,
-                            eos_id=self.task.tokenizer.eos_id,
+    rollout = RolloutConfig(max_new_tokens=self.max_new_tokens, eos_id=self.eos_ids,
                             sampling=SamplingConfig(self.temperature), drafter=draft,
-                            tree=tree, speculation=speculation)
+                            tree=tree, speculation=speculation,
+                            acceptance_carry=self.acceptance_carry if speculation else 0.0)
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_loss_weight=self.drafter_loss_weight,
                        drafter_learning_rate=self.drafter_learning_rate,
                        async_mode=self.async_mode)
+
+  @property
+  def eos_ids(self) -> int | tuple[int, ...]:
+    """Every id that ends a response: a chat tokenizer lists several (`HFTokenizer.eos_ids`),
+    and rollouts and evaluations stop on any of them."""
+    ends = tuple(getattr(self.task.tokenizer, "eos_ids", ()) or ())
+    return ends if len(ends) > 1 else self.task.tokenizer.eos_id
+
+  def initial_acceptance(self) -> AcceptanceCounts | None:
+    """The train state's acceptance counts before the first rollout (None: not carried)."""
+    if not self.acceptance_carry:
+      return None
+    menu = self.adaptive()
+    return AcceptanceCounts.zeros(len(menu.menu), max(menu.depth, 1))
 
   def fixed_tree(self) -> ExperimentConfig:
     """This config with every round drafting `tree_widths` (the train state's structure,
@@ -267,15 +292,9 @@ class ExperimentConfig:
 # The drafters a config names; EAGLE-3's head is built from the config (`eagle3_config`).
 _DRAFTERS = {"none": None, "mtp": MTPDrafter, "medusa": MedusaDrafter, "eagle3": None}
 
-# Top-level parameter keys of the draft heads, the only weights the detached drafter loss
-# (`specjax.supervised.draft_head_loss`) reaches; the rest is the trunk, which only the
-# policy loss reaches (the heads are not part of the policy's forward).
-_DRAFT_HEADS = ("mtp", "medusa")
-
-
 def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
   """`optax.clip_by_global_norm(max_norm)` applied to the trunk and to the draft heads
-  (`_DRAFT_HEADS`) apart: each part is scaled by `max_norm / its own norm` when that norm is
+  (`DRAFT_HEAD_KEYS`) apart: each part is scaled by `max_norm / its own norm` when that norm is
   larger, so neither part's gradient changes the other's update.
 
   Stateless (`EmptyState`) like the shared clip, rather than an `optax.multi_transform`,
@@ -286,8 +305,8 @@ def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
 
   def update(updates, params=None):
     del params  # clipping reads the gradients only
-    parts = ({k: v for k, v in updates.items() if k not in _DRAFT_HEADS},
-             {k: v for k, v in updates.items() if k in _DRAFT_HEADS})
+    parts = ({k: v for k, v in updates.items() if k not in DRAFT_HEAD_KEYS},
+             {k: v for k, v in updates.items() if k in DRAFT_HEAD_KEYS})
     clipped = {}
     for part in parts:
       clipped |= clip.update(part, clip.init(part))[0]
@@ -382,8 +401,9 @@ def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> Tra
       eagle = tc.eagle3.config
       head = Eagle3Weights(params=init_eagle3(eagle, jax.random.key(0)),
                            d2t=jnp.zeros((eagle.draft_vocab_size,), jnp.int32))
-    return init_train_state(tc, init_params(config.model, jax.random.key(0)), optimizer, 0,
-                            drafter_params=head)
+    state = init_train_state(tc, init_params(config.model, jax.random.key(0)), optimizer, 0,
+                             drafter_params=head)
+    return state.replace(acceptance=config.initial_acceptance())
 
   return jax.eval_shape(make)
 
@@ -490,8 +510,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
   mesh = config.mesh.make()
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  # The state's structure does not depend on how each round's tree is chosen; adaptive
-  # speculation gets its measured costs once the parameters exist.
+  # The state's structure does not depend on how each round's tree is chosen (but for the
+  # acceptance counts it may carry, `initial_acceptance`); adaptive speculation gets its
+  # measured costs once the parameters exist.
   tc = config.fixed_tree().train_config()
   optimizer = config.optimizer()
   tok = config.task.tokenizer
@@ -524,6 +545,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
         save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
                     np.asarray(head.d2t))
     state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
+    state = state.replace(acceptance=config.initial_acceptance())
     costs = _shared_costs(lambda: rollout_costs(params, config, reader.batch_at(0), head, log))
     tc = config.train_config(costs=costs)
     position = 0

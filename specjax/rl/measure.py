@@ -38,7 +38,7 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
   sampling = SamplingConfig(config.temperature) if sampled else SamplingConfig(0.0)
   out = generate(params, config.model, np.repeat(batch.tokens, k, 0),
                  np.repeat(batch.lengths, k, 0), jax.random.key(config.seed + 1),
-                 max_new_tokens=config.max_new_tokens, sampling=sampling, eos_id=tok.eos_id,
+                 max_new_tokens=config.max_new_tokens, sampling=sampling, eos_id=config.eos_ids,
                  pad_id=tok.pad_id)
   rewards = config.task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
   return float((rewards >= 1.0).mean())

@@ -36,6 +36,7 @@ import optax
 from flax import struct
 
 from specjax.decoding import Adaptive, generate
+from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import SamplingConfig
@@ -43,6 +44,8 @@ from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import eagle3_ttt_loss, select_aux
+from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.models.layout import constrain_rows
 from specjax.models.transformer import ForwardOutput, forward
 from specjax.rl.losses import GRPOConfig, group_advantages, grpo_loss
 from specjax.supervised import draft_head_loss
@@ -62,20 +65,35 @@ class RolloutConfig:
     tree: the draft tree of every round (None with no drafter, or with `speculation`).
     speculation: an `Adaptive` policy choosing each round's tree (with the drafter), with
       its measured costs (`specjax.decoding.calibrate` at the rollout's shapes).
-    eos_id: end-of-response token (None: every response runs to max_new_tokens).
+    eos_id: end-of-response token, or a tuple of them (a row ends on any; chat checkpoints
+      end a turn on one and a document on another; a list is stored as a tuple, so the
+      config stays hashable). None: every response runs to max_new_tokens.
+    acceptance_carry: with `speculation`, the weight in [0, 1] of the acceptance counts of
+      the last rollout in the next one (`TrainState.acceptance`). 0: every rollout starts
+      from the policy's prior and spends its first rounds finding out what the drafter
+      accepts. Below 1 the carried evidence fades step by step, so a drafter that stopped
+      paying (or was switched off) is tried again once the policy moves on.
   """
 
   max_new_tokens: int
-  eos_id: int | None
+  eos_id: int | tuple[int, ...] | None
   sampling: SamplingConfig = SamplingConfig(1.0)
   drafter: Drafter | None = None
   tree: DraftTree | None = None
   speculation: Adaptive | None = None
+  acceptance_carry: float = 0.0
 
   def __post_init__(self):
     if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an "
                         "int >= 1")
+    object.__setattr__(self, "eos_id", _eos_ids(self.eos_id))
+    carry = self.acceptance_carry
+    if isinstance(carry, bool) or not isinstance(carry, (int, float)) or not 0 <= carry <= 1:
+      raise ConfigError(f"acceptance_carry={carry!r} is invalid: must be a number in [0, 1]")
+    if carry and self.speculation is None:
+      raise ConfigError(f"acceptance_carry={carry!r} needs speculation=Adaptive(...): only "
+                        "the adaptive policy keeps acceptance counts")
     fixed = self.tree is not None and self.tree.num_nodes > 0
     if self.speculation is not None:
       if fixed or self.drafter is None:
@@ -88,6 +106,22 @@ class RolloutConfig:
     elif (self.drafter is None) != (not fixed):
       raise ConfigError("drafter and tree go together: pass both, or neither for plain "
                         "rollouts")
+
+
+def _eos_ids(eos_id: Any) -> int | tuple[int, ...] | None:
+  """`RolloutConfig.eos_id` checked: None, an id, or a non-empty tuple of ids (from a list or
+  tuple, NumPy ints included), ints all. Whether they fit the vocabulary is `generate`'s
+  check, which knows the model."""
+  if eos_id is None:
+    return None
+  many = isinstance(eos_id, (list, tuple))
+  ids = tuple(eos_id) if many else (eos_id,)
+  bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0]
+  if bad or not ids:
+    raise ConfigError(f"eos_id={eos_id!r} is invalid"
+                      + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
+                      + ": must be None, a token id >= 0, or a non-empty list or tuple of them")
+  return tuple(int(i) for i in ids) if many else int(eos_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +227,8 @@ class TrainState:
     key: raw PRNG key data (uint32 `[2]`), checkpointable.
     pending: async mode's rollout awaiting its update (None in sync mode).
     drafter: the EAGLE-3 head of the rollouts and its optimizer state (None otherwise).
+    acceptance: the speculation policy's counts after the last rollout, which the next one
+      starts from, scaled by `RolloutConfig.acceptance_carry` (None when that is 0).
   """
 
   params: Params
@@ -202,6 +238,7 @@ class TrainState:
   key: jax.Array
   pending: Rollout | None = None
   drafter: DrafterTrainState | None = None
+  acceptance: AcceptanceCounts | None = None
 
 
 def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
@@ -222,9 +259,15 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
   elif drafter_params is not None:
     raise ConfigError("drafter_params is only used with an Eagle3Drafter rollout; the "
                       f"rollout drafter is {config.rollout.drafter!r}")
+  acceptance = None
+  rc = config.rollout
+  if rc.acceptance_carry:
+    menu = rc.speculation.menu
+    acceptance = AcceptanceCounts.zeros(len(menu), max(rc.speculation.depth, 1))
   return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref,
                     step=jnp.zeros((), jnp.int32),
-                    key=jax.random.key_data(jax.random.key(seed)), drafter=drafter)
+                    key=jax.random.key_data(jax.random.key(seed)), drafter=drafter,
+                    acceptance=acceptance)
 
 
 def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad_id):
@@ -246,13 +289,16 @@ def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad
 
 
 def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_lengths: jax.Array,
-            key: jax.Array, pad_id: int = 0, drafter_params: Any = None
-            ) -> tuple[Rollout, jax.Array, jax.Array]:
+            key: jax.Array, pad_id: int = 0, drafter_params: Any = None,
+            acceptance: AcceptanceCounts | None = None
+            ) -> tuple[Rollout, jax.Array, jax.Array, AcceptanceCounts]:
   """Generate G responses per prompt (`prompts [B / G, P]`). Returns the (unscored) rollout,
-  the responses `[B, T]` and their lengths `[B]`.
+  the responses `[B, T]`, their lengths `[B]` and the speculation policy's counts at the end.
 
   Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
-  drafter's own parameters (an EAGLE-3 head), if it has any.
+  drafter's own parameters (an EAGLE-3 head), if it has any; `acceptance`, counts the
+  policy starts from (`TrainState.acceptance`), scaled here by
+  `RolloutConfig.acceptance_carry`.
   """
   g = config.grpo.group_size
   rc = config.rollout
@@ -261,7 +307,9 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   out = generate(params, config.model, prompts, prompt_lengths, key,
                  max_new_tokens=rc.max_new_tokens, sampling=rc.sampling, drafter=rc.drafter,
                  tree=rc.tree, speculation=rc.speculation, eos_id=rc.eos_id, pad_id=pad_id,
-                 drafter_params=drafter_params)
+                 drafter_params=drafter_params,
+                 acceptance=None if acceptance is None else acceptance.scaled(
+                     rc.acceptance_carry))
   tokens, response_mask, valid_mask, behaviour = _assemble(
       prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
   zeros = jnp.zeros(prompts.shape[:1], jnp.float32)
@@ -269,7 +317,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
                  behaviour_logprobs=behaviour, rewards=zeros, advantages=zeros,
                  lengths=out.lengths, tokens_per_round=out.stats.tokens_per_round,
                  accepted_per_depth=out.stats.accepted_per_depth)
-  return roll, out.tokens, out.lengths
+  return roll, out.tokens, out.lengths, out.stats.acceptance
 
 
 def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
@@ -347,18 +395,27 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   data = {"tokens": roll.tokens, "response_mask": roll.response_mask,
           "valid_mask": roll.valid_mask, "behaviour_logprobs": roll.behaviour_logprobs,
           "advantages": roll.advantages}
-  if gc.num_epochs > 1 or gc.num_minibatches > 1:
-    # pi_old is the policy at the start of the update, fixed across epochs and minibatches.
-    data["old_logprobs"] = jax.lax.stop_gradient(
-        sequence_logprobs(state.params, config.model, roll.tokens, temperature)[0])
-  if gc.beta > 0:
-    data["ref_logprobs"] = jax.lax.stop_gradient(
-        sequence_logprobs(state.ref_params, config.model, roll.tokens, temperature)[0])
   rows = roll.tokens.shape[0]
   if rows % gc.num_minibatches:
     raise ConfigError(f"num_minibatches={gc.num_minibatches} must divide the rollout rows "
                       f"{rows} (prompts x group_size)")
   mb_rows = rows // gc.num_minibatches
+
+  def logprobs_by_minibatch(params):
+    """`sequence_logprobs` of every row, a minibatch of rows at a time: the float32
+    `[rows, L, V]` logits of all rows at once would be the step's largest buffer. Chunk j
+    holds rows j, j + M, j + 2M, ... (M minibatches), so that under a mesh each chunk is
+    spread over the devices as the rows are."""
+    chunks = roll.tokens.reshape(mb_rows, gc.num_minibatches, -1).swapaxes(0, 1)
+    logp = jax.lax.map(
+        lambda t: sequence_logprobs(params, config.model, t, temperature)[0], chunks)
+    return jax.lax.stop_gradient(logp.swapaxes(0, 1).reshape(roll.tokens.shape))
+
+  if gc.num_epochs > 1 or gc.num_minibatches > 1:
+    # pi_old is the policy at the start of the update, fixed across epochs and minibatches.
+    data["old_logprobs"] = logprobs_by_minibatch(state.params)
+  if gc.beta > 0:
+    data["ref_logprobs"] = logprobs_by_minibatch(state.ref_params)
 
   def epoch_batches(k):
     perm = jax.random.permutation(k, rows) if gc.num_minibatches > 1 else jnp.arange(rows)
@@ -372,11 +429,10 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
 
   def one(carry, mb):
     params, opt_state, drafter = carry
+    mb = jax.tree.map(constrain_rows, mb)  # the gather by `perm` drops the rows' split
     grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    # In float32: a bf16 sum of squares over every parameter loses most of its digits.
-    metrics["grad_norm"] = optax.global_norm(jax.tree.map(lambda g: g.astype(jnp.float32),
-                                                          grads))
+    metrics |= _grad_norms(grads)
     if train_eagle:
       drafter, drafter_metrics = _eagle3_update(
           drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
@@ -391,12 +447,28 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
                        step=state.step + 1), metrics
 
 
+def _grad_norms(grads: Params) -> dict[str, jax.Array]:
+  """Global norms of the gradient: of all of it (`grad_norm`), of the trunk
+  (`grad_norm_trunk`) and, when the model has MTP / Medusa heads, of those
+  (`grad_norm_heads`; only the detached drafter loss reaches them), so that a drafter loss
+  dominating the norm the optimizer clips by shows apart from the policy's."""
+  # In float32: a bf16 sum of squares over every parameter loses most of its digits.
+  grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+  norms = {"grad_norm": optax.global_norm(grads),
+           "grad_norm_trunk": optax.global_norm(
+               {k: v for k, v in grads.items() if k not in DRAFT_HEAD_KEYS})}
+  heads = {k: v for k, v in grads.items() if k in DRAFT_HEAD_KEYS}
+  if jax.tree.leaves(heads):
+    norms["grad_norm_heads"] = optax.global_norm(heads)
+  return norms
+
+
 def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   n = config.rollout.max_new_tokens
   lengths = roll.lengths.astype(jnp.float32)
   eos = config.rollout.eos_id
-  ended = (jnp.zeros(roll.lengths.shape, bool) if eos is None else
-           jnp.any((roll.tokens == eos) & (roll.response_mask > 0), axis=1))
+  ended = (jnp.zeros(roll.lengths.shape, bool) if eos is None else  # on any of the EOS ids
+           jnp.any(jnp.isin(roll.tokens, jnp.asarray(eos)) & (roll.response_mask > 0), axis=1))
   clipped = (roll.lengths >= n) & ~ended
   return {
       "reward_mean": roll.rewards.mean(), "reward_std": roll.rewards.std(),
@@ -414,13 +486,20 @@ def _drafter_params(state: TrainState) -> Eagle3Weights | None:
 
 
 def _scored_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
-                    reward_fn: RewardFn, pad_id: int) -> Rollout:
+                    reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
   """Rollout of `batch` (tokens, lengths, answers) by the state's policy and drafter, scored
-  by a JAX reward."""
-  roll, responses, lengths = rollout(state.params, config, batch.tokens, batch.lengths, key,
-                                     pad_id, _drafter_params(state))
+  by a JAX reward; and `state` with the policy's acceptance counts after it."""
+  roll, responses, lengths, acceptance = rollout(
+      state.params, config, batch.tokens, batch.lengths, key, pad_id, _drafter_params(state),
+      state.acceptance)
   answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
-  return score(config, roll, reward_fn(responses, lengths, answers))
+  roll = score(config, roll, reward_fn(responses, lengths, answers))
+  return roll, _with_acceptance(state, acceptance)
+
+
+def _with_acceptance(state: TrainState, acceptance: AcceptanceCounts) -> TrainState:
+  """`state` carrying the rollout's counts, when it carries any."""
+  return state if state.acceptance is None else state.replace(acceptance=acceptance)
 
 
 def make_train_step(config: TrainConfig, reward_fn: RewardFn,
@@ -435,7 +514,7 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
+    roll, state = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
     train_on = state.pending if config.async_mode else roll
     new_state, metrics = update(state, config, optimizer, train_on, k_update)
     metrics |= rollout_metrics(config, train_on)
@@ -458,7 +537,7 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 
   def prime(state: TrainState, batch) -> TrainState:
     key, k_roll = jax.random.split(jax.random.wrap_key_data(state.key))
-    roll = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
+    roll, state = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
     return state.replace(key=jax.random.key_data(key), pending=roll)
 
   return jax.jit(prime)
@@ -476,8 +555,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
     raise ConfigError("split mode (host-side reward) supports async_mode=False only")
 
   @jax.jit
-  def rollout_fn(params, tokens, lengths, key, drafter_params):
-    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params)
+  def rollout_fn(params, tokens, lengths, key, drafter_params, acceptance):
+    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params, acceptance)
 
   # The state is donated: parameters and optimizer moments are replaced by the update.
   @functools.partial(jax.jit, donate_argnums=0)
@@ -488,10 +567,12 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
 
   def step(state: TrainState, batch):
     key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll, responses, lengths = rollout_fn(state.params, batch.tokens, batch.lengths, k_roll,
-                                          _drafter_params(state))
+    roll, responses, lengths, acceptance = rollout_fn(
+        state.params, batch.tokens, batch.lengths, k_roll, _drafter_params(state),
+        state.acceptance)
     rewards = np.asarray(reward_fn(np.asarray(responses), np.asarray(lengths), batch),
                          np.float32)
-    return update_fn(state, roll, rewards, k_update, jax.random.key_data(key))
+    return update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update,
+                     jax.random.key_data(key))
 
   return step

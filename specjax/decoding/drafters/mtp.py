@@ -22,6 +22,12 @@ deep than the deepest tree the state was built for (an adaptive policy's choice)
 commits the window into the deeper modules, and a round that drafts nothing leaves its entry
 in the window until the window is full.
 
+A module's chains are written to its cache after its committed entries and never committed:
+module d writes d entries per node at depth d, with a wide middle level more than the N + 1
+slots the target's cache has past the root. Its cache is sized for them (`_module_slots`);
+sized like the target's, near the end of the sequence buffer those writes would be dropped
+and the drafts there degrade (the output stays exact).
+
 Shape letters: see `specjax` (B batch, D depth, M nodes at one depth, E d_model, V vocab);
 r is the root position, d the depth being drafted, and a window has D + 1 entries.
 """
@@ -86,6 +92,25 @@ def _window_and_chains_mask(count: jax.Array, width: int, chain_len: int,
   return mask | sees_window
 
 
+def _module_slots(tree: DraftTree, d: int, width: int, buffer: int) -> int:
+  """Cache slots module d writes at most in one pass of a round drafting `tree`: its committed
+  entries (through r - d - 1, with the root r at most at the last buffer position
+  `buffer - 1`), then the window (`width` = D + 1 entries of the state's deepest tree), then
+  one chain of d entries per node at depth d."""
+  chains = d * len(tree.nodes_at_depth(d)) if d < tree.depth else 0
+  return buffer - 1 - d + width + chains
+
+
+def _module_cache(config: ModelConfig, batch: int, slots: int) -> KVCache:
+  """An empty one-layer module cache of `slots` slots. Not `KVCache.create`, which refuses
+  more slots than config.max_position: the slots past the target's hold only a round's
+  uncommitted chain entries, whose positions (r - d .. r - 1) are below the root's."""
+  shape = (batch, config.n_kv_heads, slots, config.head_dim)
+  return KVCache(keys=(jnp.zeros(shape, config.compute_dtype),),
+                 values=(jnp.zeros(shape, config.compute_dtype),),
+                 lengths=jnp.zeros((batch,), jnp.int32))
+
+
 def _no_chains(state: MTPState, config: ModelConfig) -> tuple[jax.Array, ...]:
   """Empty (states, tokens, positions) chains: a module pass that only commits."""
   b = state.window.tokens.shape[0]
@@ -114,7 +139,11 @@ class MTPDrafter(Drafter):
 
   def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
            plain_rounds=False) -> MTPState:
-    """Teacher-force the used modules over the prompt (ragged) and commit their frontiers."""
+    """Teacher-force the used modules over the prompt (ragged) and commit their frontiers.
+
+    Module k's cache has `max_len` slots, or more where `tree`'s chains at depth k need them
+    (`_module_slots`).
+    """
     check_heads(self, params, "mtp", tree.depth)
     b, p, e = prompt.hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
@@ -123,7 +152,8 @@ class MTPDrafter(Drafter):
     caches, last = [], []
     state_in = prompt.hidden
     for k in range(tree.depth):  # module k drafts depth k + 1; deeper ones are unused
-      cache = KVCache.create(config, b, max_len, n_layers=1)
+      slots = max(max_len, _module_slots(tree, k, tree.depth + 1, ctx.seq.shape[1]))
+      cache = _module_cache(config, b, slots)
       commit = jnp.maximum(r - k, 0)
       out = mtp_forward(params, config, k, state_in, seq[:, k + 1:k + 1 + p], positions, cache,
                         advance=commit, compute_logits=False)
@@ -181,6 +211,16 @@ class MTPDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, MTPState]:
     b = ctx.seq.shape[0]
     r = ctx.seq_len - 1
+    width = state.window.tokens.shape[1]
+    for d, cache in enumerate(state.caches):
+      # Only a menu whose shallower tree is wider at some depth than its deepest one can
+      # get here; its chain entries would be dropped near the end of the buffer.
+      if _module_slots(tree, d, width, ctx.seq.shape[1]) > cache.max_len:
+        raise ConfigError(
+            f"MTPDrafter: tree {tree.parents} has {len(tree.nodes_at_depth(d))} nodes at "
+            f"depth {d}, more than its state's caches were built for (the deepest tree of "
+            f"the menu, of depth {width - 1}, has {cache.max_len} slots for module {d}); "
+            "make the menu's deepest tree at least as wide at every depth")
 
     def score(d, parents, tokens, carry):
       """Module d over [its window ; one chain per depth-d node], committing the window.
