@@ -8,6 +8,8 @@
   specjax generate --demo                      # train the built-in tiny model, then decode
   specjax generate --checkpoint DIR --prompt "Hello" --drafter mtp --widths 2 1
   specjax generate --demo --adaptive --widths 1 1 1  # each round picks plain / chain 1-3
+  specjax simulate --model qwen3-8b --devices 32xGB200 --draft-length 3 --acceptance 3.3
+  specjax sim calibrate --out profile.json     # measure this machine for --profile-json
 """
 
 from __future__ import annotations
@@ -268,6 +270,18 @@ COMMANDS = {
                      "FILE] [--field value ...]",
     "generate": "generate text (speculatively) from a checkpoint and print acceptance "
                 "statistics: specjax generate --help",
+    "plan": "per-device memory and FLOPs of a config's train step, compiled for N fake "
+            "devices beside an analytical estimate: specjax plan --config FILE --devices N "
+            "[--hbm-gib G --mesh.fsdp S ...]",
+    "simulate": "project an RL step's time with plain and speculative rollouts on given "
+                "accelerators (specjax.sim): specjax simulate --help",
+    "sim": "simulator tools: specjax sim calibrate [--out FILE] measures this machine's "
+           "device profile (for specjax simulate --profile-json)",
+}
+# `specjax sim SUBCOMMAND`: what each does (the performance simulator's tools).
+SIM_COMMANDS = {
+    "calibrate": "measure this machine (matmuls, bandwidth, a decode step) and write its "
+                 "DeviceProfile as JSON: specjax sim calibrate --help",
 }
 
 
@@ -275,6 +289,25 @@ def _usage() -> str:
   width = max(map(len, COMMANDS))
   lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
   return "\n".join(["usage: specjax {" + ",".join(COMMANDS) + "} ...", "", "commands:"] + lines)
+
+
+def _sim_usage() -> str:
+  width = max(map(len, SIM_COMMANDS))
+  lines = [f"  {name:<{width}}  {text}" for name, text in SIM_COMMANDS.items()]
+  return "\n".join(["usage: specjax sim {" + ",".join(SIM_COMMANDS) + "} ...", "",
+                    "commands:"] + lines)
+
+
+def sim_command(argv: list[str]) -> int:
+  """`specjax sim SUBCOMMAND ...`: the simulator's tools other than `simulate` itself."""
+  from specjax.sim.cli import calibrate_main
+  if not argv or argv[0] in ("-h", "--help"):
+    print(_sim_usage(), file=sys.stdout if argv else sys.stderr)
+    return 0 if argv else 2
+  if argv[0] not in SIM_COMMANDS:
+    print(f"specjax sim: unknown command {argv[0]!r}\n\n{_sim_usage()}", file=sys.stderr)
+    return 2
+  return calibrate_main(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,6 +325,20 @@ def main(argv: list[str] | None = None) -> None:
     return
   if argv[0] == "train-drafter":
     train_drafter_command(argv[1:])
+    return
+  if argv[0] == "plan":
+    # Its own argparse: the fake device count is set before JAX starts (specjax.plan).
+    from specjax.plan import plan_main
+    status = plan_main(argv[1:])
+    if status:
+      raise SystemExit(status)
+    return
+  if argv[0] in ("simulate", "sim"):
+    # Pure Python and NumPy (JAX only for calibrate): its own argparse, no tyro.
+    from specjax.sim.cli import simulate_main
+    status = simulate_main(argv[1:]) if argv[0] == "simulate" else sim_command(argv[1:])
+    if status:
+      raise SystemExit(status)
     return
   tyro.extras.subcommand_cli_from_dict(
       {"generate": generate_command}, args=argv,

@@ -87,7 +87,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
   - drafter (EAGLE-3): the head by `eagle3_param_axes`, its optimizer state likewise, its
     draft vocabulary map `d2t [W]` replicated.
   - pending (async mode): rows `[B, ...]` over the "batch" axes, statistics replicated.
-  - step, key: replicated.
+  - step, key, acceptance (the speculation policy's counts): replicated.
 
   Pass the result as `jit`'s `in_shardings`/`out_shardings` of the step, to `jax.device_put`
   (or `distribute`), or as the shardings of the abstract state a checkpoint is restored into.
@@ -110,7 +110,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
       params=params, opt_state=opt, ref_params=None if state.ref_params is None else params,
       step=replicated(mesh), key=replicated(mesh),
       pending=None if state.pending is None else _rollout_shardings(state.pending, mesh, rules),
-      drafter=drafter)
+      drafter=drafter,
+      acceptance=jax.tree.map(lambda _: replicated(mesh), state.acceptance))
 
 
 def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
@@ -123,8 +124,28 @@ def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False)
   # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
-  return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                 out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
+  return _on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                                out_shardings=(state_shardings, replicated(mesh)),
+                                donate_argnums=0))
+
+
+class _on_mesh:
+  """`jitted` traced and called with `mesh` set (`jax.sharding.set_mesh`), so the model's
+  layout hints (`specjax.models.layout`) keep activations split by rows."""
+
+  def __init__(self, mesh: Mesh, jitted: Callable):
+    self.mesh, self.jitted = mesh, jitted
+
+  def __call__(self, *args):
+    with jax.sharding.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def _cache_size(self) -> int:
+    return self.jitted._cache_size()
+
+  def lower(self, *args):
+    with jax.sharding.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
 
 
 def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: TrainState,
@@ -132,8 +153,10 @@ def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: 
   """Async mode's `make_prime_fn` compiled for a mesh: a state without a pending rollout on
   `state_shardings` (those of the primed state) in, the primed state on them out."""
   prime = make_prime_fn(config, reward_fn, pad_id=pad_id)
-  return jax.jit(prime, in_shardings=(state_shardings.replace(pending=None), batch_shardings),
-                 out_shardings=state_shardings)
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  return _on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
+                                                      batch_shardings),
+                                out_shardings=state_shardings))
 
 
 def prompt_batch_shardings(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:

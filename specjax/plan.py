@@ -1,0 +1,555 @@
+"""Plans before spending: what one GRPO train step of a configuration needs per device, from
+the compiled program and from a formula, before any accelerator is paid for.
+
+`plan(config, devices=8)` builds the train state abstractly (`jax.eval_shape`: no weight is
+materialised), lowers and compiles the fused step (`specjax.rl.sharded_train_step`) for the
+config's mesh over `devices` fake CPU devices, and reads the compiled program's per-device
+`memory_analysis()` (arguments, outputs, temporaries, generated code) and `cost_analysis()`
+(FLOPs). Beside it, `estimate` computes the same memory from the shapes and the sharding rules
+alone, term by term:
+
+  parameters       the policy's (and the reference's, and an EAGLE-3 head's) shards.
+  optimizer state  Adam's moments, sharded as their parameters.
+  state and batch  step, key, pending rollout (async mode), speculation counts, prompts.
+  gradients        one per parameter, sharded as it (live through the backward pass).
+  activations      what the update's backward pass keeps for one minibatch: per layer the
+                   inputs of every matmul and the float32 attention scores and probabilities;
+                   at the head, the float32 log-probabilities over V, their gradient and the
+                   logits' gradient, and the output head's weight gathered whole with its
+                   whole float32 gradient (and the embedding's) before the reduce-scatter;
+                   with fsdp, every layer's weights gathered whole and kept for the backward
+                   pass (compute dtype); MTP
+                   and Medusa heads likewise; an EAGLE-3 head trains after the policy's
+                   backward, so the larger of the two counts.
+  log-prob pass    with several minibatches or epochs (pi_old) or a KL penalty (reference),
+                   the update first runs a forward over every row, a minibatch of rows at a
+                   time: float32 logits and log-probabilities `[B / M, L, V]`.
+  KV cache         the rollout's keys and values (B rows, S = P + T + N + 1 slots), the
+                   drafter's caches included.
+  prefill logits   the rollout's prefill: float32 logits at each row's last prompt position.
+
+The three phases run one after the other, so the estimated temporaries are the largest of
+the minibatch update (gradients + activations), the log-prob pass and the rollout (KV cache +
+prefill logits); the estimated total adds the arguments. Arguments equal outputs (the state
+is donated), so the total counts them once. Each term is per device: rows divided over the
+mesh axes of the "batch" rule, heads, MLP and vocabulary over those of theirs.
+
+What the numbers are not:
+- Fake CPU devices compile with XLA:CPU, which computes bfloat16 dots and elementwise ops in
+  float32 and fuses differently from a GPU or TPU, so the compiled temporaries are those of
+  this backend; arguments (the state) are exact on every backend. The estimate is printed
+  twice: with float32 activations (what XLA:CPU keeps, compared with the compiled program)
+  and with the model's compute dtype (what an accelerator keeps).
+- XLA counts a loop body once, with no trip count: the compiled FLOPs are one decode round,
+  one prefill and one minibatch update, not a step. The analytical FLOPs are per step: every
+  row through prompt and response once in the rollout (the work of plain decoding; a
+  speculative rollout verifies more tokens per forward in fewer forwards), and the update's
+  forward and backward passes (2 and 4 FLOPs per weight and token, plus attention).
+- Adaptive speculation is planned with its fixed `tree_widths` tree (the largest of its menu).
+
+Shape letters: see `specjax` (B rows, G group size, P prompt buffer, T max new tokens,
+L = P + T, S cache slots, N tree nodes, E d_model, F MLP width, V vocab, W draft vocab,
+Q query heads, K kv heads, H head_dim, J training-time-test steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from specjax.cli import load_experiment
+from specjax.errors import ConfigError
+from specjax.rl.data import PromptReader
+from specjax.rl.distributed import (prompt_batch_shardings, sharded_train_step,
+                                    train_state_shardings)
+from specjax.rl.experiment import (ExperimentConfig, _abstract_state, _records,
+                                   _with_shardings)
+from specjax.rl.trainer import make_prime_fn
+from specjax.sharding import MeshConfig, logical_to_mesh
+
+__all__ = ["Compiled", "Estimate", "Plan", "estimate", "fake_devices", "plan", "plan_main"]
+
+GIB = 2**30
+
+
+def fake_devices(n: int) -> list[jax.Device]:
+  """`n` CPU devices to compile for: asks JAX for `n` CPU devices when its backend has not
+  started yet (`jax_num_cpu_devices`, which overrides XLA_FLAGS'
+  --xla_force_host_platform_device_count), else uses the first `n` it already has.
+
+  Raises:
+    ConfigError: `n` is not a positive int, or JAX already started with fewer CPU devices.
+  """
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ConfigError(f"devices={n!r} is invalid: must be an int >= 1")
+  try:
+    if jax.config.jax_num_cpu_devices < n:
+      jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # the backend is up: its device count is fixed now
+    pass
+  cpus = jax.devices("cpu")
+  if len(cpus) < n:
+    raise ConfigError(
+        f"devices={n} is invalid here: JAX was already initialised with {len(cpus)} CPU "
+        f"device(s) in this process, and the count cannot change once it has started. Plan "
+        f"in a fresh process (`specjax plan` sets the count itself), or set "
+        f"jax.config.update('jax_num_cpu_devices', {n}) (or XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={n}) before anything touches a device")
+  return cpus[:n]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """Per-device bytes of a compiled program (`Compiled.memory_analysis()`)."""
+
+  arguments: int
+  outputs: int
+  aliased: int
+  temporaries: int
+  generated_code: int
+
+  @property
+  def total(self) -> int:
+    """Peak bytes: arguments, outputs that are not donated arguments' buffers, temporaries
+    and code."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries + self.generated_code
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """The analytical per-device bytes of one train step (see the module docstring), and its
+  FLOPs per device."""
+
+  parameters: int
+  optimizer_state: int
+  state_and_batch: int
+  gradients: int
+  activations: int
+  logprob_pass: int
+  kv_cache: int
+  prefill_logits: int
+  rollout_flops: float
+  update_flops: float
+
+  @property
+  def arguments(self) -> int:
+    return self.parameters + self.optimizer_state + self.state_and_batch
+
+  @property
+  def minibatch(self) -> int:
+    """The minibatch update's temporaries: gradients and the backward's activations."""
+    return self.gradients + self.activations
+
+  @property
+  def rollout(self) -> int:
+    """The rollout's temporaries: caches and the prefill's logits."""
+    return self.kv_cache + self.prefill_logits
+
+  @property
+  def temporaries(self) -> int:
+    return max(self.minibatch, self.logprob_pass, self.rollout)
+
+  @property
+  def total(self) -> int:
+    return self.arguments + self.temporaries
+
+  @property
+  def flops(self) -> float:
+    return self.rollout_flops + self.update_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A configuration's train step compiled for a mesh, beside its analytical estimate.
+
+  Attributes:
+    name: what was planned (the config file).
+    mesh: mesh axis sizes, {"data": ., "fsdp": ., "tensor": .}.
+    hbm_gib: memory per device to fit in.
+    shapes: the step's sizes (rows, prompt buffer, new tokens, cache slots, minibatch rows,
+      rows per device, parameter counts, dtypes).
+    compiled: per-device bytes of the step as XLA:CPU compiled it.
+    compiled_flops: per device, XLA's count (each loop body once).
+    estimate: the analytical per-device bytes and FLOPs on an accelerator, activations in
+      the model's compute dtype.
+    estimate_here: the same with activations in float32, as XLA:CPU computes bfloat16 and
+      float16 (equal to `estimate` for a float32 model): what `compiled` is compared with.
+    largest: the largest arrays of the compiled program (HLO shape, bytes per device): where
+      compiled and analytical disagree, these name the term.
+    lower_s: seconds to trace and lower.
+    compile_s: seconds to compile.
+  """
+
+  name: str
+  mesh: dict[str, int]
+  hbm_gib: float
+  shapes: dict[str, Any]
+  compiled: Compiled
+  compiled_flops: float
+  estimate: Estimate
+  estimate_here: Estimate
+  largest: tuple[tuple[str, int], ...]
+  lower_s: float
+  compile_s: float
+
+  @property
+  def devices(self) -> int:
+    return math.prod(self.mesh.values())
+
+  @property
+  def fits(self) -> bool:
+    """Whether the compiled step's peak per device fits in `hbm_gib`."""
+    return self.compiled.total <= self.hbm_gib * GIB
+
+  @property
+  def ratio(self) -> float:
+    """Compiled total / analytical total per device, both with XLA:CPU's dtypes."""
+    return self.compiled.total / max(self.estimate_here.total, 1)
+
+  def format(self) -> str:
+    """The plan as a table: compiled and analytical bytes per device, side by side."""
+    s, c, h, e = self.shapes, self.compiled, self.estimate_here, self.estimate
+    unit, scale = ("GiB", GIB) if max(c.total, e.total) >= GIB else ("MiB", 2**20)
+    g = lambda n: f"{n / scale:9.2f}"
+    blank = f"{'':>9}"
+    both = lambda f: (blank, g(f(h)), g(f(e)))
+    mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+    rows = [
+        ("parameters", *both(lambda x: x.parameters),
+         f"{s['parameters'] / 1e9:.3f}B weights, {s['param_dtype']}"),
+        ("optimizer state", *both(lambda x: x.optimizer_state), "Adam moments"),
+        ("state and batch", *both(lambda x: x.state_and_batch), "step, key, pending, prompts"),
+        ("= arguments", g(c.arguments), *both(lambda x: x.arguments)[1:], ""),
+        ("gradients", *both(lambda x: x.gradients), "as the parameters"),
+        ("activations", *both(lambda x: x.activations),
+         f"{s['minibatch_rows_per_device']} rows x L={s['sequence']} per device"),
+        ("  minibatch update", *both(lambda x: x.minibatch), "gradients + activations"),
+        ("  log-prob pass", *both(lambda x: x.logprob_pass),
+         f"float32 [{s['minibatch_rows_per_device']}, L, V] logits, log-probs"),
+        ("KV cache", *both(lambda x: x.kv_cache),
+         f"{s['rows_per_device']} rows x S={s['cache_slots']} per device, {s['dtype']}"),
+        ("prefill logits", *both(lambda x: x.prefill_logits), "float32 [rows, V]"),
+        ("  rollout", *both(lambda x: x.rollout), "KV cache + prefill logits"),
+        ("= temporaries", g(c.temporaries), *both(lambda x: x.temporaries)[1:],
+         "analytical: the largest phase"),
+        ("outputs not donated", g(c.outputs - c.aliased), blank, blank, "metrics"),
+        ("generated code", g(c.generated_code), blank, blank, ""),
+        ("= total", g(c.total), *both(lambda x: x.total)[1:],
+         f"compiled / analytical = {self.ratio:.2f}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [
+        f"plan: {self.name} on {self.devices} fake CPU devices, mesh {mesh}",
+        f"step: {s['prompts']} prompts x G={s['group_size']} = {s['rows']} rows, P={s['prompt']} "
+        f"T={s['new_tokens']} (L={s['sequence']}), drafter {s['drafter']}, "
+        f"{s['minibatches']} minibatch(es) of {s['minibatch_rows']} rows",
+        f"{'':<{width}}  {'compiled':>9}  {'analytical':>20}",
+        f"{'per device, ' + unit:<{width}}  {'XLA:CPU':>9}  {'XLA:CPU':>9}  "
+        f"{s['dtype']:>9}",
+    ]
+    lines += [f"{name:<{width}}  {comp}  {here}  {accel}  {note}".rstrip()
+              for name, comp, here, accel, note in rows]
+    if abs(self.ratio - 1) <= 0.1:
+      lines.append("compiled and analytical (XLA:CPU) agree within 10%")
+    else:
+      lines.append(f"compiled differs from analytical (XLA:CPU) by more than 10%: arguments x"
+                   f"{c.arguments / max(h.arguments, 1):.2f}, temporaries x"
+                   f"{c.temporaries / max(h.temporaries, 1):.2f}; largest compiled arrays: "
+                   + ", ".join(f"{shape} {size / GIB:.2f} GiB" for shape, size in self.largest))
+    verdict = "fits" if self.fits else "does NOT fit"
+    hbm = self.hbm_gib * GIB
+    lines.append(f"{verdict} in {self.hbm_gib:g} GiB per device: compiled peak "
+                 f"{100 * c.total / hbm:.0f}% of it; analytical on an accelerator "
+                 f"({s['dtype']} activations) {100 * e.total / hbm:.0f}%")
+    flop, fscale = ("TFLOP", 1e12) if e.flops >= 1e12 else ("GFLOP", 1e9)
+    lines.append(f"FLOPs per device: analytical per step {e.flops / fscale:.1f} {flop} (trunk; "
+                 f"rollout {e.rollout_flops / fscale:.1f}, update {e.update_flops / fscale:.1f});"
+                 f" compiled {self.compiled_flops / fscale:.1f} {flop} (XLA counts each loop "
+                 "body once)")
+    lines.append(f"lowered in {self.lower_s:.1f}s, compiled in {self.compile_s:.1f}s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytical estimate
+
+
+def _bytes(tree: Any) -> int:
+  """Per-device bytes of a tree of `jax.ShapeDtypeStruct`s that carry their shardings."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _split(mesh: Mesh, logical: str, size: int) -> int:
+  """Into how many parts the sharding rules split a dimension `logical` of `size`."""
+  axes = logical_to_mesh(P(logical), mesh, (size,))[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _layer_bytes(e: int, q: int, k: int, h: int, f: int, keys: int, c: int,
+                 tq: int, tk: int, tf: int) -> int:
+  """Bytes one transformer block keeps per token for its backward pass: the residual stream
+  in and after attention, both norms' outputs, q, k, v, the attention output, the MLP's gate,
+  up and their product (compute dtype, `c` bytes), and float32 attention scores and
+  probabilities over `keys` positions (XLA keeps both). `tq`, `tk`, `tf` are the tensor
+  splits of Q, K and F."""
+  return (c * (4 * e + 2 * q * h // tq + 2 * k * h // tk + 3 * f // tf)
+          + 2 * 4 * (q // tq) * keys)
+
+
+def _matmul_weights(model) -> int:
+  """Weights a token meets in the trunk's matmuls (output head included)."""
+  e, q, k, h, f = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.mlp_dim
+  return model.n_layers * (e * (q + 2 * k) * h + q * h * e + 3 * e * f) + e * model.vocab_size
+
+
+def estimate(config, train_config, state, batch, mesh: Mesh, *,
+             activation_bytes: int | None = None) -> Estimate:
+  """The analytical per-device bytes and FLOPs of one train step (module docstring).
+
+  Args:
+    config: the `ExperimentConfig`.
+    train_config: its `TrainConfig` (the fixed-tree one the step is compiled with).
+    state: the abstract `TrainState` with shardings (`jax.ShapeDtypeStruct(..., sharding=)`).
+    batch: the abstract prompt batch with shardings.
+    mesh: the mesh.
+    activation_bytes: bytes per activation element (default: the model's compute dtype's;
+      4 models XLA:CPU, which computes bfloat16 and float16 in float32). KV caches keep the
+      compute dtype either way.
+  """
+  model, gc, rc = config.model, config.grpo, train_config.rollout
+  cache_bytes = np.dtype(model.compute_dtype).itemsize
+  c = cache_bytes if activation_bytes is None else activation_bytes
+  prompts, p = batch.tokens.shape
+  rows = prompts * gc.group_size
+  t = rc.max_new_tokens
+  l = p + t
+  nodes = 0 if rc.tree is None else rc.tree.num_nodes
+  slots = min(p + t + nodes + 1, model.max_position)
+  rows_dev = rows // _split(mesh, "batch", prompts)
+  mb = rows // gc.num_minibatches
+  mb_dev = mb // _split(mesh, "batch", mb)
+  e, q, k, h, f, v = (model.d_model, model.n_heads, model.n_kv_heads, model.head_dim,
+                      model.mlp_dim, model.vocab_size)
+  tq, tk, tf, tv = (_split(mesh, "heads", q), _split(mesh, "kv_heads", k),
+                    _split(mesh, "mlp", f), _split(mesh, "vocab", v))
+
+  params = _bytes(state.params) + _bytes(state.ref_params)
+  opt = _bytes(state.opt_state)
+  grads = _bytes(state.params)
+  if state.drafter is not None:
+    params += _bytes(state.drafter.weights)
+    opt += _bytes(state.drafter.opt_state)
+    grads += _bytes(state.drafter.weights.params)
+  # The step reads the prompts' tokens, lengths and answers (jit drops the unread `index`).
+  other = _bytes((state.step, state.key, state.pending, state.acceptance, batch.tokens,
+                  batch.lengths, batch.answers))
+
+  # Update: one minibatch's forward kept for the backward pass.
+  token = model.n_layers * _layer_bytes(e, q, k, h, f, l, c, tq, tk, tf) + c * e
+  head = (3 * 4 + c) * v // tv  # float32 log-probs, their and the logits' gradients; + cast
+  token += head
+  eagle_token = 0
+  if train_config.drafter_loss_weight:
+    mtp = model.num_mtp_modules
+    token += mtp * (_layer_bytes(e, q, k, h, f, l, c, tq, tk, tf) + c * 2 * e + head)
+    token += model.num_medusa_heads * (model.medusa_layers * 2 * c * e + head)
+    eagle = train_config.eagle3
+    if eagle is not None:
+      # The head trains after the policy's backward, on its forward's kept logits and [3E]
+      # features: the target's float32 log-probabilities and their shifted copy, then per
+      # step j the draft layer over [2E] inputs attending to (j + 1) L keys, and float32
+      # log-probabilities over W, their gradient and the logits'.
+      ec, w = eagle.config, eagle.config.draft_vocab_size
+      eagle_token = 3 * 4 * v // tv + c * 3 * e
+      eagle_token += sum(_layer_bytes(ec.d_model, ec.n_heads, ec.n_kv_heads, ec.head_dim,
+                                      ec.mlp_dim, (j + 1) * l, c, tq, tk, tf)
+                         + c * 2 * ec.d_model + (3 * 4 + c) * w
+                         for j in range(train_config.drafter_ttt_steps))
+  # Weights split over fsdp are gathered whole for the forward and kept for the backward
+  # (in the compute dtype, split only by tensor); the output head's gradient and the
+  # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered.
+  layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + 3 * e * f // tf
+  gathered = model.n_layers * layer_weights * c if _split(mesh, "embed", e) > 1 else 0
+  weight_bytes = np.dtype(model.weight_dtype).itemsize
+  activations = (mb_dev * l * max(token, eagle_token) + gathered
+                 + e * v // tv * (weight_bytes + 2 * 4))
+
+  # Rollout: the caches the decode loop carries, and the prefill's logits.
+  per_row_slot = 2 * (k // tk) * h * cache_bytes
+  cache_layers = model.n_layers
+  if rc.drafter is not None:
+    cache_layers += model.num_mtp_modules + (1 if train_config.eagle3 is not None else 0)
+  kv = rows_dev * slots * cache_layers * per_row_slot
+  prefill = rows_dev * 4 * v // tv  # the head runs at each row's last prompt position
+  logprob_pass = 0
+  if gc.num_minibatches > 1 or gc.num_epochs > 1 or gc.beta > 0:
+    # float32 logits and log-probabilities of a minibatch of rows at a time
+    logprob_pass = mb_dev * l * 2 * 4 * v // tv
+
+  weights = _matmul_weights(model)
+  attention = lambda queries, keys: 4 * model.n_layers * queries * keys * q * h  # QK^T, PV
+  passes = 1 + (gc.num_minibatches > 1 or gc.num_epochs > 1) + (gc.beta > 0)
+  rollout_flops = rows * (2 * weights * l + attention(l, l / 2))
+  update_flops = rows * l * 2 * weights * (3 * gc.num_epochs + passes - 1)
+  update_flops += rows * attention(l, l / 2) * (3 * gc.num_epochs + passes - 1)
+  n = math.prod(mesh.shape.values())
+  return Estimate(parameters=params, optimizer_state=opt, state_and_batch=other,
+                  gradients=grads, activations=activations, logprob_pass=logprob_pass,
+                  kv_cache=kv,
+                  prefill_logits=prefill, rollout_flops=rollout_flops / n,
+                  update_flops=update_flops / n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling the step
+
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_HLO_ARRAY = re.compile(r"\b(" + "|".join(_HLO_BYTES) + r")\[([0-9,]*)\]")
+
+
+def _largest_arrays(hlo: str, count: int = 3) -> tuple[tuple[str, int], ...]:
+  """The `count` largest distinct array shapes in an HLO module's text, with their bytes."""
+  sizes = {f"{dtype}[{dims}]": _HLO_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+           for dtype, dims in set(_HLO_ARRAY.findall(hlo))}
+  return tuple(sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count])
+
+
+def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80.0, *,
+         name: str = "config") -> Plan:
+  """Compile `config`'s train step for `devices` fake CPU devices; see the module docstring.
+
+  Args:
+    config: an `ExperimentConfig`.
+    devices: how many fake CPU devices (`fake_devices`), or the devices themselves.
+    mesh: a `MeshConfig` (default: `config.mesh`).
+    hbm_gib: memory per device the step must fit in.
+    name: what to call the config in the report.
+
+  Raises:
+    ConfigError: the config is not an ExperimentConfig, the mesh does not cover the
+      devices, or JAX already runs with fewer CPU devices than asked for.
+  """
+  if not isinstance(config, ExperimentConfig):
+    raise ConfigError(f"config is a {type(config).__name__}: plan needs an ExperimentConfig "
+                      "(see configs/qwen3_1p7b_grpo.py)")
+  if isinstance(hbm_gib, bool) or not isinstance(hbm_gib, (int, float)) or not hbm_gib > 0:
+    raise ConfigError(f"hbm_gib={hbm_gib!r} is invalid: must be a number > 0")
+  mesh_config = config.mesh if mesh is None else mesh
+  if not isinstance(mesh_config, MeshConfig):
+    raise ConfigError(f"mesh={mesh!r} is invalid: must be a MeshConfig(data=, fsdp=, tensor=)")
+  devs = fake_devices(devices) if isinstance(devices, int) else list(devices)
+  try:
+    device_mesh = mesh_config.make(devs)
+  except ConfigError:
+    sizes = dataclasses.asdict(mesh_config)
+    raise ConfigError(
+        "mesh " + ", ".join(f"{k}={v}" for k, v in sizes.items()) + f" does not fit "
+        f"{len(devs)} devices: the sizes must multiply to {len(devs)}, or one be -1 and the "
+        f"others' product divide {len(devs)}") from None
+
+  start = time.perf_counter()
+  tc = config.fixed_tree().train_config()
+  optimizer = config.optimizer()
+  tok = config.task.tokenizer
+  reader = PromptReader(_records(config.task, "train"), batch_size=config.prompts_per_step,
+                        pad_id=tok.pad_id, shuffle=False)
+  host_batch = reader.batch_at(0)
+  abstract = _abstract_state(config, tc, optimizer)
+  if config.async_mode:
+    abstract = jax.eval_shape(make_prime_fn(tc, config.task.reward, pad_id=tok.pad_id),
+                              abstract, host_batch)
+  shardings = train_state_shardings(abstract, device_mesh, tc)
+  batch_shardings = prompt_batch_shardings(host_batch, device_mesh)
+  state = _with_shardings(abstract, shardings)
+  batch = _with_shardings(host_batch, batch_shardings)
+  step = sharded_train_step(tc, config.task.reward, optimizer, shardings, batch_shardings,
+                            pad_id=tok.pad_id)
+  lowered = step.lower(state, batch)
+  lower_s = time.perf_counter() - start
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  est = estimate(config, tc, state, batch, device_mesh)
+  here = estimate(config, tc, state, batch, device_mesh, activation_bytes=4)
+  prompts, p = host_batch.tokens.shape
+  rows = prompts * config.grpo.group_size
+  mb = rows // config.grpo.num_minibatches
+  nodes = 0 if tc.rollout.tree is None else tc.rollout.tree.num_nodes
+  count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+  shapes = {
+      "prompts": prompts, "group_size": config.grpo.group_size, "rows": rows, "prompt": p,
+      "new_tokens": config.max_new_tokens, "sequence": p + config.max_new_tokens,
+      "cache_slots": min(p + config.max_new_tokens + nodes + 1, config.model.max_position),
+      "minibatches": config.grpo.num_minibatches, "minibatch_rows": mb,
+      "rows_per_device": rows // _split(device_mesh, "batch", prompts),
+      "minibatch_rows_per_device": mb // _split(device_mesh, "batch", mb),
+      "drafter": config.drafter if tc.rollout.drafter is not None else "none",
+      "parameters": count(abstract.params) + (0 if abstract.drafter is None
+                                              else count(abstract.drafter.weights.params)),
+      "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
+  }
+  return Plan(
+      name=name, mesh=dict(device_mesh.shape), hbm_gib=float(hbm_gib), shapes=shapes,
+      compiled=Compiled(arguments=memory.argument_size_in_bytes,
+                        outputs=memory.output_size_in_bytes, aliased=memory.alias_size_in_bytes,
+                        temporaries=memory.temp_size_in_bytes,
+                        generated_code=memory.generated_code_size_in_bytes),
+      compiled_flops=float(cost.get("flops", 0.0)), estimate=est, estimate_here=here,
+      largest=_largest_arrays(compiled.as_text()), lower_s=lower_s, compile_s=compile_s)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]`:
+  print the plan; the mesh flags override the config's mesh axis by axis. Returns the exit
+  status (0 fits, 1 does not fit)."""
+  parser = argparse.ArgumentParser(
+      prog="specjax plan",
+      description="Compile a config's GRPO train step for N fake CPU devices with abstract "
+                  "parameters and print per-device memory (compiled and analytical), FLOPs and "
+                  "whether it fits.")
+  parser.add_argument("--config", required=True, help="a config file, e.g. "
+                      "configs/qwen3_1p7b_grpo.py")
+  parser.add_argument("--devices", type=int, required=True,
+                      help="accelerators to plan for (compiled on as many fake CPU devices)")
+  parser.add_argument("--hbm-gib", type=float, default=80.0,
+                      help="memory per accelerator in GiB (default 80: H100 / A100 80GB)")
+  for axis in ("data", "fsdp", "tensor"):
+    parser.add_argument(f"--mesh.{axis}", type=int, default=None, dest=axis,
+                        help=f"mesh {axis} size (-1: the devices the other axes leave); "
+                             "default the config's")
+  args = parser.parse_args(argv)
+  # Before anything touches a device: the fake device count is fixed when JAX starts.
+  try:
+    jax.config.update("jax_platforms", "cpu")
+    devices = fake_devices(args.devices)
+  except ConfigError as err:
+    raise SystemExit(f"specjax plan: {err}") from None
+  config = load_experiment(args.config)
+  overrides = {a: getattr(args, a) for a in ("data", "fsdp", "tensor")
+               if getattr(args, a) is not None}
+  try:
+    mesh = None
+    if overrides and isinstance(config, ExperimentConfig):
+      mesh = dataclasses.replace(config.mesh, **overrides)
+    result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
+  except ConfigError as err:
+    raise SystemExit(f"specjax plan --config {args.config}: {err}") from None
+  print(result.format())
+  sys.stdout.flush()
+  return 0 if result.fits else 1
