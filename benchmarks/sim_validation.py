@@ -14,7 +14,8 @@ held-out rows enter the summary, which says whether each category met the issue'
 
 Fits, in order (each starts from the profile the previous one left):
   0. `sim.calibrate_profile`: matmul rates by arithmetic intensity (`Plan.calibrate`), copy
-     bandwidth, and `mem_eff`, `layer_overhead_s` fitted to two 2-layer decoders.
+     bandwidth, `mem_eff`, `layer_overhead_s` fitted to two 2-layer decoders, and the
+     sampler's seconds per logit (greedy, and the extra of a random draw).
   1. decode: `mem_eff`, `matmul_scale` (the matmul efficiency curve scaled as a whole),
      `layer_overhead_s` and `kv_scale` refitted to the forwards of the first shape at
      `Plan.fit_batches` (every T).
@@ -34,10 +35,14 @@ Categories (a table each):
       `ControlledDrafter`: depth d is accepted with probability keep**d); predicted by
       `sim.simulate_rollout` with a fixed response length, plain vs a fixed chain of k,
       per-depth acceptance keep and drafter "ngram" (free drafting: the controlled drafter is
-      a table lookup, so its cost is part of the fitted per-round overhead).
+      a table lookup, so its cost is part of the fitted per-round overhead), greedy (argmax
+      sampling), with stragglers (rows that accepted less finish rounds later).
   (c) rl: one GRPO step (`specjax.rl.trainer`, as `accelerator.py`'s rl section) split into its
       rollout (plain, temperature 1) and its update (gradient + Adam), each its own program;
-      predicted by `sim.simulate_rollout` and `sim.training_seconds`.
+      predicted by `sim.simulate_rollout` and `sim.training_seconds`. At temperature 1 the
+      sampler's passes over the 8k vocabulary (calibrated at ~6 + 30 ns per logit on the
+      2-core CPU: 0.3 ms per row and round) are about 40% of a 16-row round of the 4-layer
+      policy, so the rollout grows with its rows far faster than its forwards do.
 
 Timing: every program of every category is compiled and warmed up first; then each repeat
 times every configuration of every category once (a decode forward as back-to-back calls
@@ -336,17 +341,18 @@ def validate_spec(plan: Plan, profile: sim.DeviceProfile, arms: list[dict]
   fit = []
   for a in arms:
     if a["batch"] == plan.spec_fit_batch:
-      prefill = float(sim.prefill_seconds(model, profile, a["batch"], p))
+      prefill = float(sim.prefill_seconds(model, profile, a["batch"], p, greedy=True))
       entry = None if a["keep"] is None else speculation[a["keep"]].fixed
       fit.append(sim.Measurement("round", model, (a["seconds"] - prefill) / a["rounds"],
-                                 rows=a["batch"], context=p + n // 2, entry=entry))
+                                 rows=a["batch"], context=p + n // 2, entry=entry,
+                                 greedy=True))
   # Nelder-Mead moves in log space: start from 0.1 ms rather than calibrate's 0.
   start = profile.replace(round_overhead_s=max(profile.round_overhead_s, 1e-4),
                           spec_round_overhead_s=max(profile.spec_round_overhead_s, 1e-4))
   profile = sim.fit_efficiency(fit, start, ("round_overhead_s", "spec_round_overhead_s"))
   cluster = sim.Cluster(profile, 1)
   # The prefill emits each row's first token, the rounds the other n - 1 (plain: n - 1 rounds).
-  workload = lambda b: sim.Workload(b, 1, p, sim.Fixed(n - 1))
+  workload = lambda b: sim.Workload(b, 1, p, sim.Fixed(n - 1), greedy=True)
   rows = []
   for a in arms:
     if a["keep"] is None:
@@ -358,8 +364,8 @@ def validate_spec(plan: Plan, profile: sim.DeviceProfile, arms: list[dict]
     # Per repeat, the arms ran back to back: the median of their ratios is the robust one.
     ratios = [x / y for x, y in zip(plain["samples"], a["samples"])]
     # Diagnostic: the simulator's round costs over the rounds the engine actually ran, which
-    # separates the cost model's error from the fluid acceptance model's (stragglers: a batch
-    # runs until its slowest row is done, which the simulator does not model).
+    # separates the cost model's error from the acceptance model's (the rounds: stragglers,
+    # the batch running until its slowest row is done, as simulated, against the engine's).
     spec_known = pred_spec.prefill + ((pred_spec.seconds - pred_spec.prefill)
                                       * a["rounds"] / pred_spec.rounds)
     rows.append(Row(
@@ -396,7 +402,7 @@ def prepare_rl(plan: Plan, log: Callable[[str], None]) -> Timing:
         answers=np.zeros((prompts,), np.int32), index=np.arange(prompts, dtype=np.int32))
 
     def rollout_fn(params, batch, key, config=config):
-      roll, responses, lengths = rollout(params, config, batch.tokens, batch.lengths, key)
+      roll, responses, lengths, _ = rollout(params, config, batch.tokens, batch.lengths, key)
       return score(config, roll, acc.even_reward(responses, lengths, batch.answers))
 
     run = {"prompts": prompts, "group": group, "batch": batch,
@@ -485,7 +491,8 @@ def describe_profile(profile: sim.DeviceProfile) -> str:
           f"matmul_eff [{knots}], mem_eff {profile.mem_eff:.3f}, kv_eff "
           f"{profile.kv_eff(1e6):.3f}, layer_overhead {1e6 * profile.layer_overhead_s:.1f} us, "
           f"round_overhead {1e6 * profile.round_overhead_s:.1f} us, spec_round_overhead "
-          f"{1e6 * profile.spec_round_overhead_s:.1f} us, train_mfu {profile.train_mfu:.3f}")
+          f"{1e6 * profile.spec_round_overhead_s:.1f} us, logits {1e9 * profile.logit_s:.1f} "
+          f"+ {1e9 * profile.sample_logit_s:.1f} ns (draw), train_mfu {profile.train_mfu:.3f}")
 
 
 def _error(row: Row) -> str:
@@ -522,10 +529,10 @@ def print_spec(rows: list[Row], plan: Plan) -> None:
           f"{known:6.2f} {100 * (known / r.measured - 1):+7.1f}% | {e['same_as_plain']:4.2f}")
   print("ratio = plain / speculative generate time (median of the per-repeat ratios); acc: "
         "measured tokens per round (mean over calls), E: designed (sum of keep**d, d = 0..k); "
-        "rounds: loop iterations (median), pred: the simulator's. pred@r (diagnostic, not in "
-        "the summary): the simulator's costs over the rounds the engine ran, i.e. the error "
-        "left once stragglers (rows that accepted less; not modelled) are taken out. same: "
-        "rows equal to plain (lossless greedy, must be 1)")
+        "rounds: loop iterations (median), pred: the simulator's (expected, stragglers "
+        "included). pred@r (diagnostic, not in the summary): the simulator's costs over the "
+        "rounds the engine ran, i.e. the error of the cost model alone. same: rows equal to "
+        "plain (lossless greedy, must be 1)")
 
 
 def print_rl(rows: list[Row], plan: Plan) -> None:

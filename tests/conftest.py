@@ -4,7 +4,10 @@ XLA_FLAGS must be set before jax is imported anywhere, which is why it lives her
 """
 
 import dataclasses
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,6 +26,18 @@ from specjax.models import ModelConfig, init_params  # noqa: E402
 from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
 
 PROGRESSION_VOCAB = 32
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+  """`benchmarks/<name>.py` as a module: the scripts are run by path, not installed, and
+  import their siblings (`accelerator`, `decode_step`) by bare name."""
+  spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  # dataclasses resolve the script's string annotations through sys.modules.
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def progression_batch(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:

@@ -5,24 +5,11 @@ tiny size on the CPU, so a change to the library that breaks the prepared script
 rather than on the borrowed machine.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "accelerator.py"
-
-
-def _load_script():
-  spec = importlib.util.spec_from_file_location("accelerator_benchmark", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  # dataclasses resolve the script's string annotations through sys.modules.
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+from conftest import load_benchmark
 
 
 def _numbers(tree, path=()):
@@ -39,7 +26,7 @@ def _numbers(tree, path=()):
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_section_with_finite_positive_numbers(tmp_path):
-  bench = _load_script()
+  bench = load_benchmark("accelerator")
   out = tmp_path / "accelerator.json"
   assert bench.main(["--smoke", "--json", str(out)]) == 0
   report = json.loads(out.read_text())

@@ -5,28 +5,15 @@ script itself says whether a run met them; these tests keep it from rotting and 
 only the held-out rows, fixed by the plan, enter its summary.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_validation.py"
-
-
-def _load_script():
-  spec = importlib.util.spec_from_file_location("sim_validation_benchmark", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  # dataclasses resolve the script's string annotations through sys.modules.
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
+from conftest import load_benchmark
 
 
 def test_summary_counts_only_held_out_rows_against_the_issue_target():
-  bench = _load_script()
+  bench = load_benchmark("sim_validation")
   row = lambda role, measured, predicted: bench.Row("decode", "x", role, "ms", measured,
                                                     predicted)
   rows = [row("fit", 1.0, 3.0),            # +200%: fitted, so not counted
@@ -41,7 +28,7 @@ def test_summary_counts_only_held_out_rows_against_the_issue_target():
 
 
 def test_unknown_category_is_refused_naming_the_allowed_ones(capsys):
-  bench = _load_script()
+  bench = load_benchmark("sim_validation")
   with pytest.raises(SystemExit):
     bench.parse_args(["--categories", "decode,latency"])
   assert "decode, spec, rl" in capsys.readouterr().err
@@ -49,7 +36,7 @@ def test_unknown_category_is_refused_naming_the_allowed_ones(capsys):
 
 @pytest.mark.slow
 def test_quick_run_reports_every_category_with_finite_predictions(tmp_path):
-  bench = _load_script()
+  bench = load_benchmark("sim_validation")
   out = tmp_path / "sim_validation.json"
   assert bench.main(["--quick", "--json", str(out)]) == 0
   report = json.loads(out.read_text())

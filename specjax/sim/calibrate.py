@@ -9,6 +9,11 @@
    (so that the per-byte and per-layer costs can be told apart) and a verify forward (T = 4,
    batch 8), against a mostly full cache: `mem_eff` and `layer_overhead_s` are fitted to
    them with `fit_efficiency`; `kv_eff` is set to the fitted `mem_eff`.
+4. The sampler: rounds of `specjax.decoding`'s per-round passes over `[rows, vocab]` float32
+   logits (the processed log-probabilities, the token, its reported log-probability), greedy
+   and drawn: `logit_s` and `sample_logit_s` per logit. On a CPU they are far from free
+   (tens of ns per logit with the draw), so at temperature 1 a round of 16 rows over an
+   8k vocabulary spends about as long sampling as a small model's forward.
 
 The matmul shapes, and the decoders, are timed with their repeats interleaved (medians), so
 that load from other work on a shared machine does not bend the efficiency curve. On a CPU,
@@ -155,10 +160,38 @@ def _decode_measurements(dtype: str, cases: Sequence[tuple[int, int, int]],
           for (spec, b, t), s in zip(specs, seconds)]
 
 
+def _logit_costs(rows: int, vocab: int, rounds: int, repeats: int) -> tuple[float, float]:
+  """Seconds per logit of the sampler's passes over `[rows, vocab]` logits, greedy and the
+  extra of a random draw: `rounds` rounds inside one compiled loop (as in the decode loop,
+  where no dispatch separates them), each round's logits shifted by the last round's result
+  so that nothing is hoisted out of the loop."""
+  import jax
+  import jax.numpy as jnp
+  from specjax.decoding.sampling import (SamplingConfig, processed_logprobs,
+                                         reported_logprobs, sample_tokens)
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((rows, vocab)), jnp.float32)
+
+  def loop(sampling: SamplingConfig):
+    def body(i, carry):
+      x = logits + carry[:, None]
+      token = sample_tokens(jax.random.fold_in(jax.random.key(0), i),
+                            processed_logprobs(x, sampling), sampling)
+      return carry + 1e-6 * reported_logprobs(x, token, sampling)
+
+    run = jax.jit(lambda: jax.lax.fori_loop(0, rounds, body, jnp.zeros((rows,), jnp.float32)))
+    return run
+
+  greedy, drawn = _interleaved_medians([loop(SamplingConfig(0.0)), loop(SamplingConfig(1.0))],
+                                       repeats)
+  per = float(rounds * rows * vocab)
+  return greedy / per, max(drawn - greedy, 0.0) / per
+
+
 def calibrate_profile(*, dtype: str | None = None, matmul_dim: int = 1024,
                       matmul_rows: Sequence[int] = (1, 32, 256), copy_megabytes: int = 128,
                       decode_cases: Sequence[tuple[int, int, int]] = (
                           (256, 1, 1), (1024, 1, 1), (1024, 8, 4)),
+                      sampler_shape: tuple[int, int, int] = (8, 16384, 8),
                       repeats: int = 5, name: str | None = None) -> DeviceProfile:
   """Measure the default JAX device and return its profile (see the module docstring).
 
@@ -169,6 +202,7 @@ def calibrate_profile(*, dtype: str | None = None, matmul_dim: int = 1024,
     decode_cases: (d_model, rows, tokens per row) of the decode (T = 1) and verify forwards
       that `mem_eff` and `layer_overhead_s` are fitted to (each compiles once). Two widths
       tell the per-byte cost from the per-layer one.
+    sampler_shape: (rows, vocab, rounds) of the sampler's timed loop.
     repeats: timed calls per measurement (median).
     name: the profile's name (default: "measured: <device kind>").
   """
@@ -189,6 +223,8 @@ def calibrate_profile(*, dtype: str | None = None, matmul_dim: int = 1024,
       source=f"calibrate_profile on {device.platform}, jax {jax.__version__}")
   measured = _decode_measurements(dtype, decode_cases, repeats)
   fitted = fit_efficiency(measured, profile, ("mem_eff", "layer_overhead_s"))
+  logit_s, sample_logit_s = _logit_costs(*sampler_shape, repeats)
   # The calibration model's KV cache is too small to tell its reads apart from the weights':
   # attention reads at the weights' rate.
-  return fitted.replace(name=profile.name, kv_eff=Curve.constant(fitted.mem_eff))
+  return fitted.replace(name=profile.name, kv_eff=Curve.constant(fitted.mem_eff),
+                        logit_s=logit_s, sample_logit_s=sample_logit_s)

@@ -5,6 +5,7 @@
   ... --async --policy-lag 2 --rollout-devices 16 --train-devices 16
   ... --sweep draft-length-x-acceptance --out sweep.png
   ... --sweep devices-x-model --sweep-devices 8,16,32,64 --sweep-models qwen3-8b,qwen3-32b
+  simulate_main(["--reference"])   # the reference system's 8B table reproduced, 235B projected
   calibrate_main(["--out", "profile.json"])       # measure this machine; --profile-json uses it
 """
 
@@ -24,6 +25,7 @@ from specjax.sim.hardware import DeviceProfile
 from specjax.sim.model import ModelSpec
 from specjax.sim.parallel import Cluster
 from specjax.sim.presets import MODELS, default_draft_model, model_spec
+from specjax.sim.reference import reference_report
 from specjax.sim.speculation import DRAFTERS, MenuEntry, Speculation
 from specjax.sim.step import STAGES, Schedule, StepBreakdown, compare, simulate_step
 from specjax.sim.sweep import (METRICS, SWEEPS, save_heatmap, sweep_devices_models,
@@ -51,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     help="log-space spread of the lognormal lengths (0: every response --response-len long)")
   a("--max-response-len", type=int, default=8192, help="length cap (max new tokens)")
   a("--response-lengths", help="file of measured response lengths (JSON list or one per line)")
+  a("--greedy", action="store_true", help="argmax decoding: the sampler makes no random draw")
   a("--drafter", default="eagle3", choices=DRAFTERS)
   a("--draft-model", help="preset of the draft model (--drafter draft-model)")
   a("--draft-length", type=int, help="draft tokens per round, k (default 3)")
@@ -68,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
   a("--data-s", type=float, default=0.0)
   a("--prepare-s", type=float, default=0.0)
   a("--reward-s", type=float, default=0.0)
+  a("--reference", action="store_true",
+    help="reproduce the reference system's Qwen3-8B step table (one fitted factor) and project "
+         "its Qwen3-235B-A22B case; every other flag is ignored")
   a("--sweep", choices=SWEEPS, help="write a heatmap instead of one step's table")
   a("--out", default="sim_sweep.png", help="the sweep's PNG")
   a("--metric", choices=METRICS, default="overall", help="the sweep's speedup: step or rollout")
@@ -100,7 +106,8 @@ def _workload(args) -> Workload:
     responses = Fixed(min(int(round(args.response_len)), args.max_response_len))
   else:
     responses = Lognormal(args.response_len, args.response_sigma, args.max_response_len)
-  return Workload(args.rollout_batch, args.group_size, args.prompt_len, responses)
+  return Workload(args.rollout_batch, args.group_size, args.prompt_len, responses,
+                  greedy=args.greedy)
 
 
 def _tree(text: str) -> MenuEntry:
@@ -141,14 +148,15 @@ def format_rollouts(steps: Sequence[StepBreakdown]) -> str:
   """What each rollout did: rounds, tokens per row-round, and where its seconds went."""
   width = max(14, *(len(s.label) for s in steps))
   lines = [f"{'rollout':<{width}}{'rounds':>8}{'tok/round':>10}{'prefill s':>10}"
-           f"{'verify s':>10}{'draft s':>9}{'fixed s':>9}{'tok/s':>11}  menu use"]
+           f"{'verify s':>10}{'draft s':>9}{'sample s':>9}{'fixed s':>9}{'tok/s':>11}  menu use"]
   for s in steps:
     r = s.rollout
     use = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r.entry_share().items())
     if r.policy == "adaptive" and not r.drafter:
       use += " (drafter left out: it would not pay)"
     lines.append(f"{s.label:<{width}}{r.rounds:8d}{r.tokens_per_round:10.2f}{r.prefill:10.2f}"
-                 f"{r.verify:10.2f}{r.draft:9.2f}{r.overhead:9.2f}{r.tokens_per_second:11.0f}"
+                 f"{r.verify:10.2f}{r.draft:9.2f}{r.sampling:9.2f}{r.overhead:9.2f}"
+                 f"{r.tokens_per_second:11.0f}"
                  f"  {use}")
   return "\n".join(lines)
 
@@ -178,6 +186,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
   """Parse `argv` (default: sys.argv[1:]), simulate, print; returns the exit status."""
   parser = _parser()
   args = parser.parse_args(argv)
+  if args.reference:
+    print(reference_report())
+    return 0
   try:
     model = model_spec(args.model)
     profile, count = _profile(args)
@@ -226,14 +237,23 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
+# `specjax sim calibrate --quick`: the smallest shapes that still fit both efficiency curves.
+_QUICK_CALIBRATION = dict(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
+                          decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)
+
+
 def calibrate_main(argv: Sequence[str] | None = None) -> int:
   """Measure this machine (`calibrate_profile`) and write the profile as JSON."""
-  parser = argparse.ArgumentParser(prog="specjax sim calibrate")
+  parser = argparse.ArgumentParser(prog="specjax sim calibrate",
+                                   description=calibrate_main.__doc__)
   parser.add_argument("--out", default="device_profile.json")
   parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default by platform)")
+  parser.add_argument("--quick", action="store_true",
+                      help="small shapes, 2 repeats: a rough profile in a few seconds (to try "
+                           "the command; its small matmuls run from the caches on a CPU)")
   args = parser.parse_args(argv)
   from specjax.sim.calibrate import calibrate_profile
-  profile = calibrate_profile(dtype=args.dtype)
+  profile = calibrate_profile(dtype=args.dtype, **(_QUICK_CALIBRATION if args.quick else {}))
   pathlib.Path(args.out).write_text(profile.to_json())
   print(f"{profile.name}: {profile.peak_flops / 1e9:.1f} GFLOP/s, "
         f"{profile.hbm_bw / 1e9:.1f} GB/s copy, mem_eff {profile.mem_eff:.2f}, "

@@ -33,6 +33,9 @@ replaced by `fit_efficiency` on measured runs):
 - fixed costs: 8 us per layer per forward on GPUs (CUDA graphs; 4 us TPUs), 0.5 ms per decoding
   round (scheduler, sampler; 0.3 ms TPUs), 0.3 ms more per speculative round.
 - trainer MFU 40%; collectives reach 80% of the link at 10 us latency (GPUs; 5 us TPUs).
+- logits: the sampler's passes over the float32 logits of every verified position move 12
+  bytes per logit (log-softmax: read, write, read) plus 8 for a draw (noise, argmax), at the
+  weights' 80% (85%) of HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ def _key(name: str) -> str:
   return re.sub(r"[\s_\-]|^tpu", "", name.strip().lower())
 
 
+_LOGIT_BYTES, _SAMPLE_BYTES = 12.0, 8.0
+
+
 def device_profile(name: str) -> DeviceProfile:
   """The spec-sheet profile of a device (`H100`, `GB200`, `TPU-v5e`/`v5e`, ...)."""
   spec = _SPECS.get(_key(name)) if isinstance(name, str) else None
@@ -85,8 +91,11 @@ def device_profile(name: str) -> DeviceProfile:
     raise ConfigError(f"device {name!r} is unknown: allowed {', '.join(DEVICE_NAMES)} "
                       "(case-insensitive; TPU names also as v5e, v5p, v6e)")
   title, peak, bw, cap, link, out, domain, eff, source = spec
+  streaming = bw * eff["mem_eff"]
   return DeviceProfile(name=f"{title} (spec sheet)", peak_flops=peak, hbm_bw=bw, hbm_bytes=cap,
-                       link_bw=link, scaleout_bw=out, domain=domain, source=source, **eff)
+                       link_bw=link, scaleout_bw=out, domain=domain, source=source,
+                       logit_s=_LOGIT_BYTES / streaming, sample_logit_s=_SAMPLE_BYTES / streaming,
+                       **eff)
 
 
 def parse_devices(text: str) -> tuple[DeviceProfile, int]:

@@ -30,7 +30,8 @@ from specjax.sim.step import Schedule, logprob_seconds, training_seconds
 KINDS = ("forward", "round", "train", "logprob")
 # Fields a fit may change; "matmul_scale" and "kv_scale" multiply the two curves.
 FITTABLE = ("mem_eff", "matmul_scale", "kv_scale", "attn_flops_eff", "layer_overhead_s",
-            "round_overhead_s", "spec_round_overhead_s", "train_mfu", "collective_eff")
+            "round_overhead_s", "spec_round_overhead_s", "train_mfu", "collective_eff",
+            "logit_s", "sample_logit_s")
 _EFFICIENCY_CAP = 1.5
 
 
@@ -47,6 +48,7 @@ class Measurement:
       "train" and "logprob", `tokens` is the batch's total.
     replica: devices the operation ran on.
     entry, drafter: the round's menu entry (None: plain) and drafter spec (None: free).
+    greedy: the round's tokens were argmaxes (its sampler made no random draw).
   """
 
   kind: str
@@ -58,6 +60,7 @@ class Measurement:
   replica: int = 1
   entry: MenuEntry | None = None
   drafter: ModelSpec | None = None
+  greedy: bool = False
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -67,6 +70,7 @@ class Measurement:
     C.positive_int("Measurement.tokens", self.tokens)
     C.nonneg_int("Measurement.context", self.context)
     C.positive_int("Measurement.replica", self.replica)
+    C.require(isinstance(self.greedy, bool), "Measurement.greedy", self.greedy, "must be a bool")
 
 
 def predict(measurement: Measurement, profile: DeviceProfile) -> float:
@@ -76,7 +80,7 @@ def predict(measurement: Measurement, profile: DeviceProfile) -> float:
     return float(forward_time(m.model, profile, m.rows, m.tokens, m.context, m.replica).total)
   if m.kind == "round":
     return float(round_time(m.model, profile, m.entry or PLAIN, m.rows, m.context, m.drafter,
-                            m.replica).total)
+                            m.replica, m.greedy).total)
   cluster = Cluster(profile, m.replica)
   if m.kind == "train":
     return training_seconds(m.model, cluster, float(m.tokens), Schedule())

@@ -8,8 +8,13 @@ that say how much of them each class of operation reaches. The classes and their
               tokens in the forward: the ridge point is peak_flops / hbm_bw FLOP per byte)
   attention   max(FLOP / (peak_flops * attn_flops_eff), KV bytes / (hbm_bw * kv_eff(KV bytes)))
   overhead    layer_overhead_s per layer per forward (kernel launches, norms, RoPE);
-              round_overhead_s per decoding round (sampling, scheduling, host sync), plus
+              round_overhead_s per decoding round (scheduling, host sync), plus
               spec_round_overhead_s per speculative round (acceptance test, KV commit)
+  logits      per decoding round, for every live row and every position it verifies (and
+              every draft node a drafter samples), over the vocabulary: logit_s per logit
+              (the log-softmax passes, greedy included), plus sample_logit_s when tokens are
+              drawn (temperature > 0: the random draw). A cost per row, unlike the overheads:
+              at a large vocabulary it grows with the live batch as fast as the KV reads do.
   collective  bytes / (link bandwidth * collective_eff) + collective_latency_s
   training    FLOP / (peak_flops * train_mfu)
 
@@ -90,6 +95,9 @@ class DeviceProfile:
     train_mfu: model FLOP utilisation of the trainer (forward, backward, log-prob passes).
     collective_eff: fraction of the link bandwidth a collective reaches.
     collective_latency_s: fixed seconds per collective.
+    logit_s: seconds per logit per round: the log-softmax passes over the vocabulary of
+      every verified position of every live row (greedy decoding pays it too).
+    sample_logit_s: extra seconds per logit when tokens are drawn (temperature > 0).
     source: where the numbers come from.
   """
 
@@ -110,6 +118,8 @@ class DeviceProfile:
   train_mfu: float
   collective_eff: float
   collective_latency_s: float
+  logit_s: float = 0.0
+  sample_logit_s: float = 0.0
   source: str = ""
 
   def __post_init__(self):
@@ -124,7 +134,7 @@ class DeviceProfile:
     for field in ("mem_eff", "attn_flops_eff", "train_mfu", "collective_eff"):
       C.fraction(f"DeviceProfile.{field}", getattr(self, field), upper=1.5)
     for field in ("layer_overhead_s", "round_overhead_s", "spec_round_overhead_s",
-                  "collective_latency_s"):
+                  "collective_latency_s", "logit_s", "sample_logit_s"):
       C.nonneg(f"DeviceProfile.{field}", getattr(self, field))
 
   @property
@@ -153,6 +163,13 @@ def matmul_seconds(profile: DeviceProfile, flops, weight_bytes):
   weight_bytes = np.maximum(np.asarray(weight_bytes, float), 1.0)
   compute = flops / (profile.peak_flops * profile.matmul_eff(flops / weight_bytes))
   return np.maximum(compute, weight_bytes / (profile.hbm_bw * profile.mem_eff))
+
+
+def logits_seconds(profile: DeviceProfile, logits, greedy: bool = False):
+  """Processing `logits` logits (rows x positions x vocabulary) in a round: log-softmax,
+  plus the random draw unless `greedy`. A number or an array."""
+  per_logit = profile.logit_s + (0.0 if greedy else profile.sample_logit_s)
+  return np.asarray(logits, float) * per_logit
 
 
 def attention_seconds(profile: DeviceProfile, flops, kv_bytes):

@@ -12,6 +12,14 @@ A mean acceptance length a for a chain of k drafts (a round's tokens, bonus incl
 figure papers quote: 3.3 for k = 3) is read as a constant a_d = alpha with E_k = a.
 A tree's E depends on how the drafter ranks siblings, so it is given, not derived.
 
+A row's tokens in one round, X, vary: P(X >= m + 1) = prod_{d<m} a_d, so for a chain of j
+
+    Var X_j = sum_{m=0..j} (2m + 1) prod_{d<m} a_d - E_j^2
+
+which `specjax.sim.simulate_rollout` turns into stragglers (rows that accepted less finish
+rounds later, and the batch waits for the last). A tree's variance is not derived (0 unless
+given).
+
 Drafting cost per depth of an entry is one forward of the drafter's own spec over the live
 rows x the entry's nodes at that depth (`drafter_spec`):
   mtp          one target layer (MoE layers stay MoE) + the shared output head + its input
@@ -47,11 +55,14 @@ class MenuEntry:
     name: "plain", "chain3", "tree(3,1,1)".
     widths: children per node at each depth; () is plain decoding.
     expected_tokens: E, tokens a row emits per round (1 <= E <= depth + 1).
+    token_variance: the variance of a row's tokens per round (0: every row emits exactly E
+      every round, the fluid model).
   """
 
   name: str
   widths: tuple[int, ...]
   expected_tokens: float
+  token_variance: float = 0.0
 
   def __post_init__(self):
     widths = tuple(self.widths) if isinstance(self.widths, (tuple, list)) else None
@@ -63,6 +74,10 @@ class MenuEntry:
               f"{self.name}: expected_tokens", self.expected_tokens,
               f"must be in [1, depth + 1 = {depth + 1}] (a round emits at most {depth} "
               "accepted drafts + 1 bonus token)")
+    C.require(C.is_real(self.token_variance) and 0 <= self.token_variance <= depth**2 / 4,
+              f"{self.name}: token_variance", self.token_variance,
+              f"must be in [0, depth^2 / 4 = {depth**2 / 4:g}] (tokens per round lie in "
+              f"[1, {depth + 1}])")
 
   @property
   def depth(self) -> int:
@@ -88,6 +103,13 @@ PLAIN = MenuEntry("plain", (), 1.0)
 def chain_expected_tokens(per_depth, length: int) -> float:
   """E of a chain of `length` drafts under per-depth acceptance `per_depth`."""
   return 1.0 + float(np.cumprod(np.asarray(per_depth[:length], float)).sum())
+
+
+def chain_token_variance(per_depth, length: int) -> float:
+  """Var X of a chain of `length` drafts: sum_m (2m + 1) P(X >= m + 1) - E^2."""
+  reach = np.concatenate([[1.0], np.cumprod(np.asarray(per_depth[:length], float))])
+  second = float(((2 * np.arange(reach.size) + 1) * reach).sum())
+  return max(second - float(reach.sum()) ** 2, 0.0)
 
 
 def per_depth_from_mean(draft_length: int, mean_acceptance: float) -> tuple[float, ...]:
@@ -164,7 +186,8 @@ class Speculation:
 
   def chain_entry(self, length: int) -> MenuEntry:
     return MenuEntry(f"chain{length}", (1,) * length,
-                     chain_expected_tokens(self.per_depth, length))
+                     chain_expected_tokens(self.per_depth, length),
+                     chain_token_variance(self.per_depth, length))
 
   @property
   def fixed(self) -> MenuEntry:

@@ -104,12 +104,15 @@ class Workload:
     group_size: G, responses per prompt.
     prompt_len: tokens per prompt.
     responses: the response-length distribution.
+    greedy: tokens are argmaxes (temperature 0), not draws: the sampler skips the random draw
+      over the vocabulary (RL rollouts sample; greedy is for evaluation and benchmarks).
   """
 
   prompts: int
   group_size: int
   prompt_len: int
   responses: ResponseLengths
+  greedy: bool = False
 
   def __post_init__(self):
     C.positive_int("Workload.prompts", self.prompts)
@@ -117,6 +120,7 @@ class Workload:
     C.positive_int("Workload.prompt_len", self.prompt_len)
     C.require(isinstance(self.responses, (Fixed, Lognormal, Empirical)), "Workload.responses",
               self.responses, "must be Fixed, Lognormal or Empirical")
+    C.require(isinstance(self.greedy, bool), "Workload.greedy", self.greedy, "must be a bool")
 
   @property
   def rows(self) -> int:
@@ -136,7 +140,8 @@ class Workload:
 
   def describe(self) -> str:
     return (f"{self.prompts} prompts x G {self.group_size} = {self.rows} rows, prompt "
-            f"{self.prompt_len}, response {self.responses.describe()}")
+            f"{self.prompt_len}, response {self.responses.describe()}"
+            + (", greedy" if self.greedy else ""))
 
 
 @functools.lru_cache(maxsize=64)
