@@ -48,8 +48,9 @@ def test_generate_without_a_model_explains_what_to_pass():
 def test_help_lists_every_command_and_a_missing_or_unknown_one_exits_2(capsys):
   main(["--help"])
   out = capsys.readouterr().out
-  assert all(name in out for name in ("train", "train-drafter", "generate")), out
-  assert set(COMMANDS) == {"train", "train-drafter", "generate"}
+  commands = {"train", "train-drafter", "generate", "plan", "simulate", "sim"}
+  assert all(name in out for name in commands), out
+  assert set(COMMANDS) == commands
   for argv in ([], ["trian"]):
     with pytest.raises(SystemExit) as exit_info:
       main(argv)

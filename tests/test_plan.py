@@ -130,5 +130,6 @@ def test_qwen3_1p7b_compiled_memory_matches_the_estimate(qwen3_1p7b_plan):
   for other XLA versions; the bug it guards against, rows not split over the devices, was
   x6.4 (333.7 GiB)."""
   result = qwen3_1p7b_plan
-  assert 0.9 * result.estimate.total <= result.compiled.total <= 1.12 * result.estimate.total, (
+  here = result.estimate_here.total  # float32 activations, as XLA:CPU keeps them
+  assert 0.9 * here <= result.compiled.total <= 1.12 * here, (
       result.format())

@@ -288,7 +288,7 @@ def test_fused_step_on_8_devices_gives_the_single_device_metrics():
   state = jax.device_put(state, state_shard)
   batch = _reader().batch_at(0)
   batch_shard = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
-  step = make_train_step(config, TASK.reward, optimizer, pad_id=TOK.pad_id,
+  step = make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id,
                          state_sharding=state_shard, batch_sharding=batch_shard)
   sharded_state, sharded, _ = _run(config, 2, step, state)
   assert sharded_state.params["layers"][0]["wq"].sharding == p_shard["layers"][0]["wq"]
