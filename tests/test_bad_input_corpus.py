@@ -6,9 +6,8 @@ and that the message names the problem: the field or file, the value, and what i
 A case that would pass silently, or fail with a bare traceback from a dependency (numpy,
 JAX, orbax, json, tokenizers) that names no specjax field, fails here.
 
-Known faults not fixed yet are strict xfails whose reason says what is wrong (today: checks
-of traced prompt values under a caller's `jit`); fixing one turns it into a failure (XPASS)
-until the mark is removed. Cases another test file already covers are not repeated (each
+Known faults not fixed yet are strict xfails whose reason says what is wrong (today: none);
+fixing one turns it into a failure (XPASS) until the mark is removed. Cases another test file already covers are not repeated (each
 section says which).
 """
 
@@ -228,9 +227,10 @@ def _generate_with_key(key):
   return generate(GEN_PARAMS, GEN_CONFIG, PROMPTS, LENGTHS, key, max_new_tokens=3)
 
 
-@jax.jit
 def _generate_under_jit(prompts, lengths):
-  return _generate(prompts=prompts, lengths=lengths).logprobs
+  """generate inside the caller's own jit: prompt values are checked when the program runs."""
+  run = jax.jit(lambda p, n: _generate(prompts=p, lengths=n).logprobs)
+  return jax.block_until_ready(run(prompts, lengths))
 
 
 def _without(key: str):
@@ -308,14 +308,10 @@ GENERATE_CASES = [
          ConfigError, r"key=<key<fry> array of shape \(2,\)> is invalid: .*nor a batch of keys"),
     case("prompt_token_outside_the_vocabulary_under_jit",
          lambda: _generate_under_jit(_with(PROMPTS, (1, 2), 16), LENGTHS),
-         Exception, r"prompt_tokens",
-         xfail="under jit check_prompts cannot see values and nothing is checkified: the row "
-               "gets NaN log-probs silently"),
+         Exception, r"prompt_tokens\[1, 2\] = 16 is not a token id of this model"),
     case("prompt_length_beyond_the_buffer_under_jit",
          lambda: _generate_under_jit(PROMPTS, np.array([3, 5], np.int32)),
-         Exception, r"prompt_lengths",
-         xfail="under jit check_prompts cannot see values and nothing is checkified: the row "
-               "decodes from past its prompt silently"),
+         Exception, r"prompt_lengths must be in \[1, 4\].*got min 3 max 5"),
 ]
 
 
@@ -323,6 +319,10 @@ GENERATE_CASES = [
 def test_bad_generate_input_is_refused_naming_the_argument(call, error, match):
   with pytest.raises(error, match=match):
     call()
+
+
+def test_generate_under_the_callers_jit_checks_values_and_gives_the_same_result():
+  np.testing.assert_array_equal(_generate_under_jit(PROMPTS, LENGTHS), _generate().logprobs)
 
 
 def test_generate_takes_a_typed_key_or_the_raw_key_data_of_prngkey_alike():

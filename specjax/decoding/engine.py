@@ -239,30 +239,26 @@ class DecodeLoop:
     return self.drafter.hidden_layers(self.config) if self.speculative else ()
 
   def check_prompts(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> None:
-    """Raise a clear error unless the prompts fit this loop (shapes, lengths, cache)."""
+    """Raise a clear error unless the prompts fit this loop (shapes, lengths, ids, cache).
+
+    Shapes are checked here. Values are checked here when they are concrete; under a caller's
+    own `jit` they are checked when the program runs, by one host callback per call that
+    raises the same message (the call fails, as it would outside `jit`, instead of returning
+    a row decoded from past its prompt or with NaN log-probs).
+    """
     if prompt_tokens.ndim != 2:
       raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape "
                        f"{prompt_tokens.shape}")
     if prompt_lengths.shape != prompt_tokens.shape[:1]:
       raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, "
                        f"got {prompt_lengths.shape}")
-    if not isinstance(prompt_lengths, jax.core.Tracer):
-      lengths = np.asarray(prompt_lengths)
-      shortest = self.drafter.min_prompt_length(self.envelope) if self.speculative else 1
-      if lengths.min() < shortest or lengths.max() > prompt_tokens.shape[1]:
-        raise ValueError(f"prompt_lengths must be in [{shortest}, {prompt_tokens.shape[1]}] "
-                         f"(the shortest prompt this drafter and tree can start from is "
-                         f"{shortest}), got min {lengths.min()} max {lengths.max()}")
-      if not isinstance(prompt_tokens, jax.core.Tracer):
-        tokens = np.asarray(prompt_tokens)
-        valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding is free
-        bad = valid & ((tokens < 0) | (tokens >= self.config.vocab_size))
-        if bad.any():
-          row, col = map(int, np.argwhere(bad)[0])
-          raise ValueError(f"prompt_tokens[{row}, {col}] = {tokens[row, col]} is not a token "
-                           f"id of this model: ids must be in [0, {self.config.vocab_size}) "
-                           f"({int(bad.sum())} prompt entries are out of range; is the "
-                           "tokenizer's vocabulary larger than the model's?)")
+    check = functools.partial(
+        _check_prompt_values, vocab_size=self.config.vocab_size,
+        shortest=self.drafter.min_prompt_length(self.envelope) if self.speculative else 1)
+    if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_lengths, jax.core.Tracer):
+      jax.debug.callback(check, prompt_tokens, prompt_lengths)
+    else:
+      check(prompt_tokens, prompt_lengths)
     needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
     if needed > self.max_len:
       raise ConfigError(
@@ -561,6 +557,25 @@ class DecodeLoop:
         lengths=out.generated,
         logprobs=jnp.where(valid, jnp.take_along_axis(out.logp, idx, 1), 0.0),
         done=out.done, stats=stats)
+
+
+def _check_prompt_values(prompt_tokens: Any, prompt_lengths: Any, *, vocab_size: int,
+                         shortest: int) -> None:
+  """Raise `ValueError` naming the first prompt length or id this loop cannot decode from
+  (NumPy; also run as a host callback for prompts traced under a caller's `jit`)."""
+  tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+  if lengths.min() < shortest or lengths.max() > tokens.shape[1]:
+    raise ValueError(f"prompt_lengths must be in [{shortest}, {tokens.shape[1]}] (the shortest "
+                     f"prompt this drafter and tree can start from is {shortest}), got min "
+                     f"{lengths.min()} max {lengths.max()}")
+  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding is free
+  bad = valid & ((tokens < 0) | (tokens >= vocab_size))
+  if bad.any():
+    row, col = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"prompt_tokens[{row}, {col}] = {tokens[row, col]} is not a token id of "
+                     f"this model: ids must be in [0, {vocab_size}) ({int(bad.sum())} prompt "
+                     "entries are out of range; is the tokenizer's vocabulary larger than the "
+                     "model's?)")
 
 
 def _as_ids(x: Any, name: str, ndim: int) -> jax.Array:

@@ -1,18 +1,24 @@
-"""MTP drafter caches hold a round's chain entries wherever the root is in the buffer.
+"""Drafter caches hold a round's entries wherever the root is in the buffer.
 
 Module d of the MTP drafter writes, after its committed entries, the accepted window and one
 chain of d entries per node at depth d (never committed). A tree wide at a middle depth needs
 more of those slots than the target's cache has beyond the root; sized like the target's, the
 drafter's caches dropped those writes near the end of the sequence buffer and its drafts there
 differed from the same drafts far from the end (the output stayed exact, the speed did not).
+
+The EAGLE-3 head and the draft model keep caches of the target's size: their scratch slots for
+a round's nodes end before the target's, and the entries of a plain-round window past the
+committed ones that do not fit are padding. Run to the end of a just-large-enough buffer,
+their rounds must accept exactly what they accept in a buffer with room to spare.
 """
 
 import jax
 import numpy as np
 import pytest
 
-from specjax.decoding import (Adaptive, CostTable, DecodeLoop, DraftTree, MTPDrafter,
-                              SamplingConfig, generate)
+from conftest import CyclingPolicy, progression_batch
+from specjax.decoding import (Adaptive, CostTable, DecodeLoop, DraftModelDrafter, DraftTree,
+                              Eagle3Drafter, MTPDrafter, SamplingConfig, generate)
 from specjax.errors import ConfigError
 from specjax.models import ModelConfig, init_params
 
@@ -63,3 +69,52 @@ def test_a_menu_tree_wider_than_its_deepest_tree_is_refused_not_drafted_with_dro
                                         r"were built for .*at least as wide at every depth"):
     generate(PARAMS, CONFIG, PROMPTS, LENGTHS, jax.random.key(0), max_new_tokens=2,
              drafter=MTPDrafter(), speculation=menu)
+
+
+def _sized_like_the_target(name, m, e):
+  return {"eagle3": (Eagle3Drafter(e["config"], sampled=True), e["weights"]),
+          "draft_model": (DraftModelDrafter(m["draft_config"], sampled=True),
+                          m["draft_params"])}[name]
+
+
+@pytest.mark.parametrize("name", ["eagle3", "draft_model"])
+def test_drafts_of_caches_sized_like_the_targets_are_the_same_near_the_end_of_the_buffer(
+    progression_models, progression_eagle, name):
+  m = progression_models
+  drafter, weights = _sized_like_the_target(name, m, progression_eagle)
+  tree = DraftTree.from_widths((2, 2, 1))
+  tokens, lengths = progression_batch(np.random.default_rng(3), 2, 8), np.array([8, 5])
+
+  def first_proposal(max_new_tokens):
+    loop = DecodeLoop(config=m["config"], max_new_tokens=max_new_tokens,
+                      max_len=8 + max_new_tokens + tree.num_nodes + 1, sampling=SAMPLED,
+                      drafter=drafter, tree=tree)
+    state = loop.prefill(m["params"], tokens, lengths, jax.random.key(1), weights)
+    return drafter.propose(m["params"], m["config"], state.drafter_state, state.context,
+                           tree, SAMPLED, jax.random.key(2))[0]
+
+  near, far = first_proposal(1), first_proposal(40)
+  np.testing.assert_array_equal(near.tokens, far.tokens)
+  np.testing.assert_allclose(near.logprobs, far.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "draft_model"])
+def test_drafter_caches_sized_like_the_targets_lose_nothing_at_the_end_of_the_buffer(
+    progression_models, progression_eagle, name):
+  m, e = progression_models, progression_eagle
+  drafter, weights = _sized_like_the_target(name, m, e)
+  # Plain rounds in turn with a chain and a tree: plain-round windows are committed in
+  # passes of 8 entries, wider than the chain's and the tree's rounds.
+  menu = (DraftTree.chain(4), DraftTree.from_widths((2, 2, 1)))
+  policy = CyclingPolicy(menu, costs=CostTable((4,), ((1.0,),) * 3))
+  tokens = progression_batch(np.random.default_rng(11), 4, 10)
+  lengths = np.array([10, 6, 3, 8], np.int32)
+  new, nodes = 40, max(t.num_nodes for t in menu)
+  results = [generate(m["params"], m["config"], tokens, lengths, jax.random.key(0),
+                      max_new_tokens=new, sampling=SAMPLED, drafter=drafter,
+                      speculation=policy, drafter_params=weights, max_len=10 + new + nodes + 1
+                      + spare) for spare in (0, 32)]
+  exact, roomy = results  # sampled: every draft's q enters the acceptance test
+  np.testing.assert_array_equal(exact.tokens, roomy.tokens)
+  jax.tree.map(np.testing.assert_array_equal, exact.stats, roomy.stats)
+  assert float(exact.stats.tokens_per_round) > 1.5, exact.stats
