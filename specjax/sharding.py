@@ -62,6 +62,20 @@ DEFAULT_RULES: Rules = (
 _CACHE_AXES = P("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]
 
 
+def _check_axis_sizes(sizes: dict[str, int], prefix: str = "") -> list[str]:
+  """Raise `ConfigError` unless every size is an int >= 1 or -1, with at most one -1; return
+  the names of the -1 axes. `prefix` names the sizes as the caller knows them ("mesh.")."""
+  for name, size in sizes.items():
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ConfigError(f"{prefix}{name}={size!r} is invalid: must be an int >= 1, or -1 for "
+                        "all the devices the other axes leave")
+  free = [name for name, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ConfigError(f"{' and '.join(f'{prefix}{n}=-1' for n in free)} is invalid: at most "
+                      "one axis may be -1")
+  return free
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all global devices).
@@ -69,27 +83,24 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
   One axis may be -1, meaning "all devices the other axes leave". On several hosts,
   `jax.devices()` lists every process's devices, so the same call on each host builds the
   same global mesh.
+
+  Raises:
+    ConfigError: a size that is not an int >= 1 or -1, two -1 axes, or a shape that does not
+      cover the devices exactly.
   """
   devices = list(jax.devices() if devices is None else devices)
   sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-  for name, size in sizes.items():
-    if not isinstance(size, int) or (size < 1 and size != -1):
-      raise ValueError(f"{name}={size!r} is invalid: must be a positive int or -1 "
-                       "(all remaining devices)")
-  free = [name for name, size in sizes.items() if size == -1]
-  if len(free) > 1:
-    raise ValueError(f"{' and '.join(f'{n}=-1' for n in free)} is invalid: at most one "
-                     "axis may be -1")
+  free = _check_axis_sizes(sizes)
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if free:
     if len(devices) % fixed:
-      raise ValueError(
+      raise ConfigError(
           f"{free[0]}=-1 is invalid: the other axes multiply to {fixed}, which does not "
           f"divide the {len(devices)} devices")
     sizes[free[0]] = len(devices) // fixed
   shape = tuple(sizes[name] for name in MESH_AXES)
   if math.prod(shape) != len(devices):
-    raise ValueError(
+    raise ConfigError(
         f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} "
         f"devices is invalid: there are {len(devices)} devices; the product must equal it "
         "(use -1 on one axis to take the rest)")
@@ -119,15 +130,7 @@ class MeshConfig:
   tensor: int = 1
 
   def __post_init__(self):
-    sizes = dataclasses.asdict(self)
-    for name, size in sizes.items():
-      if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-        raise ConfigError(f"mesh.{name}={size!r} is invalid: must be an int >= 1, or -1 for "
-                          "all the devices the other axes leave")
-    free = [name for name, size in sizes.items() if size == -1]
-    if len(free) > 1:
-      raise ConfigError(f"{' and '.join(f'mesh.{n}=-1' for n in free)} is invalid: at most "
-                        "one axis may be -1")
+    _check_axis_sizes(dataclasses.asdict(self), prefix="mesh.")
 
   def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh over `devices` (default: all devices of all processes).

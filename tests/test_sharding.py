@@ -64,7 +64,7 @@ def test_make_mesh_has_named_axes_and_fills_minus_one_with_remaining_devices():
     (dict(data=2, fsdp=2, tensor=4), r"= 16 devices is invalid: there are 8 devices"),
     (dict(data=-1, tensor=3), r"data=-1 is invalid: the other axes multiply to 3"),
     (dict(data=-1, fsdp=-1), r"at most one axis may be -1"),
-    (dict(tensor=0), r"tensor=0 is invalid: must be a positive int or -1"),
+    (dict(tensor=0), r"tensor=0 is invalid: must be an int >= 1, or -1"),
 ])
 def test_make_mesh_rejects_bad_shape_naming_the_counts(kwargs, message):
   with pytest.raises(ValueError, match=message):
