@@ -32,6 +32,7 @@ from flax import struct
 
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures, take_rows)
+from specjax.decoding.inputs import as_ids, check_key, check_prompt_values
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.results import (GenerationResult, GenerationStats, RowOutputs,
                                        compaction_buckets)
@@ -253,7 +254,7 @@ class DecodeLoop:
       raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, "
                        f"got {prompt_lengths.shape}")
     check = functools.partial(
-        _check_prompt_values, vocab_size=self.config.vocab_size,
+        check_prompt_values, vocab_size=self.config.vocab_size,
         shortest=self.drafter.min_prompt_length(self.envelope) if self.speculative else 1)
     if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_lengths, jax.core.Tracer):
       jax.debug.callback(check, prompt_tokens, prompt_lengths)
@@ -559,48 +560,6 @@ class DecodeLoop:
         done=out.done, stats=stats)
 
 
-def _check_prompt_values(prompt_tokens: Any, prompt_lengths: Any, *, vocab_size: int,
-                         shortest: int) -> None:
-  """Raise `ValueError` naming the first prompt length or id this loop cannot decode from
-  (NumPy; also run as a host callback for prompts traced under a caller's `jit`)."""
-  tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
-  if lengths.min() < shortest or lengths.max() > tokens.shape[1]:
-    raise ValueError(f"prompt_lengths must be in [{shortest}, {tokens.shape[1]}] (the shortest "
-                     f"prompt this drafter and tree can start from is {shortest}), got min "
-                     f"{lengths.min()} max {lengths.max()}")
-  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding is free
-  bad = valid & ((tokens < 0) | (tokens >= vocab_size))
-  if bad.any():
-    row, col = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"prompt_tokens[{row}, {col}] = {tokens[row, col]} is not a token id of "
-                     f"this model: ids must be in [0, {vocab_size}) ({int(bad.sum())} prompt "
-                     "entries are out of range; is the tokenizer's vocabulary larger than the "
-                     "model's?)")
-
-
-def _as_ids(x: Any, name: str, ndim: int) -> jax.Array:
-  """`x` as int32, refusing what the cast would change: another rank, fractional values or
-  ids past int32 (which would wrap to other tokens), and an empty batch."""
-  if not isinstance(x, jax.core.Tracer):
-    values = np.asarray(x)
-    if values.ndim != ndim or values.shape[0] == 0:
-      raise ValueError(f"{name} has shape {values.shape}: must be "
-                       f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'} with batch >= 1")
-    if not np.issubdtype(values.dtype, np.integer):
-      if not (np.issubdtype(values.dtype, np.floating) and np.all(values == np.round(values))):
-        raise ValueError(f"{name} has dtype {values.dtype} with non-integer values: token ids "
-                         "and lengths must be integers")
-    big = np.abs(values.astype(np.float64)) >= 2**31
-    if big.any():
-      where = tuple(int(i) for i in np.argwhere(big)[0])
-      raise ValueError(f"{name}{list(where)} = {values[where]} does not fit int32: token ids "
-                       "and lengths must be in [0, 2**31)")
-  elif x.ndim != ndim:
-    raise ValueError(f"{name} has shape {x.shape}: must be "
-                     f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'}")
-  return jnp.asarray(x, jnp.int32)
-
-
 def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
              sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
@@ -640,18 +599,9 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   if not isinstance(tree, DraftTree):
     raise ConfigError(f"tree={tree!r} is invalid: must be a specjax.decoding.DraftTree (e.g. "
                       "DraftTree.chain(3), DraftTree.from_widths((2, 1))) or None")
-  # One key, typed or raw (jax.random.PRNGKey's uint32 data); anything else would fail deep
-  # inside the loop's first jax.random.split with an error that names no argument.
-  raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
-  array = isinstance(key, (jax.Array, np.ndarray))
-  if not (array and ((key.shape == () and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key))
-                     or (key.shape == raw_shape and key.dtype == np.uint32))):
-    got = f"<{key.dtype} array of shape {key.shape}>" if array else repr(key)
-    raise ConfigError(f"key={got} is invalid: must be one JAX PRNG key, e.g. "
-                      "jax.random.key(0), or the raw key data of jax.random.PRNGKey(0) "
-                      f"(uint32 of shape {raw_shape}); not a seed, nor a batch of keys")
-  prompt_tokens = _as_ids(prompt_tokens, "prompt_tokens", 2)
-  prompt_lengths = _as_ids(prompt_lengths, "prompt_lengths", 1)
+  check_key(key)
+  prompt_tokens = as_ids(prompt_tokens, "prompt_tokens", 2)
+  prompt_lengths = as_ids(prompt_lengths, "prompt_lengths", 1)
   if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop
     new = max_new_tokens if isinstance(max_new_tokens, int) else 0
     nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)

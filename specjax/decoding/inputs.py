@@ -1,0 +1,72 @@
+"""Checks of what callers pass to `generate`, before anything is traced or compiled.
+
+Each error names the argument, the offending entry and what is allowed. Prompt values are
+checked with NumPy when concrete; `DecodeLoop.check_prompts` runs the same check as a host
+callback when they are traced under a caller's own `jit`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.errors import ConfigError
+
+
+def check_key(key: Any) -> None:
+  """Raise `ConfigError` unless `key` is one PRNG key: typed (`jax.random.key(seed)`) or the
+  raw uint32 data of `jax.random.PRNGKey(seed)`. Anything else (a seed, None, a batch of
+  keys) would fail deep inside the loop's first `jax.random.split`, naming no argument."""
+  raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+  array = isinstance(key, (jax.Array, np.ndarray))
+  if not (array and ((key.shape == () and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key))
+                     or (key.shape == raw_shape and key.dtype == np.uint32))):
+    got = f"<{key.dtype} array of shape {key.shape}>" if array else repr(key)
+    raise ConfigError(f"key={got} is invalid: must be one JAX PRNG key, e.g. "
+                      "jax.random.key(0), or the raw key data of jax.random.PRNGKey(0) "
+                      f"(uint32 of shape {raw_shape}); not a seed, nor a batch of keys")
+
+
+def check_prompt_values(prompt_tokens: Any, prompt_lengths: Any, *, vocab_size: int,
+                         shortest: int) -> None:
+  """Raise `ValueError` naming the first prompt length or id this loop cannot decode from
+  (NumPy; also run as a host callback for prompts traced under a caller's `jit`)."""
+  tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+  if lengths.min() < shortest or lengths.max() > tokens.shape[1]:
+    raise ValueError(f"prompt_lengths must be in [{shortest}, {tokens.shape[1]}] (the shortest "
+                     f"prompt this drafter and tree can start from is {shortest}), got min "
+                     f"{lengths.min()} max {lengths.max()}")
+  valid = np.arange(tokens.shape[1])[None, :] < lengths[:, None]  # padding is free
+  bad = valid & ((tokens < 0) | (tokens >= vocab_size))
+  if bad.any():
+    row, col = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"prompt_tokens[{row}, {col}] = {tokens[row, col]} is not a token id of "
+                     f"this model: ids must be in [0, {vocab_size}) ({int(bad.sum())} prompt "
+                     "entries are out of range; is the tokenizer's vocabulary larger than the "
+                     "model's?)")
+
+
+def as_ids(x: Any, name: str, ndim: int) -> jax.Array:
+  """`x` as int32, refusing what the cast would change: another rank, fractional values or
+  ids past int32 (which would wrap to other tokens), and an empty batch."""
+  if not isinstance(x, jax.core.Tracer):
+    values = np.asarray(x)
+    if values.ndim != ndim or values.shape[0] == 0:
+      raise ValueError(f"{name} has shape {values.shape}: must be "
+                       f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'} with batch >= 1")
+    if not np.issubdtype(values.dtype, np.integer):
+      if not (np.issubdtype(values.dtype, np.floating) and np.all(values == np.round(values))):
+        raise ValueError(f"{name} has dtype {values.dtype} with non-integer values: token ids "
+                         "and lengths must be integers")
+    big = np.abs(values.astype(np.float64)) >= 2**31
+    if big.any():
+      where = tuple(int(i) for i in np.argwhere(big)[0])
+      raise ValueError(f"{name}{list(where)} = {values[where]} does not fit int32: token ids "
+                       "and lengths must be in [0, 2**31)")
+  elif x.ndim != ndim:
+    raise ValueError(f"{name} has shape {x.shape}: must be "
+                     f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'}")
+  return jnp.asarray(x, jnp.int32)
