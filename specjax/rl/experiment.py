@@ -1,6 +1,7 @@
 """A whole GRPO run on a built-in JAX-reward task: warm start, RL, evaluation, resume.
 
-`run(config)` does, in order: restore the latest checkpoint of `config.run_dir` or else a
+`run(config)` executes an `ExperimentConfig` (`specjax.rl.experiment_config`, re-exported
+here). It does, in order: restore the latest checkpoint of `config.run_dir` or else a
 supervised warm start of the policy and its MTP heads (and, for EAGLE-3 rollouts, a head
 loaded from `eagle3_dir` or distilled from the warm-started policy, kept as a frozen copy);
 held-out accuracy before RL; GRPO
@@ -25,10 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,282 +36,21 @@ import optax
 import tqdm
 
 from specjax.checkpoint import Checkpointer
-from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftTree, Eagle3Drafter,
-                              Eagle3Weights, MedusaDrafter, MTPDrafter, SamplingConfig)
-from specjax.errors import CheckpointError, ConfigError
-from specjax.models.config import ModelConfig
-from specjax.models.eagle3 import Eagle3Config
-from specjax.models.eagle3_io import eagle3_config_from_hf, load_eagle3, save_eagle3
-from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
+from specjax.errors import CheckpointError
+from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
-from specjax.rl.losses import GRPOConfig
+from specjax.rl.experiment_config import ExperimentConfig
 from specjax.rl.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, TrainState, init_train_state,
-                                make_prime_fn)
-from specjax.sharding import MeshConfig
+from specjax.rl.trainer import TrainConfig, TrainState, init_train_state, make_prime_fn
 from specjax.supervised import init_supervised_state, make_supervised_step
 
-
-@dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-  """Everything of one run; every field can be overridden on the command line.
-
-  Attributes:
-    run_dir: checkpoints, metrics.jsonl, TensorBoard events and plots go here.
-    seed: seeds initialisation, data order and sampling.
-    task: the arithmetic task (prompts, held-out split, JAX reward).
-    model: the policy's architecture (vocab_size must equal the task tokenizer's).
-    grpo: GRPO hyper-parameters.
-    max_new_tokens: response budget T.
-    temperature: rollout sampling temperature.
-    drafter: draft source of the speculative rollouts ("none": plain decoding).
-    tree_widths: draft tree, children per node at each depth.
-    speculation: "fixed": every round drafts the `tree_widths` tree; "adaptive": each round
-      runs plain decoding, a chain of 1 .. depth drafts, or that tree, whichever is expected
-      to produce the most tokens per second (`specjax.decoding.Adaptive`), with costs that
-      `calibrate` measures on this machine at the rollout's shapes before training (cached
-      on disk). Speculation then never costs more than it brings.
-    acceptance_carry: with adaptive speculation, the weight in [0, 1] of one rollout's
-      acceptance counts in the next (`RolloutConfig.acceptance_carry`; kept in the train
-      state and its checkpoints). 0: each rollout starts from the policy's prior.
-    eagle3_dir: with drafter "eagle3", an EAGLE-3 head in the public layout to start from
-      (`specjax train-drafter` writes one); None distils one from the warm-started policy.
-    eagle3_draft_vocab: draft vocabulary of a distilled head (None: the whole vocabulary).
-    eagle3_steps: training steps of a distilled head.
-    eagle3_distill_task: distil the head on this task's prompts instead of `task`'s (same
-      tokenizer): a head that starts on a different text distribution than the RL task, to
-      measure what online training recovers.
-    drafter_learning_rate: learning rate of the EAGLE-3 head trained online.
-    steps: GRPO steps.
-    prompts_per_step: prompts per step (each sampled group_size times).
-    learning_rate: GRPO learning rate (constant after warmup).
-    warmup_steps: linear warmup of the GRPO learning rate.
-    max_grad_norm: gradient clipping: the largest global norm of the gradient (of the
-      trunk's and of the heads' each, with `clip_heads_separately`).
-    clip_heads_separately: clip the trunk's gradient and the MTP / Medusa heads' gradient
-      to `max_grad_norm` each by a norm of its own. The heads share the policy's optimizer
-      and their drafter loss is detached from the trunk, but under one global norm a large
-      head gradient would still shrink the policy's step whenever clipping is active (and a
-      large policy gradient the heads'). False: one norm over all parameters, the clipping
-      of runs before this field existed. The optimizer state is the same either way, so a
-      run resumes under both.
-    drafter_loss_weight: online drafter training on rollouts (0: off).
-    async_mode: one-step off-policy GRPO.
-    sft_steps: supervised warm-start steps (0: start RL from random weights).
-    sft_batch: warm-start batch size.
-    sft_learning_rate: warm-start learning rate.
-    sft_eos_fraction: fraction of warm-start examples whose answer ends with EOS; the others
-      run on into the next problem, as text concatenated without separators does. Below 1
-      the warm-started policy often fails to stop, which the reward (answer, then EOS)
-      penalises and GRPO fixes.
-    checkpoint_every: steps between checkpoints.
-    max_checkpoints: checkpoints kept (>= 1: the newest is what a resumed run starts from).
-    eval_prompts: held-out prompts evaluated (greedy) before and after RL.
-    speedup_repeats: timed calls of each arm of the rollout speedup measurement (median).
-    mesh: the device mesh of the train state and step (`data`, `fsdp`, `tensor`; one of them
-      -1 for all the devices the others leave). The default splits the prompts of each step
-      over every device of every process (data parallelism); `fsdp` also splits parameters
-      and optimizer moments, `tensor` heads, MLP units and vocabulary. A prompt batch that
-      the batch axes do not divide is replicated instead.
-  """
-
-  run_dir: str = "runs/arithmetic"
-  seed: int = 0
-  task: ArithmeticTask = ArithmeticTask()
-  model: ModelConfig = ModelConfig(vocab_size=17, d_model=128, n_layers=2, n_heads=4,
-                                   n_kv_heads=2, head_dim=32, mlp_dim=256, num_mtp_modules=2,
-                                   max_position=64)
-  grpo: GRPOConfig = GRPOConfig(group_size=8)
-  max_new_tokens: int = 6
-  temperature: float = 1.0
-  drafter: Literal["none", "mtp", "medusa", "eagle3"] = "mtp"
-  tree_widths: tuple[int, ...] = (1, 1)
-  speculation: Literal["fixed", "adaptive"] = "fixed"
-  acceptance_carry: float = 0.0
-  eagle3_dir: str | None = None
-  eagle3_draft_vocab: int | None = None
-  eagle3_steps: int = 300
-  eagle3_distill_task: ArithmeticTask | None = None
-  drafter_learning_rate: float = 1e-3
-  steps: int = 100
-  prompts_per_step: int = 16
-  learning_rate: float = 1e-4
-  warmup_steps: int = 10
-  max_grad_norm: float = 1.0
-  clip_heads_separately: bool = True
-  drafter_loss_weight: float = 1.0
-  async_mode: bool = False
-  sft_steps: int = 200
-  sft_batch: int = 64
-  sft_learning_rate: float = 3e-3
-  sft_eos_fraction: float = 1.0
-  checkpoint_every: int = 25
-  max_checkpoints: int = 2
-  eval_prompts: int = 500
-  speedup_repeats: int = 9
-  mesh: MeshConfig = MeshConfig()
-
-  def __post_init__(self):
-    def require(ok: bool, field: str, allowed: str):
-      if not ok:
-        raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
-
-    def is_int(value) -> bool:
-      return isinstance(value, int) and not isinstance(value, bool)
-
-    def is_real(value) -> bool:  # NaN fails `> 0` on its own; inf needs this check
-      return is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-    vocab = self.task.tokenizer.vocab_size
-    if self.model.vocab_size != vocab:
-      raise ConfigError(f"model.vocab_size={self.model.vocab_size} is invalid: the task's "
-                        f"tokenizer has {vocab} ids")
-    for name in ("steps", "prompts_per_step", "checkpoint_every", "max_checkpoints",
-                 "eval_prompts", "max_new_tokens", "speedup_repeats", "sft_batch",
-                 "eagle3_steps"):
-      require(is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
-              "must be an int >= 1")
-    for name in ("sft_steps", "warmup_steps"):
-      require(is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
-              "must be an int >= 0")
-    require(is_int(self.seed) and self.seed >= 0, "seed", "must be an int >= 0")
-    require(isinstance(self.clip_heads_separately, bool), "clip_heads_separately",
-            "must be True or False")
-    require(isinstance(self.mesh, MeshConfig), "mesh", "must be a MeshConfig(data=, fsdp=, "
-            "tensor=)")
-    for name in ("learning_rate", "sft_learning_rate", "drafter_learning_rate",
-                 "max_grad_norm"):
-      require(is_real(getattr(self, name)) and getattr(self, name) > 0, name,
-              "must be a finite number > 0")
-    for name in ("temperature", "drafter_loss_weight"):
-      require(is_real(getattr(self, name)) and getattr(self, name) >= 0, name,
-              "must be a finite number >= 0")
-    distill = self.eagle3_distill_task
-    if distill is not None and distill.tokenizer.vocab_size != vocab:
-      raise ConfigError(f"eagle3_distill_task has a tokenizer of {distill.tokenizer.vocab_size} "
-                        f"ids: it must share the task's ({vocab})")
-    if not 0 <= self.sft_eos_fraction <= 1:
-      raise ConfigError(f"sft_eos_fraction={self.sft_eos_fraction!r} is invalid: must be in "
-                        "[0, 1]")
-    require(self.drafter in _DRAFTERS, "drafter", f"allowed one of {sorted(_DRAFTERS)}")
-    require(self.speculation in ("fixed", "adaptive"), "speculation",
-            "allowed 'fixed' or 'adaptive'")
-    require(is_real(self.acceptance_carry) and 0 <= self.acceptance_carry <= 1,
-            "acceptance_carry", "must be a number in [0, 1]")
-    require(not self.acceptance_carry or (self.speculation == "adaptive"
-                                          and self.drafter != "none"), "acceptance_carry",
-            "needs speculation='adaptive' and a drafter (only the adaptive policy keeps "
-            "acceptance counts); leave it 0 otherwise")
-    # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
-    if _DRAFTERS[self.drafter] is not None:
-      _DRAFTERS[self.drafter]().validate(self.model, self.tree)
-
-  def eagle3_config(self) -> Eagle3Config:
-    """The EAGLE-3 head's architecture: `eagle3_dir`'s, or one sized for `model`."""
-    if self.eagle3_dir is not None:
-      path = Path(self.eagle3_dir) / "config.json"
-      if not path.is_file():
-        raise ConfigError(f"eagle3_dir={self.eagle3_dir!r} is invalid: no config.json there "
-                          "(expected an EAGLE-3 head saved by save_eagle3 / train-drafter)")
-      return eagle3_config_from_hf(json.loads(path.read_text()), self.model)
-    return Eagle3Config.for_target(self.model, draft_vocab_size=self.eagle3_draft_vocab)
-
-  @property
-  def tree(self) -> DraftTree:
-    return DraftTree.from_widths(self.tree_widths)
-
-  def adaptive(self, costs: CostTable | None = None) -> Adaptive:
-    """The adaptive menu: plain decoding, chains of 1 .. depth drafts, and the tree."""
-    return Adaptive.up_to(self.tree, costs)
-
-  def train_config(self, drafter: str | None = None,
-                   costs: CostTable | None = None) -> TrainConfig:
-    """The train step's configuration; adaptive speculation needs its `costs`
-    (`rollout_costs`)."""
-    drafter = self.drafter if drafter is None else drafter
-    if drafter == "eagle3":
-      draft = Eagle3Drafter(self.eagle3_config())
-    else:
-      if drafter not in _DRAFTERS:
-        raise ConfigError(f"drafter={drafter!r} is invalid: allowed one of {sorted(_DRAFTERS)}")
-      make = _DRAFTERS[drafter]
-      draft = make() if make is not None else None
-    tree, speculation = None, None
-    if draft is not None and self.speculation == "adaptive":
-      speculation = self.adaptive(costs)
-    elif draft is not None:
-      tree = self.tree
-    rollout = RolloutConfig(max_new_tokens=self.max_new_tokens, eos_id=self.eos_ids,
-                            sampling=SamplingConfig(self.temperature), drafter=draft,
-                            tree=tree, speculation=speculation,
-                            acceptance_carry=self.acceptance_carry if speculation else 0.0)
-    return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
-                       drafter_loss_weight=self.drafter_loss_weight,
-                       drafter_learning_rate=self.drafter_learning_rate,
-                       async_mode=self.async_mode)
-
-  @property
-  def eos_ids(self) -> int | tuple[int, ...]:
-    """Every id that ends a response: a chat tokenizer lists several (`HFTokenizer.eos_ids`),
-    and rollouts and evaluations stop on any of them."""
-    ends = tuple(getattr(self.task.tokenizer, "eos_ids", ()) or ())
-    return ends if len(ends) > 1 else self.task.tokenizer.eos_id
-
-  def initial_acceptance(self) -> AcceptanceCounts | None:
-    """The train state's acceptance counts before the first rollout (None: not carried)."""
-    if not self.acceptance_carry:
-      return None
-    menu = self.adaptive()
-    return AcceptanceCounts.zeros(len(menu.menu), max(menu.depth, 1))
-
-  def fixed_tree(self) -> ExperimentConfig:
-    """This config with every round drafting `tree_widths` (the train state's structure,
-    acceptance probes)."""
-    return dataclasses.replace(self, speculation="fixed")
-
-  def optimizer(self) -> optax.GradientTransformation:
-    """The GRPO optimizer of the policy and its MTP / Medusa heads: gradient clipping to
-    `max_grad_norm`, then Adam at `learning_rate` after a linear warmup.
-
-    With `clip_heads_separately` the trunk and the heads are clipped apart
-    (`_clip_trunk_and_heads`), so the drafter loss, which reaches only the heads, cannot
-    scale the policy's step; otherwise one global norm covers every parameter.
-    """
-    schedule = optax.linear_schedule(0.0, self.learning_rate, max(self.warmup_steps, 1))
-    clip = (_clip_trunk_and_heads(self.max_grad_norm) if self.clip_heads_separately
-            else optax.clip_by_global_norm(self.max_grad_norm))
-    return optax.chain(clip, optax.adam(schedule))
-
-
-# The drafters a config names; EAGLE-3's head is built from the config (`eagle3_config`).
-_DRAFTERS = {"none": None, "mtp": MTPDrafter, "medusa": MedusaDrafter, "eagle3": None}
-
-def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm(max_norm)` applied to the trunk and to the draft heads
-  (`DRAFT_HEAD_KEYS`) apart: each part is scaled by `max_norm / its own norm` when that norm is
-  larger, so neither part's gradient changes the other's update.
-
-  Stateless (`EmptyState`) like the shared clip, rather than an `optax.multi_transform`,
-  whose state has another structure: a checkpoint of a run started with either clipping
-  restores into an optimizer with the other.
-  """
-  clip = optax.clip_by_global_norm(max_norm)
-
-  def update(updates, params=None):
-    del params  # clipping reads the gradients only
-    parts = ({k: v for k, v in updates.items() if k not in DRAFT_HEAD_KEYS},
-             {k: v for k, v in updates.items() if k in DRAFT_HEAD_KEYS})
-    clipped = {}
-    for part in parts:
-      clipped |= clip.update(part, clip.init(part))[0]
-    return {k: clipped[k] for k in updates}
-
-  return optax.stateless(update)
+__all__ = ["ExperimentConfig", "run", "warm_start", "initial_eagle3_head"]
 
 
 def _records(task: ArithmeticTask, split: str) -> list[dict]:
