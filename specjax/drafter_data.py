@@ -24,7 +24,8 @@ from specjax.decoding import SamplingConfig
 from specjax.drafter_training import draft_vocab_from_data, self_distillation_data
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import ModelConfig, init_params
-from specjax.rl.tasks import GSM8KTask, encode_prompt
+from specjax.rl.gsm8k import GSM8KTask
+from specjax.rl.tasks import encode_prompt
 from specjax.tokenizer import Tokenizer, check_vocab_fits
 
 if TYPE_CHECKING:

@@ -10,11 +10,11 @@ from specjax.rl.distributed import (broadcast_json, distribute, global_batch, jo
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                token_entropy)
+from specjax.rl.gsm8k import (GSM8KTask, answers_match, extract_answer, format_number,
+                              parse_number, read_gsm8k_jsonl)
 from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, WORKED_ALPHABET, ArithmeticTask,
-                              CustomTask, Example, GSM8KTask, PythonReward, RewardError, Task, TaskError,
-                              answers_match, arithmetic_reward, decode_completions,
-                              encode_prompt, extract_answer, format_number, parse_number,
-                              read_gsm8k_jsonl)
+                              CustomTask, Example, PythonReward, RewardError, Task, TaskError,
+                              arithmetic_reward, decode_completions, encode_prompt)
 from specjax.rl.trainer import (Rollout, RolloutConfig, TrainConfig, TrainState,
                                 init_train_state, make_prime_fn, make_split_step,
                                 make_train_step, rollout, sequence_logprobs)

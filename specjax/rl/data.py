@@ -35,8 +35,8 @@ from etils import epath
 from flax import struct
 
 from specjax.errors import ConfigError
-from specjax.rl.tasks import (SPLITS, ArithmeticTask, GSM8KTask, Task, TaskError,
-                              encode_prompt)
+from specjax.rl.gsm8k import GSM8KTask
+from specjax.rl.tasks import SPLITS, ArithmeticTask, Task, TaskError, encode_prompt
 
 _RECORD_FORMAT = "1"  # bump when the record layout changes, so old datasets are not reused
 
