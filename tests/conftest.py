@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices for sharding tests, float32 matmuls at full precision.
+"""Test setup: 8 fake CPU devices for sharding tests, float32 matmuls at full precision, and
+one compilation cache on disk for the whole run.
 
 XLA_FLAGS must be set before jax is imported anywhere, which is why it lives here.
 """
@@ -6,7 +7,9 @@ XLA_FLAGS must be set before jax is imported anywhere, which is why it lives her
 import dataclasses
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -24,6 +27,31 @@ import pytest  # noqa: E402
 from specjax.decoding import Adaptive  # noqa: E402
 from specjax.models import ModelConfig, init_params  # noqa: E402
 from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
+
+# Compiling, not running, is most of this suite's time on CPU, and many tests compile the same
+# programs (the same decode loop on the same tiny models, the same train step) in different
+# modules, processes and subprocesses, after `_drop_compiled_programs` has dropped them from
+# memory. One on-disk cache per run (made by the first process, the xdist controller, and
+# inherited by its workers and every subprocess through the environment) compiles each once.
+_CACHE_VAR = "SPECJAX_TEST_COMPILATION_CACHE"
+_cache_owner = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  if _CACHE_VAR not in os.environ:  # the run's first process: it owns the cache
+    os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="specjax-tests-compiled-")
+    config.stash[_cache_owner] = os.environ[_CACHE_VAR]
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VAR]
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_unconfigure(config):
+  owned = config.stash.get(_cache_owner, None)
+  if owned:
+    shutil.rmtree(owned, ignore_errors=True)
+
 
 PROGRESSION_VOCAB = 32
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
