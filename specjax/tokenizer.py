@@ -145,8 +145,11 @@ class CharTokenizer:
                            f"the alphabet {self.alphabet!r}") from None
 
   def decode(self, ids: Sequence[int]) -> str:
+    # Ids past the alphabet decode to nothing, as `HFTokenizer.decode`'s do: a model's
+    # vocabulary may be larger than its tokenizer's, and a sampled id may land there.
     return "".join(self.alphabet[i - self.NUM_SPECIAL]
-                   for i in _checked_ids(ids, self.vocab_size) if i >= self.NUM_SPECIAL)
+                   for i in _checked_ids(ids, self.vocab_size, beyond=True)
+                   if self.NUM_SPECIAL <= i < self.vocab_size)
 
 
 # Fallback special tokens, tried in order when neither tokenizer_config.json nor

@@ -477,9 +477,10 @@ RL_CASES = [
          ConfigError, r"beta=inf is invalid: must be a finite number >= 0"),
     case("grpo_beta_a_string", lambda p: GRPOConfig(beta="0.1"),
          ConfigError, r"beta='0\.1' is invalid: must be a number"),
-    case("experiment_vocab_of_another_tokenizer",
-         lambda p: ExperimentConfig(model=TINY_POLICY.replace(vocab_size=32)),
-         ConfigError, r"model\.vocab_size=32 is invalid: the task's tokenizer has 17 ids"),
+    case("experiment_vocab_smaller_than_the_tokenizers",
+         lambda p: ExperimentConfig(model=TINY_POLICY.replace(vocab_size=16)),
+         ConfigError, r"model\.vocab_size=16 is invalid: the task's tokenizer has 17 ids.*"
+                      r"allowed: vocab_size >= 17"),
     case("experiment_zero_tree_width",
          lambda p: ExperimentConfig(tree_widths=(0,)).train_config(),
          ConfigError, r"widths=\(0,\) is invalid: every width must be an int >= 1"),
@@ -543,6 +544,13 @@ def test_bad_rl_task_reward_or_config_is_refused_naming_the_problem(tmp_path, ca
                                                                     match):
   with pytest.raises(error, match=match):
     call(tmp_path)
+
+
+def test_an_experiment_may_embed_more_ids_than_its_tokenizer_has():
+  # Checkpoints pad their vocabularies (Qwen3: 151,936 rows for 151,669 tokenizer ids).
+  config = ExperimentConfig(model=TINY_POLICY.replace(vocab_size=32))
+  assert config.model.vocab_size == 32 > config.task.tokenizer.vocab_size == 17
+  assert config.task.tokenizer.decode([3, 20, 31, 4]) == config.task.tokenizer.decode([3, 4])
 
 
 def test_a_nan_reward_under_jit_gives_its_group_nan_advantages_not_zero():

@@ -38,7 +38,7 @@ class ExperimentConfig:
     run_dir: checkpoints, metrics.jsonl, TensorBoard events and plots go here.
     seed: seeds initialisation, data order and sampling.
     task: the arithmetic task (prompts, held-out split, JAX reward).
-    model: the policy's architecture (vocab_size must equal the task tokenizer's).
+    model: the policy's architecture (vocab_size at least the task tokenizer's).
     grpo: GRPO hyper-parameters.
     max_new_tokens: response budget T.
     temperature: rollout sampling temperature.
@@ -141,9 +141,10 @@ class ExperimentConfig:
       return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
     vocab = self.task.tokenizer.vocab_size
-    if self.model.vocab_size != vocab:
+    if self.model.vocab_size < vocab:  # larger is fine: checkpoints pad their vocabularies
       raise ConfigError(f"model.vocab_size={self.model.vocab_size} is invalid: the task's "
-                        f"tokenizer has {vocab} ids")
+                        f"tokenizer has {vocab} ids, which the model must embed (allowed: "
+                        f"vocab_size >= {vocab})")
     for name in ("steps", "prompts_per_step", "checkpoint_every", "max_checkpoints",
                  "eval_prompts", "max_new_tokens", "speedup_repeats", "sft_batch",
                  "eagle3_steps"):
