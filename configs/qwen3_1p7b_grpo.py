@@ -14,19 +14,15 @@ device a share of the rows).
 The task stands in for GSM8K with the same shapes: worked arithmetic (25 four-digit operands,
 a left-to-right worked solution of up to 512 tokens), whose reward is a JAX function that the
 fused step compiles. A GSM8K task needs Qwen's tokenizer (not available offline) and scores
-on the host (a split step, not the fused one), and `ExperimentConfig` asks the task's
-tokenizer for exactly the model's vocabulary; so the arithmetic tokenizer's 19 ids are placed
-in Qwen's 151936 (`WideVocabArithmetic`): the model, its logits and every compiled shape are
-Qwen3-1.7B's, the text is arithmetic.
+on the host (a split step, not the fused one). The arithmetic tokenizer's 19 ids are the first
+of Qwen's 151936 (a model may embed more ids than its tokenizer has): the model, its logits and
+every compiled shape are Qwen3-1.7B's, the text is arithmetic.
 """
-
-import dataclasses
 
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
 from specjax.rl.experiment import ExperimentConfig
 from specjax.sharding import MeshConfig
-from specjax.tokenizer import CharTokenizer
 
 QWEN3_VOCAB = 151936
 
@@ -36,31 +32,8 @@ QWEN3_1P7B = ModelConfig(
     max_position=40960, dtype="bfloat16", param_dtype="float32", family="qwen3")
 
 
-@dataclasses.dataclass(frozen=True)
-class _WideCharTokenizer(CharTokenizer):
-  """A `CharTokenizer` whose ids live in a model vocabulary of `vocab` ids (the rest unused)."""
-
-  vocab: int = QWEN3_VOCAB
-
-  @property
-  def vocab_size(self) -> int:
-    return self.vocab
-
-
-@dataclasses.dataclass(frozen=True)
-class WideVocabArithmetic(ArithmeticTask):
-  """`ArithmeticTask` for a model with a vocabulary of `vocab` ids (its own ids first)."""
-
-  vocab: int = QWEN3_VOCAB
-
-  @property
-  def tokenizer(self) -> CharTokenizer:
-    return _WideCharTokenizer(super().tokenizer.alphabet, self.vocab)
-
-
 def get_config() -> ExperimentConfig:
-  task = WideVocabArithmetic(max_digits=4, num_operands=25, operators="+-", worked=True,
-                             vocab=QWEN3_VOCAB)
+  task = ArithmeticTask(max_digits=4, num_operands=25, operators="+-", worked=True)
   return ExperimentConfig(
       run_dir="runs/qwen3_1p7b_grpo",
       task=task,
