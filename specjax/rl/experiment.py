@@ -383,11 +383,12 @@ def run(config: ExperimentConfig, log=print) -> dict:
 
 
 def _plot(history: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  """The run's curves as a PNG. A bare `Figure` (no pyplot), so a notebook's or script's
+  matplotlib backend and open figures are left as they were."""
+  from matplotlib.figure import Figure
   steps = [h["step"] for h in history]
-  fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+  fig = Figure(figsize=(13, 3.5))
+  axes = fig.subplots(1, 3)
   for ax, key, title in zip(axes, ("reward_mean", "acceptance_length", "rollout_tokens_per_s"),
                             ("reward (mean)", "acceptance length (tokens / round)",
                              "rollout tokens / s (whole step)")):
@@ -396,4 +397,3 @@ def _plot(history: list[dict], path: Path) -> None:
     ax.set_xlabel("step")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
