@@ -320,10 +320,12 @@ def test_compacting_the_batch_as_rows_finish_keeps_every_row_exact(
   prompts, lengths, plain = _ragged_batch_and_plain(m)
   assert len(set(np.asarray(plain.lengths).tolist())) >= 3, plain.lengths
   policy = CyclingPolicy(menu, costs=CostTable((2, 8), ((1.0, 1.0),) * (len(menu) + 1)))
-  for kwargs in (dict(tree=menu[-1]), dict(speculation=policy)):
+  # Two halvings with one tree; one halving with the policy, whose every bucket compiles
+  # every entry of the menu.
+  for kwargs in (dict(tree=menu[-1], compaction=2), dict(speculation=policy, compaction=1)):
     out = generate(m["params"], m["config"], prompts, lengths, jax.random.key(0),
                    max_new_tokens=40, sampling=GREEDY, eos_id=7, drafter=drafter,
-                   drafter_params=drafter_params, compaction=2, **kwargs)
+                   drafter_params=drafter_params, **kwargs)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
     np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-5)

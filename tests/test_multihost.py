@@ -1,7 +1,6 @@
 """Multi-host: several local CPU processes joined by `jax.distributed` give the single-process
 results (2 processes x 2 devices and 4 processes x 1 device)."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import child_env
 from specjax.models import ModelConfig
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
@@ -55,8 +55,7 @@ def _single_process_reference():
 def test_local_processes_reproduce_the_single_process_results(tmp_path, processes, devices):
   port = str(_free_port())
   worker = Path(__file__).with_name("multihost_worker.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env()
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(processes), str(devices),
                              port, str(tmp_path)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

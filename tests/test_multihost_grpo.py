@@ -5,7 +5,6 @@ same values. Also: the train state's shardings, and joining a cluster from flags
 environment."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import child_env
 from specjax import cli
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
@@ -123,8 +123,7 @@ def cluster_run(tmp_path_factory):
   out_dir = tmp_path_factory.mktemp("multihost_grpo")
   port = str(_free_port())
   worker = Path(__file__).with_name("multihost_grpo_worker.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env()
   logs = [out_dir / f"worker{i}.log" for i in range(2)]
   procs = [_spawn([sys.executable, str(worker), str(i), "2", "2", port, str(out_dir)], log,
                   env=env) for i, log in enumerate(logs)]
@@ -204,8 +203,7 @@ def test_specjax_train_on_2_processes_joins_from_flags_or_environment_and_proces
   run_dir = tmp_path / "run"
   cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
          str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir), *CLI_ARGS]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+  env = child_env(JAX_NUM_CPU_DEVICES="1")
   by_env = env | {"JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
                   "JAX_PROCESS_ID": "0"}
   by_flags = [f"--coordinator-address=localhost:{port}", "--num-processes=2", "--process-id=1"]

@@ -8,7 +8,6 @@ the cell's source and the error. nbclient, nbformat and ipykernel are test depen
 they are missing this module fails to import, it is never skipped.
 """
 
-import os
 import re
 from pathlib import Path
 
@@ -17,20 +16,18 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from conftest import DEVICE_COUNT_FLAG, child_env
+
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"drafters", "grpo_speculative", "quickstart", "scale"}
 # Generous against a slow shared machine; the small size needs well under a minute per cell.
 CELL_TIMEOUT_S = 300
-# The test process has 8 fake CPU devices (conftest.py); each notebook chooses its own.
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _kernel_env(tmp_path: Path) -> dict[str, str]:
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-  env["XLA_FLAGS"] = " ".join(flags)
+  env = child_env()
   env["SPECJAX_NOTEBOOK_SIZE"] = "small"
   env["SPECJAX_NOTEBOOK_DIR"] = str(tmp_path / "files")
   # Speculation costs, if a notebook measured them, stay out of the user's cache.

@@ -5,7 +5,6 @@ process where the command must set the device count itself. The slow tests plan 
 Qwen3-1.7B preset (about 3 minutes of compilation on 2 cores).
 """
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from specjax.errors import ConfigError
 from specjax.models import ModelConfig
 from specjax.plan import GIB, plan, plan_main
@@ -91,11 +91,12 @@ def test_plan_command_names_an_unknown_config_file():
 
 
 def test_plan_command_sets_the_fake_device_count_itself(tmp_path):
-  """A fresh process without XLA_FLAGS: `specjax plan` asks JAX for the devices before it
+  """A fresh process without a device count in XLA_FLAGS: `specjax plan` asks JAX for the devices before it
   starts, applies the mesh flags over the config's mesh, and exits 0 when the step fits."""
   config = tmp_path / "tiny.py"
   config.write_text(textwrap.dedent(TINY_CONFIG))
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env = child_env()
+  env.pop("JAX_NUM_CPU_DEVICES", None)
   out = subprocess.run(
       [sys.executable, "-m", "specjax.cli", "plan", "--config", str(config), "--devices", "2",
        "--mesh.data", "1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

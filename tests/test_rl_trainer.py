@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import child_env
 from specjax import sharding
 from specjax.checkpoint import DIGEST_FILE, Checkpointer, CheckpointError
 from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig
@@ -332,9 +332,8 @@ def _train(run_dir, compiled, extra=(), **popen):
   cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
          str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir),
          *TRAIN_ARGS, *extra]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(compiled),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-  env.pop("XLA_FLAGS", None)
+  env = child_env(JAX_COMPILATION_CACHE_DIR=str(compiled),
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, **popen)
 
@@ -470,22 +469,8 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
   assert accept["online"] > accept["frozen"] + 0.3, accept
 
 
-@pytest.fixture
-def compiled_on_disk(tmp_path_factory):
-  """JAX's persistent compilation cache, in a directory of this test's, while it runs: a
-  second run in the same process (a resume) loads the programs the first compiled, which
-  its new jit functions would otherwise compile again."""
-  from jax.experimental.compilation_cache import compilation_cache
-  before = jax.config.jax_compilation_cache_dir
-  compilation_cache.reset_cache()
-  compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("compiled")))
-  yield
-  compilation_cache.reset_cache()
-  compilation_cache.set_cache_dir(before)
-
-
 @pytest.mark.slow
-def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path, compiled_on_disk):
+def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
   import runpy
   from specjax.models import load_eagle3
   from specjax.rl.experiment import run

@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from conftest import child_env
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
@@ -147,8 +148,7 @@ def test_unwritable_checkpoint_directory_exits_nonzero_with_the_directory_named(
   read_only.chmod(0o555)
   try:
     simulate = os.access(read_only, os.W_OK)  # root ignores the mode
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _READ_ONLY_RUN, str(tmp_path / "run"), str(read_only),
          "simulate" if simulate else "chmod", str(Path(__file__).parent)],
