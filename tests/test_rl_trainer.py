@@ -151,6 +151,18 @@ def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
     dataclasses.replace(base.rollout, acceptance_carry=0.5)
 
 
+def test_experiments_carry_acceptance_by_default_only_where_the_adaptive_policy_keeps_it():
+  from specjax.rl.experiment_config import DEFAULT_ACCEPTANCE_CARRY, ExperimentConfig
+  adaptive = ExperimentConfig(speculation="adaptive")
+  assert adaptive.carry == DEFAULT_ACCEPTANCE_CARRY == 0.5
+  counts = adaptive.initial_acceptance()
+  assert counts.reached.shape == (len(adaptive.adaptive().menu), 2)  # (1, 1) tree: depth 2
+  for config in (ExperimentConfig(), ExperimentConfig(speculation="adaptive", drafter="none"),
+                 ExperimentConfig(speculation="adaptive", acceptance_carry=0.0)):
+    assert config.carry == 0.0 and config.initial_acceptance() is None, config
+  assert ExperimentConfig(speculation="adaptive", acceptance_carry=1).carry == 1.0
+
+
 # A second end token beside the tokenizer's EOS: a digit the untrained policy samples often.
 TWO_EOS = (TOK.eos_id, TOK.encode("9")[0])
 
