@@ -330,3 +330,16 @@ def test_no_cluster_specification_or_a_cluster_of_one_is_a_single_process():
                                "JAX_PROCESS_ID": "0"}, detect=False)
   with pytest.raises(ConfigError, match=r"JAX_PROCESS_ID='one' is invalid: must be an int"):
     join_cluster(env={"JAX_PROCESS_ID": "one"}, detect=False)
+
+
+def test_local_copy_is_a_copy_that_a_donating_step_leaves_intact():
+  """Weights already on the first device came back as the same buffers, so a train step
+  donating them deleted the "copy" kept for evaluation."""
+  from specjax.rl.distributed import local_copy
+  tree = {"w": jnp.arange(4.0), "b": jax.device_put(jnp.ones(2), jax.devices()[0])}
+  copy = local_copy(tree)
+  jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t), donate_argnums=0)(tree)
+  assert tree["w"].is_deleted() and tree["b"].is_deleted()  # the donation took place
+  np.testing.assert_array_equal(copy["w"], np.arange(4.0))
+  np.testing.assert_array_equal(copy["b"], np.ones(2))
+  assert all(x.sharding.device_set == {jax.local_devices()[0]} for x in jax.tree.leaves(copy))

@@ -225,10 +225,11 @@ def distribute(tree: Any, shardings: Any) -> Any:
 def local_copy(tree: Any) -> Any:
   """A full copy of `tree` on this process's first device (global arrays are gathered: with
   several processes every process must call this together), for single-device code such as
-  evaluation and measurements."""
+  evaluation and measurements. Always new buffers: a step that donates `tree` afterwards
+  leaves the copy intact (`device_put` alone returns the very arrays already there)."""
   if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in jax.tree.leaves(tree)):
     tree = multihost_utils.process_allgather(tree, tiled=True)
-  return jax.device_put(tree, jax.local_devices()[0])
+  return jax.device_put(tree, jax.local_devices()[0], may_alias=False)
 
 
 def broadcast_json(value: Any) -> Any:

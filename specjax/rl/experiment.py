@@ -284,6 +284,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
                     np.asarray(head.d2t))
     state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
     state = state.replace(acceptance=config.initial_acceptance())
+    # Evaluated and measured placed as after RL (`local_copy`): those programs compile once.
+    local = local_copy({"params": params, "drafter": head})
+    params, head = local["params"], local["drafter"]
     costs = _shared_costs(lambda: rollout_costs(params, config, reader.batch_at(0), head, log))
     tc = config.train_config(costs=costs)
     position = 0
