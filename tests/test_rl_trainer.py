@@ -163,6 +163,13 @@ def test_experiments_carry_acceptance_by_default_only_where_the_adaptive_policy_
   assert ExperimentConfig(speculation="adaptive", acceptance_carry=1).carry == 1.0
 
 
+def test_experiment_passes_its_eagle3_ttt_steps_to_the_train_step():
+  from specjax.rl.experiment_config import ExperimentConfig
+  config = ExperimentConfig(drafter="eagle3", tree_widths=(1, 1, 1, 1), eagle3_ttt_steps=4)
+  assert config.train_config().drafter_ttt_steps == 4
+  assert ExperimentConfig(drafter="eagle3").train_config().drafter_ttt_steps == 3
+
+
 # A second end token beside the tokenizer's EOS: a digit the untrained policy samples often.
 TWO_EOS = (TOK.eos_id, TOK.encode("9")[0])
 

@@ -68,6 +68,8 @@ class ExperimentConfig:
       tokenizer): a head that starts on a different text distribution than the RL task, to
       measure what online training recovers.
     drafter_learning_rate: learning rate of the EAGLE-3 head trained online.
+    eagle3_ttt_steps: training-time-test steps of the online EAGLE-3 loss: how many of its
+      own drafts deep the head learns to draft on (`TrainConfig.drafter_ttt_steps`).
     steps: GRPO steps.
     prompts_per_step: prompts per step (each sampled group_size times).
     learning_rate: GRPO learning rate (constant after warmup).
@@ -119,6 +121,7 @@ class ExperimentConfig:
   eagle3_steps: int = 300
   eagle3_distill_task: ArithmeticTask | None = None
   drafter_learning_rate: float = 1e-3
+  eagle3_ttt_steps: int = 3
   steps: int = 100
   prompts_per_step: int = 16
   learning_rate: float = 1e-4
@@ -155,7 +158,7 @@ class ExperimentConfig:
                         f"vocab_size >= {vocab})")
     for name in ("steps", "prompts_per_step", "checkpoint_every", "max_checkpoints",
                  "eval_prompts", "max_new_tokens", "speedup_repeats", "sft_batch",
-                 "eagle3_steps"):
+                 "eagle3_steps", "eagle3_ttt_steps"):
       require(is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
               "must be an int >= 1")
     for name in ("sft_steps", "warmup_steps"):
@@ -246,6 +249,7 @@ class ExperimentConfig:
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_loss_weight=self.drafter_loss_weight,
                        drafter_learning_rate=self.drafter_learning_rate,
+                       drafter_ttt_steps=self.eagle3_ttt_steps,
                        async_mode=self.async_mode)
 
   @property
