@@ -163,6 +163,20 @@ def test_experiments_carry_acceptance_by_default_only_where_the_adaptive_policy_
   assert ExperimentConfig(speculation="adaptive", acceptance_carry=1).carry == 1.0
 
 
+def test_the_fused_step_runs_no_host_callback_while_generate_under_jit_checks_its_prompts():
+  """generate checks traced prompts with a host callback (which also gathers them to one
+  device on a mesh); the train step's prompts come from its data pipeline and skip it."""
+  optimizer = optax.adam(1e-3)
+  config = _config(speculative=False)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, seed=1)
+  step = make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id)
+  assert "callback" not in step.lower(state, _reader().batch_at(0)).as_text()
+  # Control: the same rollout with the check on lowers with one.
+  batch = _reader().batch_at(0)
+  checked = jax.jit(lambda p, t, n: rollout(p, config, t, n, jax.random.key(0), TOK.pad_id)[1])
+  assert "callback" in checked.lower(state.params, batch.tokens, batch.lengths).as_text()
+
+
 def test_experiment_passes_its_eagle3_ttt_steps_to_the_train_step():
   from specjax.rl.experiment_config import ExperimentConfig
   config = ExperimentConfig(drafter="eagle3", tree_widths=(1, 1, 1, 1), eagle3_ttt_steps=4)

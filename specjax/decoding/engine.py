@@ -239,13 +239,14 @@ class DecodeLoop:
     """Target layers whose activations the drafter reads."""
     return self.drafter.hidden_layers(self.config) if self.speculative else ()
 
-  def check_prompts(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> None:
+  def check_prompts(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                    values: bool = True) -> None:
     """Raise a clear error unless the prompts fit this loop (shapes, lengths, ids, cache).
 
-    Shapes are checked here. Values are checked here when they are concrete; under a caller's
-    own `jit` they are checked when the program runs, by one host callback per call that
-    raises the same message (the call fails, as it would outside `jit`, instead of returning
-    a row decoded from past its prompt or with NaN log-probs).
+    Shapes are checked here. Values (unless `values` is False) are checked here when they are
+    concrete; under a caller's own `jit` they are checked when the program runs, by one host
+    callback per call that raises the same message (the call fails, as it would outside
+    `jit`, instead of returning a row decoded from past its prompt or with NaN log-probs).
     """
     if prompt_tokens.ndim != 2:
       raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape "
@@ -253,6 +254,8 @@ class DecodeLoop:
     if prompt_lengths.shape != prompt_tokens.shape[:1]:
       raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, "
                        f"got {prompt_lengths.shape}")
+    if not values:
+      return
     check = functools.partial(
         check_prompt_values, vocab_size=self.config.vocab_size,
         shortest=self.drafter.min_prompt_length(self.envelope) if self.speculative else 1)
@@ -568,7 +571,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
              drafter_params: Any = None, max_len: int | None = None,
              pad_id: int = 0, verifier: Verifier = LosslessVerifier(),
              acceptance: AcceptanceCounts | None = None,
-             compaction: int = 0) -> GenerationResult:
+             compaction: int = 0, check_values: bool = True) -> GenerationResult:
   """Generate up to `max_new_tokens` per row, speculatively when a drafter is given.
 
   Args:
@@ -591,6 +594,10 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
     verifier: the verification rule (default lossless; tests inject others).
     acceptance: the policy's counts from an earlier call (`result.stats.acceptance`).
     compaction: halve the batch this many times as rows finish (`DecodeLoop.compaction`).
+    check_values: check the prompts' ids and lengths (shapes are always checked); under a
+      caller's `jit` that takes a host callback per call, which gathers the prompts to one
+      device. False for prompts checked where they were made: the GRPO train step's batches,
+      encoded by the task's tokenizer (`ExperimentConfig` checks that the model embeds it).
 
   Returns:
     A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
@@ -610,7 +617,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
                     sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
                     compaction=compaction, eos_id=eos_id, pad_id=pad_id, verifier=verifier)
-  loop.check_prompts(prompt_tokens, prompt_lengths)
+  loop.check_prompts(prompt_tokens, prompt_lengths, values=check_values)
   check_params(params, config)
   if speculation is not None and speculation.costs is None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):

@@ -290,7 +290,7 @@ def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad
 
 def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_lengths: jax.Array,
             key: jax.Array, pad_id: int = 0, drafter_params: Any = None,
-            acceptance: AcceptanceCounts | None = None
+            acceptance: AcceptanceCounts | None = None, check_values: bool = True
             ) -> tuple[Rollout, jax.Array, jax.Array, AcceptanceCounts]:
   """Generate G responses per prompt (`prompts [B / G, P]`). Returns the (unscored) rollout,
   the responses `[B, T]`, their lengths `[B]` and the speculation policy's counts at the end.
@@ -298,7 +298,8 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
   drafter's own parameters (an EAGLE-3 head), if it has any; `acceptance`, counts the
   policy starts from (`TrainState.acceptance`), scaled here by
-  `RolloutConfig.acceptance_carry`.
+  `RolloutConfig.acceptance_carry`. `check_values`: as in `generate` (the train step's
+  batches skip it: no host callback inside the step).
   """
   g = config.grpo.group_size
   rc = config.rollout
@@ -309,7 +310,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
                  tree=rc.tree, speculation=rc.speculation, eos_id=rc.eos_id, pad_id=pad_id,
                  drafter_params=drafter_params,
                  acceptance=None if acceptance is None else acceptance.scaled(
-                     rc.acceptance_carry))
+                     rc.acceptance_carry), check_values=check_values)
   tokens, response_mask, valid_mask, behaviour = _assemble(
       prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
   zeros = jnp.zeros(prompts.shape[:1], jnp.float32)
@@ -491,7 +492,7 @@ def _scored_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Arra
   by a JAX reward; and `state` with the policy's acceptance counts after it."""
   roll, responses, lengths, acceptance = rollout(
       state.params, config, batch.tokens, batch.lengths, key, pad_id, _drafter_params(state),
-      state.acceptance)
+      state.acceptance, check_values=False)
   answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
   roll = score(config, roll, reward_fn(responses, lengths, answers))
   return roll, _with_acceptance(state, acceptance)
@@ -556,7 +557,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
 
   @jax.jit
   def rollout_fn(params, tokens, lengths, key, drafter_params, acceptance):
-    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params, acceptance)
+    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params, acceptance,
+                   check_values=False)
 
   # The state is donated: parameters and optimizer moments are replaced by the update.
   @functools.partial(jax.jit, donate_argnums=0)
