@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "Rules", "batch_sharding", "init_sharded_params",
     "kv_cache_shardings", "logical_sharding", "logical_to_mesh", "make_mesh",
     "opt_state_shardings", "param_shapes", "param_shardings", "replicated", "shard_params",
+    "transfer",
 ]
 
 Params = dict[str, Any]
@@ -309,6 +310,89 @@ def opt_state_shardings(opt_state: Any, params: Params, shardings: Params) -> An
         for x, shape, sh in zip(leaves, flat_shapes, flat_shardings)])
 
   return jax.tree.map(assign, opt_state, is_leaf=mirrors_params)
+
+
+def transfer(tree: Any, shardings: Any) -> Any:
+  """`tree`'s arrays copied onto `shardings` (same tree structure), on other devices, device
+  to device: for weights and rollouts moving between disjoint meshes (one process).
+
+  `jax.device_put` onto another set of devices copies shard by shard only where the target
+  cuts every array exactly as the source does; otherwise it gathers the array through host
+  memory. So each array is first laid out on its own devices as the target will hold it (a
+  jitted identity whose output is the target's partitioning on a mesh of the source devices
+  of the same shape) and then copied shard to shard. Where the two sets differ in size,
+  each array is replicated on its source devices (one array at a time, to bound the extra
+  memory) and each target shard sliced from a source copy on its source device.
+
+  Leaves that are not `jax.Array`s (host data) are simply placed.
+
+  Raises:
+    ValueError: an array or target spans several processes (not supported here).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(shardings)
+  out = list(leaves)
+  groups: dict[tuple[jax.Device, ...], list[int]] = {}
+  for i, (x, target) in enumerate(zip(leaves, targets)):
+    if not isinstance(x, jax.Array):
+      out[i] = jax.device_put(x, target)
+      continue
+    if not (x.is_fully_addressable and target.is_fully_addressable):
+      raise ValueError("transfer copies between devices of this process; an array or target "
+                       "spans several processes")
+    groups.setdefault(_device_order(x.sharding), []).append(i)
+  for source, members in groups.items():
+    alike = [i for i in members if targets[i].num_devices == len(source)]
+    if alike:
+      twins = tuple(_twin(targets[i], source) for i in alike)
+      laid = _reshard(twins)(tuple(leaves[i] for i in alike))
+      for i, x in zip(alike, jax.device_put(list(laid), [targets[i] for i in alike])):
+        out[i] = x
+    for i in members:
+      if targets[i].num_devices != len(source):
+        out[i] = _transfer_by_slices(leaves[i], targets[i], source)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _device_order(sharding: jax.sharding.Sharding) -> tuple[jax.Device, ...]:
+  if isinstance(sharding, NamedSharding):
+    return tuple(sharding.mesh.devices.flat)
+  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def _twin(target: jax.sharding.Sharding, source: tuple[jax.Device, ...]
+          ) -> jax.sharding.Sharding:
+  """`target`'s partitioning over the `source` devices (as many as `target` has)."""
+  if not isinstance(target, NamedSharding):
+    if target.num_devices != 1:
+      raise ValueError(f"transfer needs NamedSharding targets across devices; got {target}")
+    return jax.sharding.SingleDeviceSharding(source[0], memory_kind=target.memory_kind)
+  mesh = Mesh(np.array(source, dtype=object).reshape(target.mesh.devices.shape),
+              target.mesh.axis_names, axis_types=target.mesh.axis_types)
+  return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+
+
+def _identity(xs):
+  return xs
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard(out_shardings: tuple[jax.sharding.Sharding, ...]):
+  """A jitted identity onto `out_shardings` (cached: one compilation per layout)."""
+  return jax.jit(_identity, out_shardings=out_shardings)
+
+
+def _transfer_by_slices(x: jax.Array, target: jax.sharding.Sharding,
+                        source: tuple[jax.Device, ...]) -> jax.Array:
+  """`x` onto `target` (a different number of devices): replicate it on its own devices,
+  cut each target shard from a source copy there, copy the piece to its device."""
+  if len(source) > 1:
+    everywhere = Mesh(np.array(source, dtype=object), ("source",))
+    x = _reshard((NamedSharding(everywhere, P()),))((x,))[0]
+  copies = [shard.data for shard in x.addressable_shards]
+  pieces = [jax.device_put(copies[k % len(copies)][index], device) for k, (device, index)
+            in enumerate(target.addressable_devices_indices_map(x.shape).items())]
+  return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
 
 def _mesh_of(shardings: Params) -> Mesh:

@@ -46,7 +46,8 @@ from specjax.sharding import (DEFAULT_RULES, Rules, logical_sharding, opt_state_
 
 __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "join_cluster",
            "local_copy", "process_prompts", "process_rows", "prompt_batch_shardings",
-           "sharded_prime_fn", "sharded_train_step", "train_state_shardings"]
+           "rollout_shardings", "sharded_prime_fn", "sharded_train_step",
+           "train_state_shardings"]
 
 Params = dict[str, Any]
 
@@ -68,9 +69,10 @@ def _logical_tree(tree: Params, axes: Params, mesh: Mesh, rules: Rules, what: st
   return jax.tree.map(lambda x, a: logical_sharding(a, mesh, np.shape(x), rules), tree, axes)
 
 
-def _rollout_shardings(roll: Rollout, mesh: Mesh, rules: Rules) -> Rollout:
-  """Per-row fields (`[B, ...]`) split over the "batch" axes (replicated when B does not
-  divide), the rollout's statistics replicated."""
+def rollout_shardings(roll: Rollout, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Rollout:
+  """A `Rollout` of shardings for `roll` (arrays or `jax.ShapeDtypeStruct`s): per-row fields
+  (`[B, ...]`) split over the "batch" axes (replicated when B does not divide), the
+  rollout's statistics replicated."""
   shard = lambda x: logical_sharding(P("batch"), mesh, np.shape(x), rules)
   return roll.replace(**{
       name: replicated(mesh) if name in _ROLLOUT_STATS else shard(getattr(roll, name))
@@ -109,7 +111,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
   return TrainState(
       params=params, opt_state=opt, ref_params=None if state.ref_params is None else params,
       step=replicated(mesh), key=replicated(mesh),
-      pending=None if state.pending is None else _rollout_shardings(state.pending, mesh, rules),
+      pending=None if state.pending is None else rollout_shardings(state.pending, mesh, rules),
       drafter=drafter,
       acceptance=jax.tree.map(lambda _: replicated(mesh), state.acceptance))
 
@@ -124,12 +126,12 @@ def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False)
   # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
-  return _on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+  return on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                                 out_shardings=(state_shardings, replicated(mesh)),
                                 donate_argnums=0))
 
 
-class _on_mesh:
+class on_mesh:  # noqa: N801 -- used like a function: on_mesh(mesh, jax.jit(f))
   """`jitted` traced and called with `mesh` set (`jax.sharding.set_mesh`), so the model's
   layout hints (`specjax.models.layout`) keep activations split by rows."""
 
@@ -154,7 +156,7 @@ def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: 
   `state_shardings` (those of the primed state) in, the primed state on them out."""
   prime = make_prime_fn(config, reward_fn, pad_id=pad_id)
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  return _on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
+  return on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
                                                       batch_shardings),
                                 out_shardings=state_shardings))
 

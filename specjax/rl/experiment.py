@@ -146,10 +146,6 @@ def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> Tra
   return jax.eval_shape(make)
 
 
-def _drafter_params(state: TrainState) -> Eagle3Weights | None:
-  return None if state.drafter is None else state.drafter.weights
-
-
 def _jsonable(metrics: dict) -> dict:
   return {k: np.asarray(v).tolist() for k, v in metrics.items()}
 
@@ -172,7 +168,7 @@ def _check_finite(step: int, metrics: dict, state: TrainState, config: Experimen
   trained weights of `state` are finite, so that a diverged state is never checkpointed."""
   bad = [f"{k}={np.asarray(metrics[k]).tolist()}" for k in _FINITE_METRICS
          if k in metrics and not np.all(np.isfinite(metrics[k]))]
-  weights = {"params": state.params, "drafter": _drafter_params(state)}
+  weights = {"params": state.params, "drafter": state.drafter_weights}
   if not bool(_all_finite(weights)):
     bad.append("parameters")
   if bad:
@@ -309,7 +305,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
-    local = local_copy({"params": state.params, "drafter": _drafter_params(state)})
+    local = local_copy({"params": state.params, "drafter": state.drafter_weights})
     costs = _shared_costs(lambda: rollout_costs(local["params"], config, reader.batch_at(0),
                                                 local["drafter"], log))
     tc = config.train_config(costs=costs)
@@ -357,7 +353,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
   if lead:
     writer.close()
 
-  final = local_copy({"params": state.params, "drafter": _drafter_params(state)})
+  final = local_copy({"params": state.params, "drafter": state.drafter_weights})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
              "accuracy_after": evaluate(params, config, test_records),

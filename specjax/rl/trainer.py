@@ -240,6 +240,11 @@ class TrainState:
   drafter: DrafterTrainState | None = None
   acceptance: AcceptanceCounts | None = None
 
+  @property
+  def drafter_weights(self) -> Eagle3Weights | None:
+    """The rollout drafter's own parameters (the EAGLE-3 head; None for drafters without)."""
+    return None if self.drafter is None else self.drafter.weights
+
 
 def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
                      seed: int, *, drafter_params: Eagle3Weights | None = None) -> TrainState:
@@ -482,25 +487,44 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   }
 
 
-def _drafter_params(state: TrainState) -> Eagle3Weights | None:
-  return None if state.drafter is None else state.drafter.weights
+def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A train step's keys from the state's raw key data: (the next step's key data, the
+  rollout's key, the update's key). Every step program splits them this way, so that the
+  fused and the disaggregated async modes draw the same samples."""
+  key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(key), 3)
+  return jax.random.key_data(key), k_roll, k_update
 
 
-def _scored_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
-                    reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
-  """Rollout of `batch` (tokens, lengths, answers) by the state's policy and drafter, scored
-  by a JAX reward; and `state` with the policy's acceptance counts after it."""
+def prime_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Async mode's priming keys: (the next key data, the first rollout's key)."""
+  key, k_roll = jax.random.split(jax.random.wrap_key_data(key))
+  return jax.random.key_data(key), k_roll
+
+
+def scored_rollout(params: Params, drafter_params: Eagle3Weights | None,
+                   acceptance: AcceptanceCounts | None, config: TrainConfig, batch,
+                   key: jax.Array, reward_fn: RewardFn, pad_id: int = 0
+                   ) -> tuple[Rollout, AcceptanceCounts]:
+  """Rollout of `batch` (tokens, lengths, answers) by a policy and its drafter, scored by a
+  JAX reward; and the speculation policy's counts after it (see `rollout`)."""
   roll, responses, lengths, acceptance = rollout(
-      state.params, config, batch.tokens, batch.lengths, key, pad_id, _drafter_params(state),
-      state.acceptance, check_values=False)
+      params, config, batch.tokens, batch.lengths, key, pad_id, drafter_params, acceptance,
+      check_values=False)
   answers = jnp.repeat(batch.answers, config.grpo.group_size, axis=0)
-  roll = score(config, roll, reward_fn(responses, lengths, answers))
-  return roll, _with_acceptance(state, acceptance)
+  return score(config, roll, reward_fn(responses, lengths, answers)), acceptance
 
 
 def _with_acceptance(state: TrainState, acceptance: AcceptanceCounts) -> TrainState:
   """`state` carrying the rollout's counts, when it carries any."""
   return state if state.acceptance is None else state.replace(acceptance=acceptance)
+
+
+def _state_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
+                   reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
+  """`scored_rollout` by the state's policy and drafter, and the state with its counts."""
+  roll, acceptance = scored_rollout(state.params, state.drafter_weights, state.acceptance,
+                                    config, batch, key, reward_fn, pad_id)
+  return roll, _with_acceptance(state, acceptance)
 
 
 def make_train_step(config: TrainConfig, reward_fn: RewardFn,
@@ -514,13 +538,12 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
   """
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
-    roll, state = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
+    key, k_roll, k_update = step_keys(state.key)
+    roll, state = _state_rollout(state, config, batch, k_roll, reward_fn, pad_id)
     train_on = state.pending if config.async_mode else roll
     new_state, metrics = update(state, config, optimizer, train_on, k_update)
     metrics |= rollout_metrics(config, train_on)
-    new_state = new_state.replace(key=jax.random.key_data(key),
-                                  pending=roll if config.async_mode else None)
+    new_state = new_state.replace(key=key, pending=roll if config.async_mode else None)
     return new_state, metrics
 
   if not jit:
@@ -537,9 +560,9 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
   """Async mode: `(state, batch) -> state` with the first pending rollout generated."""
 
   def prime(state: TrainState, batch) -> TrainState:
-    key, k_roll = jax.random.split(jax.random.wrap_key_data(state.key))
-    roll, state = _scored_rollout(state, config, batch, k_roll, reward_fn, pad_id)
-    return state.replace(key=jax.random.key_data(key), pending=roll)
+    key, k_roll = prime_keys(state.key)
+    roll, state = _state_rollout(state, config, batch, k_roll, reward_fn, pad_id)
+    return state.replace(key=key, pending=roll)
 
   return jax.jit(prime)
 
@@ -568,13 +591,12 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
     return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
   def step(state: TrainState, batch):
-    key, k_roll, k_update = jax.random.split(jax.random.wrap_key_data(state.key), 3)
+    key, k_roll, k_update = step_keys(state.key)
     roll, responses, lengths, acceptance = rollout_fn(
-        state.params, batch.tokens, batch.lengths, k_roll, _drafter_params(state),
+        state.params, batch.tokens, batch.lengths, k_roll, state.drafter_weights,
         state.acceptance)
     rewards = np.asarray(reward_fn(np.asarray(responses), np.asarray(lengths), batch),
                          np.float32)
-    return update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update,
-                     jax.random.key_data(key))
+    return update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update, key)
 
   return step

@@ -1,0 +1,229 @@
+"""Disaggregated async GRPO: rollouts on one set of devices, updates on another.
+
+Async mode's fused step (`make_train_step`, `async_mode=True`) generates batch t + 1 and
+updates on batch t in one program, so the two never run at the same time. Here they are two
+programs on two meshes over disjoint devices:
+
+- the rollout program (rollout mesh) generates and scores a batch with the policy weights
+  the rollout side holds (parameters, and the EAGLE-3 head if the drafter has one; MTP and
+  Medusa heads are part of the parameters) and carries the speculation policy's counts;
+- the update program (train mesh) runs the GRPO updates (and the online drafter update) on
+  the rollout generated one step earlier, corrected by truncated importance sampling
+  against its behaviour log-probabilities (`GRPOConfig.tis_cap`).
+
+Each step dispatches both; then the new rollout moves to the train mesh and the updated
+weights to the rollout mesh with `specjax.sharding.transfer` (device to device, laid out as
+the destination wants on the source side first, never through host memory). JAX dispatches
+asynchronously, so on accelerators the two programs overlap in wall time. On CPU, XLA runs
+one multi-device program at a time: the meshes test the logic, not the overlap
+(`benchmarks/disaggregated.py` times each side and prints the bound overlap would reach).
+
+Policy lag k (`lag`): with theta_t the weights after t updates, step t's update trains
+theta_t on the rollout of step t - 1 while step t's rollout uses theta_{t-k+1} (theta_0
+before that exists). Every update thus trains on data k versions behind; a weight transfer
+has k - 1 steps to arrive, at the memory of k copies of the weights on the rollout mesh.
+Lag 1 is async mode exactly: the same keys (`step_keys`) and the same values as the fused
+step, on any meshes.
+
+Shape letters: see `specjax` (B rows, B / G prompts, D tree depth).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Any
+
+import jax
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from specjax.decoding.drafters.eagle3 import Eagle3Weights
+from specjax.decoding.policy import AcceptanceCounts
+from specjax.errors import ConfigError
+from specjax.rl.distributed import (on_mesh, rollout_shardings, prompt_batch_shardings,
+                                    train_state_shardings)
+from specjax.rl.trainer import (RewardFn, Rollout, TrainConfig, TrainState, prime_keys,
+                                rollout_metrics, scored_rollout, step_keys, update)
+from specjax.sharding import DEFAULT_RULES, Rules, replicated, transfer
+
+__all__ = ["DisaggregatedAsync", "PolicyWeights"]
+
+Params = dict[str, Any]
+
+
+@struct.dataclass
+class PolicyWeights:
+  """What the rollout side generates with.
+
+  Attributes:
+    params: policy parameters (trunk and MTP / Medusa heads).
+    drafter: the EAGLE-3 head (None for drafters without parameters of their own).
+  """
+
+  params: Params
+  drafter: Eagle3Weights | None = None
+
+
+@struct.dataclass
+class _RolloutSide:
+  """The rollout mesh's state besides the weights: the speculation policy's counts (None
+  without a carry) and a replica of the train state's key, advanced in step with it."""
+
+  acceptance: AcceptanceCounts | None
+  key: jax.Array
+
+
+class DisaggregatedAsync:
+  """Async GRPO with rollouts on `rollout_mesh` and updates on `train_mesh` (disjoint).
+
+  Usage (one process)::
+
+      run = DisaggregatedAsync(config, reward_fn, optimizer, rollout_mesh, train_mesh)
+      run.start(state, first_batch)        # primes the first pending rollout
+      for batch in batches:
+        metrics = run.step(batch)
+      state = run.state()                  # a TrainState on the train mesh (checkpointable)
+
+  `config.async_mode` must be True (it needs `grpo.tis_cap`). Batches are host
+  `PromptBatch`es (tokens, lengths, answers) of a fixed shape.
+  """
+
+  def __init__(self, config: TrainConfig, reward_fn: RewardFn,
+               optimizer: optax.GradientTransformation, rollout_mesh: Mesh, train_mesh: Mesh,
+               *, lag: int = 1, pad_id: int = 0, rules: Rules = DEFAULT_RULES):
+    if not config.async_mode:
+      raise ConfigError("DisaggregatedAsync needs TrainConfig(async_mode=True): updates "
+                        "train on the rollout of the step before, with grpo.tis_cap set")
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+      raise ConfigError(f"lag={lag!r} is invalid: must be an int >= 1 (1 = one-step "
+                        "off-policy)")
+    shared = set(rollout_mesh.devices.flat) & set(train_mesh.devices.flat)
+    if shared:
+      raise ConfigError(f"the rollout and train meshes share devices "
+                        f"{sorted(d.id for d in shared)}; disaggregated mode needs disjoint "
+                        "device sets (for one set, use the fused async step)")
+    if jax.process_count() > 1:
+      raise ConfigError("DisaggregatedAsync runs in one process; with several processes use "
+                        "the fused async step (`specjax.rl.sharded_train_step`)")
+    self.config, self.reward_fn, self.optimizer = config, reward_fn, optimizer
+    self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
+    self.lag, self.pad_id, self.rules = lag, pad_id, rules
+    self.times: list[dict[str, float]] = []
+
+  def start(self, state: TrainState, batch=None) -> None:
+    """Place `state` on the two meshes; its arrays are consumed (the first step donates
+    them). Without a pending rollout, `batch` (the first prompts) is generated and scored
+    as `make_prime_fn` does."""
+    if state.pending is None and batch is None:
+      raise ConfigError("start(state) with no pending rollout needs the first batch: "
+                        "start(state, batch) generates the rollout the first update trains on")
+    config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
+    roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
+    weights = PolicyWeights(params=state.params, drafter=state.drafter_weights)
+    side = _RolloutSide(acceptance=state.acceptance, key=state.key)
+    every = replicated(roll_mesh)
+    side_shardings = jax.tree.map(lambda _: every, side)
+
+    def rollout_program(weights: PolicyWeights, side: _RolloutSide, batch, prime: bool):
+      key, k_roll = prime_keys(side.key) if prime else step_keys(side.key)[:2]
+      roll, acceptance = scored_rollout(weights.params, weights.drafter, side.acceptance,
+                                        config, batch, k_roll, reward_fn, pad_id)
+      return roll, _RolloutSide(acceptance=None if side.acceptance is None else acceptance,
+                                key=key)
+
+    pending = state.pending
+    if pending is None:
+      pending = jax.eval_shape(functools.partial(rollout_program, prime=True), weights, side,
+                               batch)[0]
+    train = state.replace(pending=None, acceptance=None)
+    train_shardings = train_state_shardings(train, train_mesh, config, rules)
+    self._pending_shardings = rollout_shardings(pending, train_mesh, rules)
+    self._weight_shardings = self._weights_on(state, roll_mesh)
+    self._rollout = on_mesh(roll_mesh, jax.jit(
+        rollout_program, static_argnums=3,
+        in_shardings=(self._weight_shardings, side_shardings, None),
+        out_shardings=(rollout_shardings(pending, roll_mesh, rules), side_shardings)))
+
+    def update_program(state: TrainState, pending: Rollout):
+      key, _, k_update = step_keys(state.key)
+      state, metrics = update(state, config, self.optimizer, pending, k_update)
+      return state.replace(key=key), metrics | rollout_metrics(config, pending)
+
+    # The state is donated: parameters and optimizer moments are replaced. (The consumed
+    # rollout is not: no output has its shapes, so XLA could not reuse its buffers.)
+    self._update = on_mesh(train_mesh, jax.jit(
+        update_program, in_shardings=(train_shardings, self._pending_shardings),
+        out_shardings=(train_shardings, replicated(train_mesh)), donate_argnums=0))
+
+    self._train = jax.device_put(train, train_shardings)
+    self._side = jax.device_put(side, side_shardings)
+    self._versions = collections.deque([self._weights_of(self._train)])
+    if state.pending is None:
+      roll, self._side = self._rollout(self._versions[0], self._side,
+                                       self._on_rollout_mesh(batch), True)
+      self._pending = transfer(roll, self._pending_shardings)
+      # The train side's key advances as `make_prime_fn` leaves it.
+      key = jax.jit(lambda k: prime_keys(k)[0], out_shardings=replicated(train_mesh))
+      self._train = self._train.replace(key=key(self._train.key))
+    else:
+      self._pending = jax.device_put(state.pending, self._pending_shardings)
+
+  def step(self, batch, *, timed: bool = False) -> dict[str, jax.Array]:
+    """One step: roll out `batch` with the rollout side's weights while the train side
+    updates on the pending rollout; then the rollout moves to the train mesh and the new
+    weights to the rollout mesh. Returns the update's metrics (replicated on the train mesh,
+    still being computed: JAX dispatches asynchronously).
+
+    `timed=True` waits for each part and appends its seconds to `self.times` (`rollout_s`,
+    `update_s`, `transfer_s`): for measurements, as waiting serialises the two sides.
+    """
+    if not hasattr(self, "_train"):
+      raise ConfigError("call start(state, first_batch) before step()")
+    clock = [time.perf_counter()]
+
+    def lap(*arrays):
+      if timed:
+        jax.block_until_ready(arrays)
+        clock.append(time.perf_counter())
+
+    roll, self._side = self._rollout(self._versions[0], self._side,
+                                     self._on_rollout_mesh(batch), False)
+    lap(roll)
+    train, metrics = self._update(self._train, self._pending)
+    lap(train, metrics)
+    self._pending = transfer(roll, self._pending_shardings)
+    self._versions.append(self._weights_of(train))
+    while len(self._versions) > self.lag:
+      self._versions.popleft()
+    self._train = train
+    lap(self._pending, self._versions[-1])
+    if timed:
+      self.times.append(dict(zip(("rollout_s", "update_s", "transfer_s"),
+                                 (b - a for a, b in zip(clock, clock[1:])))))
+    return metrics
+
+  def state(self) -> TrainState:
+    """The train state on the train mesh with the pending rollout and the rollout side's
+    counts: what a checkpoint saves. Its arrays are donated by the next `step`."""
+    acceptance = self._side.acceptance
+    if acceptance is not None:
+      acceptance = transfer(acceptance, jax.tree.map(lambda _: replicated(self.train_mesh),
+                                                     acceptance))
+    return self._train.replace(pending=self._pending, acceptance=acceptance)
+
+  def _weights_on(self, state: TrainState, mesh: Mesh) -> PolicyWeights:
+    shardings = train_state_shardings(state.replace(pending=None), mesh, self.config,
+                                      self.rules)
+    return PolicyWeights(params=shardings.params, drafter=None if shardings.drafter is None
+                         else shardings.drafter.weights)
+
+  def _weights_of(self, state: TrainState) -> PolicyWeights:
+    """The train state's weights, copied onto the rollout mesh."""
+    return transfer(PolicyWeights(params=state.params, drafter=state.drafter_weights),
+                    self._weight_shardings)
+
+  def _on_rollout_mesh(self, batch):
+    return jax.device_put(batch, prompt_batch_shardings(batch, self.rollout_mesh, self.rules))

@@ -1,0 +1,259 @@
+"""Disaggregated async GRPO: rollouts on 4 fake CPU devices, updates on 4 others.
+
+With policy lag 1 it reproduces the fused async step (one program, one device) step for
+step; with lag 2 it trains on weights two versions behind, as a plain loop over the same
+rollout and update functions does; and neither the weights nor the rollouts pass through
+host memory on their way between the meshes (`specjax.sharding.transfer`)."""
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax._src import array as jax_array
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
+                              MTPDrafter, SamplingConfig)
+from specjax.errors import ConfigError
+from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
+from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
+from specjax.rl.disaggregated import DisaggregatedAsync
+from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
+                                make_train_step, prime_keys, rollout_metrics, scored_rollout,
+                                step_keys, update)
+from specjax.sharding import make_mesh, transfer
+
+TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
+TOK = TASK.tokenizer
+MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                    head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)
+PROMPTS = 4
+STEPS = 3
+METRICS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean",
+           "acceptance_length")
+
+
+def meshes():
+  """Rollouts split by rows over 4 devices, updates by fsdp x tensor over the other 4: the
+  two sides cut every weight differently."""
+  devices = jax.devices()
+  return make_mesh(data=2, tensor=2, devices=devices[:4]), make_mesh(
+      fsdp=2, tensor=2, devices=devices[4:8])
+
+
+@contextlib.contextmanager
+def host_reads():
+  """The shapes of device arrays read into host memory meanwhile (JAX's own host bounce of
+  a transfer between layouts reads `_value`, which `jax.transfer_guard` does not see)."""
+  reads, original = [], jax_array.ArrayImpl._value
+
+  def spy(self):
+    reads.append(self.shape)
+    return original.fget(self)
+
+  jax_array.ArrayImpl._value = property(spy)
+  try:
+    yield reads
+  finally:
+    jax_array.ArrayImpl._value = original
+
+
+def reward(tokens, lengths, answers):
+  """Parity of the first response token: random responses differ within a group, so the
+  policy gradient is not zero (the task's reward is 0 for an untrained policy)."""
+  del lengths, answers
+  return (tokens[:, 0] % 2).astype(jnp.float32)
+
+
+def optimizer():
+  return optax.adam(1e-3, eps=1e-4)  # eps: see test_multihost_grpo.optimizer
+
+
+def batches(count: int):
+  records = [{"prompt": encode_prompt(TOK, e.prompt), "reference": e.reference,
+              "answer": e.answer} for e in TASK.examples("train")]
+  reader = PromptReader(records, batch_size=PROMPTS, pad_id=TOK.pad_id)
+  return [reader.batch_at(PROMPTS * i) for i in range(count)]
+
+
+def flat(tree) -> dict:
+  return {jax.tree_util.keystr(path): np.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def mtp_config() -> TrainConfig:
+  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                          sampling=SamplingConfig(1.0), drafter=MTPDrafter(),
+                          tree=DraftTree.chain(1))
+  return TrainConfig(model=MODEL, grpo=GRPOConfig(group_size=4, beta=0.05, num_minibatches=2,
+                                                  tis_cap=2.0),
+                     rollout=rollout, async_mode=True)
+
+
+EAGLE_MODEL = MODEL.replace(n_layers=2, num_mtp_modules=0)
+
+
+def eagle_config() -> TrainConfig:
+  """An EAGLE-3 head trained online, adaptive speculation carrying its counts."""
+  menu = Adaptive((DraftTree.chain(1), DraftTree.chain(2)),
+                  costs=CostTable((16,), ((1.0,), (1.05,), (1.1,))))
+  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                          sampling=SamplingConfig(1.0),
+                          drafter=Eagle3Drafter(Eagle3Config.for_target(EAGLE_MODEL)),
+                          speculation=menu, acceptance_carry=0.5)
+  return TrainConfig(model=EAGLE_MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2,
+                                                        tis_cap=2.0),
+                     rollout=rollout, async_mode=True, drafter_learning_rate=1e-2,
+                     drafter_ttt_steps=2)
+
+
+def eagle_state(config: TrainConfig):
+  head = Eagle3Weights(params=init_eagle3(config.eagle3.config, jax.random.key(5)),
+                       d2t=jnp.arange(TOK.vocab_size, dtype=jnp.int32))
+  return init_train_state(config, init_params(EAGLE_MODEL, jax.random.key(0)), optimizer(),
+                          seed=1, drafter_params=head)
+
+
+def run_disaggregated(config, state, data, lag):
+  rollout_mesh, train_mesh = meshes()
+  run = DisaggregatedAsync(config, reward, optimizer(), rollout_mesh, train_mesh, lag=lag,
+                           pad_id=TOK.pad_id)
+  run.start(state, data[0])
+  history = []
+  with host_reads() as reads, jax.transfer_guard_device_to_host("disallow"):
+    for batch in data[1:]:
+      history.append(run.step(batch))
+  assert reads == [], f"arrays read into host memory during the steps: {reads}"
+  final = run.state()
+  assert final.params["embed"].sharding.mesh == train_mesh
+  return [jax.device_get(m) for m in history], final, run
+
+
+def reference_loop(config, state, data, lag):
+  """The same rollouts and updates in one loop on one device, with the weights of each
+  rollout picked by hand: step t rolls out with theta_max(0, t - lag + 1)."""
+  roll_fn = jax.jit(lambda params, drafter, acceptance, batch, key: scored_rollout(
+      params, drafter, acceptance, config, batch, key, reward, TOK.pad_id))
+
+  @jax.jit
+  def update_fn(state, pending, key):
+    state, metrics = update(state, config, optimizer(), pending, key)
+    return state, metrics | rollout_metrics(config, pending)
+
+  key, k_roll = prime_keys(state.key)
+  versions = [(state.params, state.drafter_weights)]
+  pending, acceptance = roll_fn(*versions[0], state.acceptance, data[0], k_roll)
+  state, history = state.replace(key=key), []
+  for t, batch in enumerate(data[1:]):
+    key, k_roll, k_update = step_keys(state.key)
+    roll, acceptance = roll_fn(*versions[max(0, t - lag + 1)], acceptance, batch, k_roll)
+    state, metrics = update_fn(state, pending, k_update)
+    state, pending = state.replace(key=key), roll
+    versions.append((state.params, state.drafter_weights))
+    history.append(jax.device_get(metrics))
+  return history, state.replace(pending=pending, acceptance=acceptance)
+
+
+def assert_same_run(history, final, ref_history, ref_final):
+  for i, (got, want) in enumerate(zip(history, ref_history, strict=True)):
+    for key in METRICS:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5,
+                                 err_msg=f"step {i}: {key}")
+  got, want = flat(final), flat(ref_final)
+  assert set(got) == set(want) and ".pending.tokens" in got
+  for name, value in want.items():
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("source, target", [
+    (((4, 1, 1), 0, P("data")), ((1, 2, 2), 4, P("fsdp", "tensor"))),
+    (((1, 1, 4), 0, P(None, "tensor")), ((2, 1, 2), 4, P())),
+    (((2, 1, 1), 0, P("data")), ((1, 3, 2), 2, P("tensor", "fsdp"))),
+    (((1, 3, 2), 2, P("fsdp", "tensor")), ((2, 1, 1), 6, P(None, "data"))),
+    (((1, 1, 1), 0, P()), ((1, 2, 2), 4, P("tensor"))),
+], ids=["4to4", "4to4_replicated", "2to6", "6to2", "1to4"])
+def test_transfer_copies_device_to_device_between_any_layouts_and_device_counts(source, target):
+  value = np.arange(144.0, dtype=np.float32).reshape(12, 12)
+  shardings = []
+  for shape, first, spec in (source, target):
+    mesh = make_mesh(*shape, devices=jax.devices()[first:first + int(np.prod(shape))])
+    shardings.append(NamedSharding(mesh, spec))
+  x = jax.device_put(value, shardings[0])
+  with host_reads() as reads:
+    y = transfer({"x": x, "scalar": jnp.float32(3.0)},
+                 {"x": shardings[1], "scalar": NamedSharding(shardings[1].mesh, P())})
+    jax.block_until_ready(y)
+  assert reads == []
+  assert y["x"].sharding == shardings[1] and y["scalar"].sharding.mesh == shardings[1].mesh
+  np.testing.assert_array_equal(np.asarray(y["x"]), value)
+  assert float(y["scalar"]) == 3.0
+
+
+def test_device_put_between_layouts_does_go_through_the_host():
+  """Negative control for the spy: JAX's own cross-mesh `device_put` reads the array into
+  host memory when the layouts differ (what `transfer` avoids)."""
+  rollout_mesh, train_mesh = meshes()
+  x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(rollout_mesh, P("data")))
+  with host_reads() as reads:
+    jax.block_until_ready(jax.device_put(x, NamedSharding(train_mesh, P(None, "tensor"))))
+  assert reads == [(8, 8)]
+
+
+@pytest.mark.slow
+def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host():
+  config, data = mtp_config(), batches(STEPS + 1)
+  initial = lambda: init_train_state(config, init_params(MODEL, jax.random.key(0)),
+                                     optimizer(), seed=1)
+  # The independent reference: async mode's fused step, one program on one device.
+  state = make_prime_fn(config, reward, pad_id=TOK.pad_id)(initial(), data[0])
+  step = make_train_step(config, reward, optimizer(), pad_id=TOK.pad_id)
+  fused = []
+  for batch in data[1:]:
+    state, metrics = step(state, batch)
+    fused.append(jax.device_get(metrics))
+  history, final, run = run_disaggregated(config, initial(), data, lag=1)
+  assert_same_run(history, final, fused, state)
+  assert run._rollout.jitted._cache_size() == 2 and run._update.jitted._cache_size() == 1
+  # Negative control: the steps moved the parameters by far more than the tolerance.
+  start = flat(init_params(MODEL, jax.random.key(0)))
+  moved = max(np.abs(np.asarray(final.params[k]) - start[f"['{k}']"]).max()
+              for k in ("embed", "unembed"))
+  assert moved > 1e-3, moved
+
+
+@pytest.mark.slow
+def test_lag_2_rolls_out_with_weights_two_versions_behind_eagle3_head_included():
+  config, data = eagle_config(), batches(STEPS + 1)
+  history, final, _ = run_disaggregated(config, eagle_state(config), data, lag=2)
+  ref_history, ref_final = reference_loop(config, eagle_state(config), data, lag=2)
+  assert_same_run(history, final, ref_history, ref_final)
+  assert int(final.acceptance.rounds) > 0 and "eagle3_ce" in history[-1]
+  # Negative control: with lag 1 the last rollout comes from newer weights.
+  _, lag1 = reference_loop(config, eagle_state(config), data, lag=1)
+  assert not np.allclose(np.asarray(final.pending.behaviour_logprobs),
+                         np.asarray(lag1.pending.behaviour_logprobs), atol=1e-4)
+
+
+def test_configurations_that_cannot_work_are_refused_with_the_reason():
+  config = mtp_config()
+  rollout_mesh, train_mesh = meshes()
+  make = lambda **kw: DisaggregatedAsync(**({
+      "config": config, "reward_fn": reward, "optimizer": optimizer(),
+      "rollout_mesh": rollout_mesh, "train_mesh": train_mesh} | kw))
+  with pytest.raises(ConfigError, match="async_mode=True"):
+    make(config=dataclasses.replace(config, async_mode=False))
+  for lag in (0, 1.5, True):
+    with pytest.raises(ConfigError, match=f"lag={lag!r} is invalid"):
+      make(lag=lag)
+  with pytest.raises(ConfigError, match=r"share devices \[4, 5, 6, 7\]"):
+    make(rollout_mesh=train_mesh)
+  run = make()
+  with pytest.raises(ConfigError, match="call start"):
+    run.step(batches(1)[0])
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
+  with pytest.raises(ConfigError, match="needs the first batch"):
+    run.start(state)
