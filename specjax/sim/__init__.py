@@ -33,7 +33,8 @@ from specjax.sim.rollout import POLICIES, RolloutResult, simulate_rollout
 from specjax.sim.speculation import (DRAFTERS, PLAIN, MenuEntry, Speculation,
                                      chain_expected_tokens, per_depth_from_mean)
 from specjax.sim.step import (STAGES, Comparison, Schedule, StepBreakdown, compare,
-                              logprob_seconds, simulate_step, sync_seconds, training_seconds)
+                              logprob_seconds, overall_seconds, simulate_step, sync_seconds,
+                              training_seconds)
 from specjax.sim.sweep import (Heatmap, save_heatmap, sweep_devices_models,
                                sweep_draft_acceptance)
 from specjax.sim.workload import Empirical, Fixed, Lognormal, Workload
@@ -52,10 +53,11 @@ __all__ = [
     "DeviceProfile", "DRAFTERS", "Empirical", "fit_efficiency", "FITTABLE", "Fixed",
     "forward_time", "ForwardTime", "ForwardWork", "fsdp_seconds", "Heatmap", "kv_peak_tokens",
     "logits_seconds", "Lognormal", "logprob_seconds", "matmul_seconds", "Measurement",
-    "MenuEntry", "model_spec", "MODELS", "ModelSpec", "parse_devices", "per_depth_from_mean",
-    "PLAIN", "POLICIES", "predict", "prediction_errors", "prefill_seconds", "project_235b",
-    "reference_report", "REFERENCE_WORKLOADS", "ReferenceSetup", "reproduce_table",
-    "RolloutResult", "round_time", "RoundTime", "save_heatmap", "Schedule", "simulate_rollout",
+    "MenuEntry", "model_spec", "MODELS", "ModelSpec", "overall_seconds", "parse_devices",
+    "per_depth_from_mean", "PLAIN", "POLICIES", "predict", "prediction_errors",
+    "prefill_seconds", "project_235b", "reference_report", "REFERENCE_WORKLOADS",
+    "ReferenceSetup", "reproduce_table", "RolloutResult", "round_time", "RoundTime",
+    "save_heatmap", "Schedule", "simulate_rollout",
     "simulate_step", "Speculation", "STAGES", "StepBreakdown", "sweep_devices_models",
     "sweep_draft_acceptance", "sync_seconds", "training_seconds", "Workload",
 ]

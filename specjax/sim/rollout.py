@@ -192,7 +192,7 @@ def _simulate(model: ModelSpec, cluster: Cluster, workload: Workload,
   replica = choose_replica(model, cluster, lengths, workload.prompt_len, widest, drafter)
   replicas = cluster.n_rollout // replica
   mine = lengths[::replicas]  # replica 0: the longest row and every replicas-th after it
-  rows, longest = int(mine.size), int(mine[0])
+  rows = int(mine.size)
 
   live, choice, progress, round_seconds, totals = _fluid_rounds(
       model, profile, workload, entries, drafter, replica, mine)

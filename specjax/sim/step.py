@@ -156,16 +156,25 @@ def simulate_step(model: ModelSpec, cluster: Cluster, workload: Workload,
            reward=schedule.reward_s, logprob=logprob_seconds(model, cluster, tokens, schedule),
            training=training_seconds(model, cluster, tokens, schedule, trained),
            sync=sync_seconds(model, cluster, rollout.replica, rollout.replicas))
-  rollout_side = s["data"] + s["prepare"] + s["generation"] + s["reward"]
-  train_side = s["logprob"] + s["training"]
-  if schedule.asynchronous and not cluster.colocated:
-    if schedule.policy_lag == 1:
-      overall = max(rollout_side, train_side) + s["sync"]
-    else:
-      overall = max(rollout_side, train_side, s["sync"])
-  else:
-    overall = rollout_side + train_side + s["sync"]
+  overall = overall_seconds(s["data"] + s["prepare"] + s["generation"] + s["reward"],
+                            s["logprob"] + s["training"], s["sync"], schedule,
+                            cluster.colocated)
   return StepBreakdown(label=label or policy, overall=overall, rollout=rollout, **s)
+
+
+def overall_seconds(rollout_side: float, train_side: float, sync: float, schedule: Schedule,
+                    colocated: bool) -> float:
+  """A step's seconds from its rollout side (data, prepare, generation, reward), its train
+  side (log-probs, training) and the weight sync. In sequence when sync or colocated; async
+  on split device sets overlaps the two sides, and with policy lag 1 the next rollout still
+  waits for the sync, while a longer lag hides it behind the next step too. (What
+  `specjax.rl.DisaggregatedAsync` does; `benchmarks/disaggregated.py` applies this to its
+  measured sides.)"""
+  if schedule.asynchronous and not colocated:
+    if schedule.policy_lag == 1:
+      return max(rollout_side, train_side) + sync
+    return max(rollout_side, train_side, sync)
+  return rollout_side + train_side + sync
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
