@@ -4,7 +4,9 @@ one compilation cache on disk for the whole run.
 XLA_FLAGS must be set before jax is imported anywhere, which is why it lives here.
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -99,6 +101,27 @@ def _train(config: ModelConfig, steps: int, seed: int):
   for _ in range(steps):
     state, _ = step(state, progression_batch(rng, 16, 32), mask)
   return state.params
+
+
+@contextlib.contextmanager
+def shared_dir(tmp_path_factory, worker_id: str, name: str):
+  """A directory of this test session that its pytest-xdist workers share, entered under a
+  lock: for what is too expensive to build once per worker (the tests of a module fixture
+  may run on both workers, and each would build it). The first worker to enter builds the
+  contents; a later one finds them built. (xdist's `--dist loadgroup` would pin such tests
+  to one worker, but with pytest 9 it silently does not: it renames items through an
+  attribute pytest no longer reads.)"""
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != "master":  # workers' base dirs are siblings in the session's directory
+    root = root.parent
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      path = root / name
+      path.mkdir(exist_ok=True)
+      yield path
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,7 @@ reading only its own prompts. The final async state (pending rollout included) i
 checkpointed by every process together. Process 0 writes the metrics, the parameters and
 every leaf of the checkpointed state, gathered. On the way it checks which prompt rows each
 process feeds (also under a device order that interleaves the processes) and the broadcast
-of host-side values; those checks are written for 2 processes x 2 devices.
+of host-side values. Topologies: 2 processes x 2 devices, 4 processes x 1 device.
 """
 
 import sys
@@ -37,19 +37,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_multihost_grpo import (MESH, PROMPTS, STEPS, TOK, config, flat,  # noqa: E402
                                  initial_state, optimizer, reader, reward)
 
-assert jax.process_count() == nproc and jax.device_count() == nproc * ndev
+assert jax.process_count() == nproc and jax.device_count() == nproc * ndev == 4
 mesh = MESH.make()
-# Each process feeds its own half of the prompts.
-assert list(distributed.process_rows(mesh, PROMPTS)) == [2 * pid, 2 * pid + 1]
+# Prompts split over fsdp = 2 (processes in order): each process feeds the half its devices
+# hold (2 x 2: its own half; 4 x 1: processes 0, 1 the first half, 2, 3 the second).
+half = pid // (nproc // 2)
+assert list(distributed.process_rows(mesh, PROMPTS)) == [2 * half, 2 * half + 1]
 mine = distributed.process_prompts(reader(), mesh)
 batch_shardings = distributed.prompt_batch_shardings(reader().batch_at(0), mesh)
 feed = lambda position: distributed.global_batch(mine(position), batch_shardings, PROMPTS)
 
-# A device order that interleaves the processes (as a topology-aware one may): process p
-# holds rows p and p + 2, picked from the whole batch, and the global batch is still whole.
+# A device order that interleaves the processes (as a topology-aware one may; with one
+# device per process it is the plain order): process p holds rows p, p + nproc, ... picked
+# from the whole batch, and the global batch is still whole.
 devices = np.array(jax.devices()).reshape(nproc, ndev).T.reshape(-1)
 interleaved = MeshConfig(data=-1).make(list(devices))
-assert list(distributed.process_rows(interleaved, PROMPTS)) == [pid, pid + 2]
+assert list(distributed.process_rows(interleaved, PROMPTS)) == list(range(pid, PROMPTS, nproc))
 shardings = distributed.prompt_batch_shardings(reader().batch_at(0), interleaved)
 picked = distributed.global_batch(distributed.process_prompts(reader(), interleaved)(8),
                                   shardings, PROMPTS)

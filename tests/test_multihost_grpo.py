@@ -1,9 +1,10 @@
-"""Multi-host GRPO: the fused step (sync and async) run by 2 local processes x 2 CPU devices,
-each feeding its own prompts, gives the single-process metrics and parameters; the state
-they checkpoint together restores on one process, on one device and on another mesh, to the
-same values. Also: the train state's shardings, and joining a cluster from flags or the
+"""Multi-host GRPO: the fused step (sync and async) run by 2 local processes x 2 CPU devices
+and by 4 processes x 1 device, each feeding its own prompts, gives the single-process
+metrics and parameters; the state they checkpoint together restores on one process, on one
+device and on another mesh, to the same values. Also: the train state's shardings, and joining a cluster from flags or the
 environment."""
 
+import functools
 import json
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import child_env
+from conftest import child_env, shared_dir
 from specjax import cli
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
@@ -97,6 +98,7 @@ def _spawn(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kwargs)
 
 
+@functools.cache
 def _single_process_reference() -> dict:
   """The metrics and parameters of the unsharded step on one device."""
   out = {}
@@ -117,16 +119,15 @@ def _single_process_reference() -> dict:
   return out
 
 
-@pytest.fixture(scope="module")
-def cluster_run(tmp_path_factory):
-  """Run the 2 x 2 cluster; the single-process reference is computed while it runs."""
-  out_dir = tmp_path_factory.mktemp("multihost_grpo")
+def _run_cluster(out_dir: Path, processes: int, devices: int) -> None:
+  """The workers' results in `out_dir`, then the single-process reference (computed while
+  the cluster runs) in `reference.npz`, the mark of a complete run."""
   port = str(_free_port())
   worker = Path(__file__).with_name("multihost_grpo_worker.py")
   env = child_env()
-  logs = [out_dir / f"worker{i}.log" for i in range(2)]
-  procs = [_spawn([sys.executable, str(worker), str(i), "2", "2", port, str(out_dir)], log,
-                  env=env) for i, log in enumerate(logs)]
+  logs = [out_dir / f"worker{i}.log" for i in range(processes)]
+  procs = [_spawn([sys.executable, str(worker), str(i), str(processes), str(devices), port,
+                   str(out_dir)], log, env=env) for i, log in enumerate(logs)]
   try:
     reference = _single_process_reference()
     for p in procs:
@@ -136,12 +137,25 @@ def cluster_run(tmp_path_factory):
       p.kill()
   for p, log in zip(procs, logs):
     assert p.returncode == 0, log.read_text()[-3000:]
-  return dict(np.load(out_dir / "result.npz")), reference, out_dir
+  np.savez(out_dir / "reference.npz", **reference)
+
+
+@pytest.fixture(scope="module", params=[(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def cluster_run(request, tmp_path_factory, worker_id):
+  """A cluster of (processes, devices each) run once per test session, whichever worker
+  needs it first: its results, the single-process reference and its directory."""
+  processes, devices = request.param
+  with shared_dir(tmp_path_factory, worker_id,
+                  f"multihost_grpo_{processes}x{devices}") as out_dir:
+    if not (out_dir / "reference.npz").exists():
+      _run_cluster(out_dir, processes, devices)
+  return (dict(np.load(out_dir / "result.npz")), dict(np.load(out_dir / "reference.npz")),
+          out_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_fused_step_on_2_processes_x_2_devices_gives_the_single_process_metrics_and_params(
+def test_fused_step_on_several_processes_gives_the_single_process_metrics_and_params(
     cluster_run, mode):
   result, reference, _ = cluster_run
   for i in range(STEPS):
@@ -164,7 +178,7 @@ def test_fused_step_on_2_processes_x_2_devices_gives_the_single_process_metrics_
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 1, 1), (2, 2, 2), (1, 8, 1)],
                          ids=["one_device", "2x2x2", "1x8x1"])
-def test_checkpoint_saved_by_2_processes_restores_on_one_process_to_identical_values(
+def test_checkpoint_saved_by_several_processes_restores_on_one_process_to_identical_values(
     cluster_run, shape):
   result, _, out_dir = cluster_run
   cfg = config(async_mode=True)
