@@ -38,6 +38,7 @@ from specjax.models import load_hf, save_hf
 from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader,
                         RewardError, TaskError, arithmetic_reward, group_advantages, grpo_loss,
                         read_gsm8k_jsonl)
+from specjax.rl import experiment
 from specjax.rl.experiment import ExperimentConfig
 from specjax.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits
 from test_cli import _write_checkpoint
@@ -495,6 +496,22 @@ RL_CASES = [
     case("experiment_zero_eagle3_ttt_steps",
          lambda p: ExperimentConfig(drafter="eagle3", eagle3_ttt_steps=0),
          ConfigError, r"eagle3_ttt_steps=0 is invalid: must be an int >= 1"),
+    case("experiment_rollout_devices_without_async_mode",
+         lambda p: ExperimentConfig(rollout_devices=4),
+         ConfigError, r"rollout_devices=4 is invalid: needs async_mode=True"),
+    case("experiment_negative_rollout_devices",
+         lambda p: ExperimentConfig(rollout_devices=-1, async_mode=True),
+         ConfigError, r"rollout_devices=-1 is invalid: must be an int >= 0"),
+    case("experiment_policy_lag_without_rollout_devices",
+         lambda p: ExperimentConfig(policy_lag=2, async_mode=True),
+         ConfigError, r"policy_lag=2 is invalid: needs rollout_devices >= 1"),
+    case("experiment_policy_lag_zero",
+         lambda p: ExperimentConfig(policy_lag=0, rollout_devices=4, async_mode=True),
+         ConfigError, r"policy_lag=0 is invalid: must be an int >= 1"),
+    case("experiment_rollout_devices_leave_none_to_train",
+         lambda p: experiment._meshes(ExperimentConfig(rollout_devices=8, async_mode=True)),
+         ConfigError, r"rollout_devices=8 is invalid: there are 8 devices and the updates "
+                      r"need at least one \(allowed: 0 \.\. 7\)"),
     case("experiment_acceptance_carry_above_one",
          lambda p: ExperimentConfig(speculation="adaptive", acceptance_carry=2.0),
          ConfigError, r"acceptance_carry=2\.0 is invalid: must be a number in \[0, 1\]"),

@@ -7,6 +7,7 @@ host memory on their way between the meshes (`specjax.sharding.transfer`)."""
 
 import contextlib
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eag
                               MTPDrafter, SamplingConfig)
 from specjax.errors import ConfigError
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
-from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
+from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, experiment
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step, prime_keys, rollout_metrics, scored_rollout,
@@ -257,3 +258,38 @@ def test_configurations_that_cannot_work_are_refused_with_the_reason():
   state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
   with pytest.raises(ConfigError, match="needs the first batch"):
     run.start(state)
+
+
+def _metrics(run_dir) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_an_experiment_with_rollout_devices_gives_the_fused_async_runs_metrics_and_resumes(
+    tmp_path):
+  """`ExperimentConfig(rollout_devices=4)` (4 devices roll out, 4 train) logs the metrics of
+  the fused async run on all 8, and a run stopped after 2 steps resumes from its checkpoint
+  to the same third step."""
+  tiny = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                     n_kv_heads=2, head_dim=16, mlp_dim=64, max_position=32)
+  config = experiment.ExperimentConfig(
+      task=TASK, model=tiny, grpo=GRPOConfig(group_size=4, tis_cap=2.0),
+      max_new_tokens=TASK.max_answer_tokens, drafter="none", async_mode=True, steps=3,
+      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1,
+      checkpoint_every=1, learning_rate=1e-3, warmup_steps=0)
+  logs = []
+  experiment.run(dataclasses.replace(config, run_dir=str(tmp_path / "fused")),
+                 log=logs.append)
+  split = dataclasses.replace(config, run_dir=str(tmp_path / "split"), rollout_devices=4)
+  experiment.run(dataclasses.replace(split, steps=2), log=logs.append)
+  experiment.run(split, log=logs.append)
+  assert any("rollouts on 4 device(s), updates on 4" in line for line in logs)
+  assert any("resumed from" in line for line in logs)
+  fused, disaggregated = _metrics(tmp_path / "fused"), _metrics(tmp_path / "split")
+  assert [m["step"] for m in disaggregated] == [1, 2, 3]
+  # The comparison has something to compare: the warm start earns rewards, and gradients.
+  assert sum(m["grad_norm"] > 0 for m in fused) >= 2, fused
+  for want, got in zip(fused, disaggregated, strict=True):
+    for key in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5,
+                                 err_msg=f"step {want['step']}: {key}")

@@ -19,6 +19,10 @@ prompts, and orbax checkpoints the state shard by shard. The warm start, evaluat
 measurements run on every process alone (on its first device, from a gathered copy of the
 parameters); process 0's warm start and measured speculation costs are the ones used
 everywhere, and only process 0 logs and writes files besides the checkpoints.
+
+Disaggregated async (`rollout_devices` >= 1, one process): the first devices roll out, the
+mesh over the others trains (`specjax.rl.DisaggregatedAsync`); checkpoints hold the same
+`TrainState` as the fused async step's.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
-from specjax.errors import CheckpointError
+from specjax.errors import CheckpointError, ConfigError
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
+from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
@@ -48,6 +53,7 @@ from specjax.rl.experiment_config import ExperimentConfig
 from specjax.rl.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
 from specjax.rl.trainer import TrainConfig, TrainState, init_train_state, make_prime_fn
+from specjax.sharding import make_mesh
 from specjax.supervised import init_supervised_state, make_supervised_step
 
 __all__ = ["ExperimentConfig", "run", "warm_start", "initial_eagle3_head"]
@@ -230,6 +236,22 @@ def _with_shardings(abstract, shardings):
                       abstract, shardings)
 
 
+def _meshes(config: ExperimentConfig) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
+  """The train state's mesh, and with `rollout_devices` the rollout mesh: the first
+  `rollout_devices` devices, split by rows, and `config.mesh` over the others."""
+  if not config.rollout_devices:
+    return config.mesh.make(), None
+  devices, n = jax.devices(), config.rollout_devices
+  if jax.process_count() > 1:
+    raise ConfigError(f"rollout_devices={n} is invalid with {jax.process_count()} processes: "
+                      "disaggregated async runs in one process (0 runs the fused step on "
+                      "every process's devices)")
+  if n >= len(devices):
+    raise ConfigError(f"rollout_devices={n} is invalid: there are {len(devices)} devices and "
+                      f"the updates need at least one (allowed: 0 .. {len(devices) - 1})")
+  return config.mesh.make(devices[n:]), make_mesh(data=-1, devices=devices[:n])
+
+
 def run(config: ExperimentConfig, log=print) -> dict:
   """Run (or resume) the experiment; returns the final summary.
 
@@ -241,7 +263,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
   lead = jax.process_index() == 0
   if not lead:
     log = lambda _: None  # one process reports; the others run the same program silently
-  mesh = config.mesh.make()
+  mesh, rollout_mesh = _meshes(config)
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   # The state's structure does not depend on how each round's tree is chosen (but for the
@@ -269,6 +291,10 @@ def run(config: ExperimentConfig, log=print) -> dict:
   shardings = train_state_shardings(abstract, mesh, tc)
   restored = ckpt.restore(_with_shardings(abstract, shardings))
   metrics_file = run_dir / "metrics.jsonl"
+  disaggregated = None
+  if rollout_mesh is not None:
+    log(f"disaggregated async: rollouts on {rollout_mesh.size} device(s), updates on "
+        f"{mesh.size}, policy lag {config.policy_lag}")
   if restored is None:
     log(f"policy: {count_params(init_params(config.model, jax.random.key(0))):,} parameters")
     params = warm_start(config, log)
@@ -286,7 +312,13 @@ def run(config: ExperimentConfig, log=print) -> dict:
     costs = _shared_costs(lambda: rollout_costs(params, config, reader.batch_at(0), head, log))
     tc = config.train_config(costs=costs)
     position = 0
-    if config.async_mode:
+    if rollout_mesh is not None:
+      disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
+                                         lag=config.policy_lag, pad_id=tok.pad_id)
+      disaggregated.start(state, reader.batch_at(position))
+      state = disaggregated.state()
+      position = reader.next_position(position)
+    elif config.async_mode:
       state = distribute(state, shardings.replace(pending=None))
       prime = sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
       state = prime(state, feed(position))
@@ -309,6 +341,10 @@ def run(config: ExperimentConfig, log=print) -> dict:
     costs = _shared_costs(lambda: rollout_costs(local["params"], config, reader.batch_at(0),
                                                 local["drafter"], log))
     tc = config.train_config(costs=costs)
+    if rollout_mesh is not None:
+      disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
+                                         lag=config.policy_lag, pad_id=tok.pad_id)
+      disaggregated.start(state)
     if lead:
       # Drop metrics logged after the checkpoint: those steps run again, identically.
       kept = _kept_metrics(metrics_file, meta["step"], log)
@@ -320,8 +356,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
   if lead:
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(run_dir / "tensorboard"))
-  train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
-                                  pad_id=tok.pad_id)
+  if disaggregated is None:
+    train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
+                                    pad_id=tok.pad_id)
   position, last_checkpoint = meta["position"], meta["step"]
   with contextlib.ExitStack() as files:
     # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
@@ -332,7 +369,11 @@ def run(config: ExperimentConfig, log=print) -> dict:
                                           disable=not lead))
     for step in bar:
       start = time.perf_counter()
-      state, metrics = train_step(state, feed(position))
+      if disaggregated is None:
+        state, metrics = train_step(state, feed(position))
+      else:
+        metrics = disaggregated.step(reader.batch_at(position))
+        state = disaggregated.state()
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - start
       _check_finite(step + 1, metrics, state, config, last_checkpoint)

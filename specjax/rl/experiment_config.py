@@ -85,6 +85,15 @@ class ExperimentConfig:
       run resumes under both.
     drafter_loss_weight: online drafter training on rollouts (0: off).
     async_mode: one-step off-policy GRPO.
+    rollout_devices: 0: rollouts and updates share every device, one fused program per
+      step. N >= 1 (with `async_mode`, one process): disaggregated async
+      (`specjax.rl.DisaggregatedAsync`): the first N devices roll out, the others (the
+      `mesh`) train, and the two programs run side by side.
+    policy_lag: with `rollout_devices`, how many updates behind the weights that generated a
+      batch are when it is trained on (1: one-step off-policy, as the fused async step; k:
+      the weight transfer hides behind k - 1 steps). A run resumed from a checkpoint rolls
+      out its first k - 1 steps with the checkpoint's weights: the versions in flight are not
+      saved.
     sft_steps: supervised warm-start steps (0: start RL from random weights).
     sft_batch: warm-start batch size.
     sft_learning_rate: warm-start learning rate.
@@ -130,6 +139,8 @@ class ExperimentConfig:
   clip_heads_separately: bool = True
   drafter_loss_weight: float = 1.0
   async_mode: bool = False
+  rollout_devices: int = 0
+  policy_lag: int = 1
   sft_steps: int = 200
   sft_batch: int = 64
   sft_learning_rate: float = 3e-3
@@ -161,10 +172,17 @@ class ExperimentConfig:
                  "eagle3_steps", "eagle3_ttt_steps"):
       require(is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
               "must be an int >= 1")
-    for name in ("sft_steps", "warmup_steps"):
+    for name in ("sft_steps", "warmup_steps", "rollout_devices"):
       require(is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
               "must be an int >= 0")
     require(is_int(self.seed) and self.seed >= 0, "seed", "must be an int >= 0")
+    require(is_int(self.policy_lag) and self.policy_lag >= 1, "policy_lag",
+            "must be an int >= 1")
+    require(not self.rollout_devices or self.async_mode, "rollout_devices",
+            "needs async_mode=True (disaggregated rollouts train one step or more behind; "
+            "0 runs rollouts and updates on the same devices)")
+    require(self.policy_lag == 1 or self.rollout_devices > 0, "policy_lag",
+            "needs rollout_devices >= 1 (the fused async step is one step off-policy)")
     require(isinstance(self.clip_heads_separately, bool), "clip_heads_separately",
             "must be True or False")
     require(isinstance(self.mesh, MeshConfig), "mesh", "must be a MeshConfig(data=, fsdp=, "
