@@ -9,6 +9,14 @@ configs/qwen3_1p7b_grpo.py (64 GSM8K-shaped prompts x 8 samples, up to 512 new t
 EAGLE-3 chain of 3; the same stand-in task); the update takes 16 minibatches of 32 rows, so
 that one minibatch's activations fit beside the 8B model's state. Mesh fsdp=8: an 8B model's
 float32 weights, gradients and Adam moments (131 GB) fit 8 accelerators only split eight ways.
+
+Planned (2 CPU cores, lowered 10 s, compiled 98 s), GiB per device: state 12.49 (compiled =
+analytical); the step compiles to 112.66 on XLA:CPU (342.6 before the trunk pinned its rows to
+the batch axes) against 91.01 analytical with XLA:CPU's float32 activations (x1.24: XLA:CPU
+also keeps float32 copies of the vocabulary tables, 2.3 GiB each) and 66.46 with an
+accelerator's bfloat16 activations: 83% of an 80 GiB device. Activations of the minibatch
+update are the largest term (74 GiB in float32 for 4 rows x 638 positions per device); more
+minibatches shrink them.
 """
 
 import dataclasses
