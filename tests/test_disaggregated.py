@@ -7,6 +7,7 @@ host memory on their way between the meshes (`specjax.sharding.transfer`)."""
 
 import contextlib
 import dataclasses
+import functools
 import json
 
 import jax
@@ -134,9 +135,10 @@ def run_disaggregated(config, state, data, lag):
   return [jax.device_get(m) for m in history], final, run
 
 
-def reference_loop(config, state, data, lag):
-  """The same rollouts and updates in one loop on one device, with the weights of each
-  rollout picked by hand: step t rolls out with theta_max(0, t - lag + 1)."""
+@functools.cache
+def reference_programs(config):
+  """The rollout and the update of `config`, each one jitted program on one device (cached:
+  the lag-1 control reuses the lag-2 reference's)."""
   roll_fn = jax.jit(lambda params, drafter, acceptance, batch, key: scored_rollout(
       params, drafter, acceptance, config, batch, key, reward, TOK.pad_id))
 
@@ -145,6 +147,13 @@ def reference_loop(config, state, data, lag):
     state, metrics = update(state, config, optimizer(), pending, key)
     return state, metrics | rollout_metrics(config, pending)
 
+  return roll_fn, update_fn
+
+
+def reference_loop(config, state, data, lag):
+  """The same rollouts and updates in one loop on one device, with the weights of each
+  rollout picked by hand: step t rolls out with theta_max(0, t - lag + 1)."""
+  roll_fn, update_fn = reference_programs(config)
   key, k_roll = prime_keys(state.key)
   versions = [(state.params, state.drafter_weights)]
   pending, acceptance = roll_fn(*versions[0], state.acceptance, data[0], k_roll)
