@@ -151,10 +151,12 @@ def main(argv=None) -> dict:
           ("  update program (train mesh)", sides["update_s"]),
           ("  transfers (rollout -> train, weights -> rollout)", sides["transfer_s"]),
           ("  sum of the sides", serial),
-          ("overlap bound, lag 1: max(rollout, update) + transfer", bound[1]),
+          ("overlap bound, lag 1: max(rollout, update) + transfer*", bound[1]),
           ("overlap bound, lag 2: max(rollout, update, transfer)", bound[2])]
   for name, seconds in rows:
     print(f"| {name} | {seconds:.3f} | {result['fused_s'] / seconds:.2f} |")
+  print("* both transfers counted as the weight sync the next rollout waits for (an upper "
+        "bound: the rollout's own move to the train mesh overlaps the next rollout)")
   share = sides["transfer_s"] / serial
   print(f"\ntransfers: {100 * share:.1f}% of the serial step")
   if jax.devices()[0].platform == "cpu":

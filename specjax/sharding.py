@@ -313,59 +313,60 @@ def opt_state_shardings(opt_state: Any, params: Params, shardings: Params) -> An
 
 
 def transfer(tree: Any, shardings: Any) -> Any:
-  """`tree`'s arrays copied onto `shardings` (same tree structure), on other devices, device
-  to device: for weights and rollouts moving between disjoint meshes (one process).
+  """`tree`'s arrays copied onto `shardings` (a tree of the same structure, not a prefix) on
+  other devices, device to device: for weights and rollouts moving between disjoint meshes
+  in one process.
 
   `jax.device_put` onto another set of devices copies shard by shard only where the target
   cuts every array exactly as the source does; otherwise it gathers the array through host
   memory. So each array is first laid out on its own devices as the target will hold it (a
   jitted identity whose output is the target's partitioning on a mesh of the source devices
-  of the same shape) and then copied shard to shard. Where the two sets differ in size,
-  each array is replicated on its source devices (one array at a time, to bound the extra
-  memory) and each target shard sliced from a source copy on its source device.
+  of the same shape) and then copied shard to shard. Where the two sets differ in size, the
+  array is replicated on its source devices and each target shard sliced from a source copy
+  on its device. Arrays go one by one, each copy dispatched before the next array is laid
+  out, so the extra memory on the source devices is that of the arrays in flight (a target
+  that replicates what the source splits needs a full copy of each such array there), not
+  of the whole tree at once. Nothing waits: the copies run as JAX dispatches them.
 
   Leaves that are not `jax.Array`s (host data) are simply placed.
 
   Raises:
-    ValueError: an array or target spans several processes (not supported here).
+    ValueError: an array or target spans several processes, or a target over several
+      devices is not a `NamedSharding`.
   """
   leaves, treedef = jax.tree.flatten(tree)
   targets = treedef.flatten_up_to(shardings)
-  out = list(leaves)
-  groups: dict[tuple[jax.Device, ...], list[int]] = {}
-  for i, (x, target) in enumerate(zip(leaves, targets)):
+  out = []
+  for x, target in zip(leaves, targets):
     if not isinstance(x, jax.Array):
-      out[i] = jax.device_put(x, target)
+      out.append(jax.device_put(x, target))
       continue
     if not (x.is_fully_addressable and target.is_fully_addressable):
       raise ValueError("transfer copies between devices of this process; an array or target "
                        "spans several processes")
-    groups.setdefault(_device_order(x.sharding), []).append(i)
-  for source, members in groups.items():
-    alike = [i for i in members if targets[i].num_devices == len(source)]
-    if alike:
-      twins = tuple(_twin(targets[i], source) for i in alike)
-      laid = _reshard(twins)(tuple(leaves[i] for i in alike))
-      for i, x in zip(alike, jax.device_put(list(laid), [targets[i] for i in alike])):
-        out[i] = x
-    for i in members:
-      if targets[i].num_devices != len(source):
-        out[i] = _transfer_by_slices(leaves[i], targets[i], source)
+    if not isinstance(target, NamedSharding) and target.num_devices != 1:
+      raise ValueError(f"transfer needs NamedSharding targets across devices; got {target}")
+    source = _device_order(x.sharding)
+    if target.num_devices == len(source):
+      laid = _reshard((_twin(target, source),))((x,))[0]
+      out.append(jax.device_put(laid, target))
+    else:
+      out.append(_transfer_by_slices(x, target, source))
   return jax.tree.unflatten(treedef, out)
 
 
 def _device_order(sharding: jax.sharding.Sharding) -> tuple[jax.Device, ...]:
   if isinstance(sharding, NamedSharding):
     return tuple(sharding.mesh.devices.flat)
-  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+  if sharding.num_devices == 1:
+    return tuple(sharding.device_set)
+  raise ValueError(f"transfer needs arrays on a NamedSharding or one device; got {sharding}")
 
 
 def _twin(target: jax.sharding.Sharding, source: tuple[jax.Device, ...]
           ) -> jax.sharding.Sharding:
   """`target`'s partitioning over the `source` devices (as many as `target` has)."""
-  if not isinstance(target, NamedSharding):
-    if target.num_devices != 1:
-      raise ValueError(f"transfer needs NamedSharding targets across devices; got {target}")
+  if not isinstance(target, NamedSharding):  # one device
     return jax.sharding.SingleDeviceSharding(source[0], memory_kind=target.memory_kind)
   mesh = Mesh(np.array(source, dtype=object).reshape(target.mesh.devices.shape),
               target.mesh.axis_names, axis_types=target.mesh.axis_types)
@@ -376,10 +377,17 @@ def _identity(xs):
   return xs
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _reshard(out_shardings: tuple[jax.sharding.Sharding, ...]):
   """A jitted identity onto `out_shardings` (cached: one compilation per layout)."""
   return jax.jit(_identity, out_shardings=out_shardings)
+
+
+@functools.lru_cache(maxsize=256)
+def _slicer(bounds: tuple[tuple[int, int], ...]):
+  """A jitted slice with static `(start, stop)` per dimension (indexing eagerly with slices
+  would send the bounds to the device as arrays)."""
+  return jax.jit(lambda a: jax.lax.slice(a, [b[0] for b in bounds], [b[1] for b in bounds]))
 
 
 def _transfer_by_slices(x: jax.Array, target: jax.sharding.Sharding,
@@ -390,8 +398,10 @@ def _transfer_by_slices(x: jax.Array, target: jax.sharding.Sharding,
     everywhere = Mesh(np.array(source, dtype=object), ("source",))
     x = _reshard((NamedSharding(everywhere, P()),))((x,))[0]
   copies = [shard.data for shard in x.addressable_shards]
-  pieces = [jax.device_put(copies[k % len(copies)][index], device) for k, (device, index)
-            in enumerate(target.addressable_devices_indices_map(x.shape).items())]
+  pieces = []
+  for k, (device, index) in enumerate(target.addressable_devices_indices_map(x.shape).items()):
+    bounds = tuple(cut.indices(size)[:2] for cut, size in zip(index, x.shape))
+    pieces.append(jax.device_put(_slicer(bounds)(copies[k % len(copies)]), device))
   return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
 
 

@@ -27,7 +27,7 @@ from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step, prime_keys, rollout_metrics, scored_rollout,
                                 step_keys, update)
-from specjax.sharding import make_mesh, transfer
+from specjax.sharding import MeshConfig, make_mesh, transfer
 
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
 TOK = TASK.tokenizer
@@ -122,8 +122,8 @@ def eagle_state(config: TrainConfig):
 
 def run_disaggregated(config, state, data, lag):
   rollout_mesh, train_mesh = meshes()
-  run = DisaggregatedAsync(config, reward, optimizer(), rollout_mesh, train_mesh, lag=lag,
-                           pad_id=TOK.pad_id)
+  run = DisaggregatedAsync(config, reward, optimizer(), rollout_mesh, train_mesh,
+                           policy_lag=lag, pad_id=TOK.pad_id)
   run.start(state, data[0])
   history = []
   with host_reads() as reads, jax.transfer_guard_device_to_host("disallow"):
@@ -192,9 +192,9 @@ def test_transfer_copies_device_to_device_between_any_layouts_and_device_counts(
   for shape, first, spec in (source, target):
     mesh = make_mesh(*shape, devices=jax.devices()[first:first + int(np.prod(shape))])
     shardings.append(NamedSharding(mesh, spec))
-  x = jax.device_put(value, shardings[0])
-  with host_reads() as reads:
-    y = transfer({"x": x, "scalar": jnp.float32(3.0)},
+  x, scalar = jax.device_put(value, shardings[0]), jnp.float32(3.0)
+  with host_reads() as reads, jax.transfer_guard("disallow"):
+    y = transfer({"x": x, "scalar": scalar},
                  {"x": shardings[1], "scalar": NamedSharding(shardings[1].mesh, P())})
     jax.block_until_ready(y)
   assert reads == []
@@ -257,8 +257,8 @@ def test_configurations_that_cannot_work_are_refused_with_the_reason():
   with pytest.raises(ConfigError, match="async_mode=True"):
     make(config=dataclasses.replace(config, async_mode=False))
   for lag in (0, 1.5, True):
-    with pytest.raises(ConfigError, match=f"lag={lag!r} is invalid"):
-      make(lag=lag)
+    with pytest.raises(ConfigError, match=f"policy_lag={lag!r} is invalid"):
+      make(policy_lag=lag)
   with pytest.raises(ConfigError, match=r"share devices \[4, 5, 6, 7\]"):
     make(rollout_mesh=train_mesh)
   run = make()
@@ -267,6 +267,13 @@ def test_configurations_that_cannot_work_are_refused_with_the_reason():
   state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
   with pytest.raises(ConfigError, match="needs the first batch"):
     run.start(state)
+  primed = make_prime_fn(config, reward, pad_id=TOK.pad_id)(state, batches(1)[0])
+  with pytest.raises(ConfigError, match="already holds a pending rollout"):
+    run.start(primed, batches(1)[0])
+  with pytest.raises(ConfigError, match=r"with rollout_devices=4 the mesh covers the 4 devices "
+                                        r"the rollouts leave, of 8: mesh.data=1, mesh.fsdp=8"):
+    experiment._meshes(experiment.ExperimentConfig(async_mode=True, rollout_devices=4,
+                                                   mesh=MeshConfig(data=1, fsdp=8)))
 
 
 def _metrics(run_dir) -> list[dict]:

@@ -1,8 +1,8 @@
 """Multi-host GRPO: the fused step (sync and async) run by 2 local processes x 2 CPU devices
 and by 4 processes x 1 device, each feeding its own prompts, gives the single-process
 metrics and parameters; the state they checkpoint together restores on one process, on one
-device and on another mesh, to the same values. Also: the train state's shardings, and joining a cluster from flags or the
-environment."""
+device and on another mesh, to the same values. Also: the train state's shardings, and
+joining a cluster from flags or the environment."""
 
 import functools
 import json

@@ -18,12 +18,16 @@ asynchronously, so on accelerators the two programs overlap in wall time. On CPU
 one multi-device program at a time: the meshes test the logic, not the overlap
 (`benchmarks/disaggregated.py` times each side and prints the bound overlap would reach).
 
-Policy lag k (`lag`): with theta_t the weights after t updates, step t's update trains
-theta_t on the rollout of step t - 1 while step t's rollout uses theta_{t-k+1} (theta_0
-before that exists). Every update thus trains on data k versions behind; a weight transfer
-has k - 1 steps to arrive, at the memory of k copies of the weights on the rollout mesh.
-Lag 1 is async mode exactly: the same keys (`step_keys`) and the same values as the fused
-step, on any meshes.
+Policy lag k (`policy_lag`): with theta_t the weights after t updates, step t's update
+trains theta_t on the rollout of step t - 1 while step t's rollout uses theta_{t-k+1}
+(theta_0 before that exists). Every update thus trains on data k versions behind; a weight
+transfer has k - 1 steps to arrive. The rollout mesh holds k versions of the weights, k + 1
+while a new one arrives (2 at lag 1). Lag 1 is async mode exactly: the same keys
+(`step_keys`) and the same values as the fused step, on any meshes.
+
+Checkpoints: `state()` is the fused async mode's `TrainState`. The weight versions in flight
+are not part of it: a run restarted from it at lag k > 1 rolls out its first k - 1 steps
+with the checkpoint's weights (at lag 1 it continues exactly).
 
 Shape letters: see `specjax` (B rows, B / G prompts, D tree depth).
 """
@@ -43,7 +47,7 @@ from jax.sharding import Mesh
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
-from specjax.rl.distributed import (on_mesh, rollout_shardings, prompt_batch_shardings,
+from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
 from specjax.rl.trainer import (RewardFn, Rollout, TrainConfig, TrainState, prime_keys,
                                 rollout_metrics, scored_rollout, step_keys, update)
@@ -81,7 +85,8 @@ class DisaggregatedAsync:
 
   Usage (one process)::
 
-      run = DisaggregatedAsync(config, reward_fn, optimizer, rollout_mesh, train_mesh)
+      run = DisaggregatedAsync(config, reward_fn, optimizer, rollout_mesh, train_mesh,
+                               policy_lag=1)
       run.start(state, first_batch)        # primes the first pending rollout
       for batch in batches:
         metrics = run.step(batch)
@@ -93,13 +98,13 @@ class DisaggregatedAsync:
 
   def __init__(self, config: TrainConfig, reward_fn: RewardFn,
                optimizer: optax.GradientTransformation, rollout_mesh: Mesh, train_mesh: Mesh,
-               *, lag: int = 1, pad_id: int = 0, rules: Rules = DEFAULT_RULES):
+               *, policy_lag: int = 1, pad_id: int = 0, rules: Rules = DEFAULT_RULES):
     if not config.async_mode:
       raise ConfigError("DisaggregatedAsync needs TrainConfig(async_mode=True): updates "
                         "train on the rollout of the step before, with grpo.tis_cap set")
-    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-      raise ConfigError(f"lag={lag!r} is invalid: must be an int >= 1 (1 = one-step "
-                        "off-policy)")
+    if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 1:
+      raise ConfigError(f"policy_lag={policy_lag!r} is invalid: must be an int >= 1 (1 = "
+                        "one-step off-policy)")
     shared = set(rollout_mesh.devices.flat) & set(train_mesh.devices.flat)
     if shared:
       raise ConfigError(f"the rollout and train meshes share devices "
@@ -110,16 +115,20 @@ class DisaggregatedAsync:
                         "the fused async step (`specjax.rl.sharded_train_step`)")
     self.config, self.reward_fn, self.optimizer = config, reward_fn, optimizer
     self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
-    self.lag, self.pad_id, self.rules = lag, pad_id, rules
+    self.policy_lag, self.pad_id, self.rules = policy_lag, pad_id, rules
     self.times: list[dict[str, float]] = []
 
   def start(self, state: TrainState, batch=None) -> None:
     """Place `state` on the two meshes; its arrays are consumed (the first step donates
     them). Without a pending rollout, `batch` (the first prompts) is generated and scored
-    as `make_prime_fn` does."""
+    as `make_prime_fn` does; a state with one (restored from a checkpoint) takes no batch.
+    Every weight version on the rollout side starts as `state`'s weights."""
     if state.pending is None and batch is None:
       raise ConfigError("start(state) with no pending rollout needs the first batch: "
                         "start(state, batch) generates the rollout the first update trains on")
+    if state.pending is not None and batch is not None:
+      raise ConfigError("start(state, batch): the state already holds a pending rollout (the "
+                        "first update's data); call start(state) and pass batch to step()")
     config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
     roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
     weights = PolicyWeights(params=state.params, drafter=state.drafter_weights)
@@ -142,7 +151,7 @@ class DisaggregatedAsync:
     train_shardings = train_state_shardings(train, train_mesh, config, rules)
     self._pending_shardings = rollout_shardings(pending, train_mesh, rules)
     self._weight_shardings = self._weights_on(state, roll_mesh)
-    self._rollout = on_mesh(roll_mesh, jax.jit(
+    self._rollout = _on_mesh(roll_mesh, jax.jit(
         rollout_program, static_argnums=3,
         in_shardings=(self._weight_shardings, side_shardings, None),
         out_shardings=(rollout_shardings(pending, roll_mesh, rules), side_shardings)))
@@ -154,7 +163,7 @@ class DisaggregatedAsync:
 
     # The state is donated: parameters and optimizer moments are replaced. (The consumed
     # rollout is not: no output has its shapes, so XLA could not reuse its buffers.)
-    self._update = on_mesh(train_mesh, jax.jit(
+    self._update = _on_mesh(train_mesh, jax.jit(
         update_program, in_shardings=(train_shardings, self._pending_shardings),
         out_shardings=(train_shardings, replicated(train_mesh)), donate_argnums=0))
 
@@ -196,7 +205,7 @@ class DisaggregatedAsync:
     lap(train, metrics)
     self._pending = transfer(roll, self._pending_shardings)
     self._versions.append(self._weights_of(train))
-    while len(self._versions) > self.lag:
+    while len(self._versions) > self.policy_lag:
       self._versions.popleft()
     self._train = train
     lap(self._pending, self._versions[-1])
@@ -207,7 +216,9 @@ class DisaggregatedAsync:
 
   def state(self) -> TrainState:
     """The train state on the train mesh with the pending rollout and the rollout side's
-    counts: what a checkpoint saves. Its arrays are donated by the next `step`."""
+    counts: what a checkpoint saves (the weight versions in flight at lag > 1 are not in
+    it). Its arrays are the live state's: the next `step` donates them, so save or copy
+    them first."""
     acceptance = self._side.acceptance
     if acceptance is not None:
       acceptance = transfer(acceptance, jax.tree.map(lambda _: replicated(self.train_mesh),

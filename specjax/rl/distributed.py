@@ -126,12 +126,12 @@ def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False)
   # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
-  return on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+  return _on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                                 out_shardings=(state_shardings, replicated(mesh)),
                                 donate_argnums=0))
 
 
-class on_mesh:  # noqa: N801 -- used like a function: on_mesh(mesh, jax.jit(f))
+class _on_mesh:
   """`jitted` traced and called with `mesh` set (`jax.sharding.set_mesh`), so the model's
   layout hints (`specjax.models.layout`) keep activations split by rows."""
 
@@ -156,7 +156,7 @@ def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: 
   `state_shardings` (those of the primed state) in, the primed state on them out."""
   prime = make_prime_fn(config, reward_fn, pad_id=pad_id)
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  return on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
+  return _on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
                                                       batch_shardings),
                                 out_shardings=state_shardings))
 

@@ -249,7 +249,12 @@ def _meshes(config: ExperimentConfig) -> tuple[jax.sharding.Mesh, jax.sharding.M
   if n >= len(devices):
     raise ConfigError(f"rollout_devices={n} is invalid: there are {len(devices)} devices and "
                       f"the updates need at least one (allowed: 0 .. {len(devices) - 1})")
-  return config.mesh.make(devices[n:]), make_mesh(data=-1, devices=devices[:n])
+  try:
+    train = config.mesh.make(devices[n:])
+  except ConfigError as err:
+    raise ConfigError(f"with rollout_devices={n} the mesh covers the {len(devices) - n} "
+                      f"devices the rollouts leave, of {len(devices)}: {err}") from err
+  return train, make_mesh(data=-1, devices=devices[:n])
 
 
 def run(config: ExperimentConfig, log=print) -> dict:
@@ -314,7 +319,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
     position = 0
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         lag=config.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.policy_lag, pad_id=tok.pad_id)
       disaggregated.start(state, reader.batch_at(position))
       state = disaggregated.state()
       position = reader.next_position(position)
@@ -343,10 +348,11 @@ def run(config: ExperimentConfig, log=print) -> dict:
     tc = config.train_config(costs=costs)
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         lag=config.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.policy_lag, pad_id=tok.pad_id)
       disaggregated.start(state)
     if lead:
-      # Drop metrics logged after the checkpoint: those steps run again, identically.
+      # Drop metrics logged after the checkpoint: those steps run again, identically (but
+      # for a disaggregated run at policy_lag > 1: see ExperimentConfig.policy_lag).
       kept = _kept_metrics(metrics_file, meta["step"], log)
       metrics_file.write_text("".join(line + "\n" for line in kept))
   log(f"held-out accuracy before RL: greedy {meta['accuracy_before']:.3f}, sampled "

@@ -91,9 +91,9 @@ class ExperimentConfig:
       `mesh`) train, and the two programs run side by side.
     policy_lag: with `rollout_devices`, how many updates behind the weights that generated a
       batch are when it is trained on (1: one-step off-policy, as the fused async step; k:
-      the weight transfer hides behind k - 1 steps). A run resumed from a checkpoint rolls
-      out its first k - 1 steps with the checkpoint's weights: the versions in flight are not
-      saved.
+      the weight transfer hides behind k - 1 steps; the rollout devices hold k + 1 copies
+      of the weights at the peak). A run resumed from a checkpoint rolls out its first k - 1
+      steps with the checkpoint's weights: the versions in flight are not saved.
     sft_steps: supervised warm-start steps (0: start RL from random weights).
     sft_batch: warm-start batch size.
     sft_learning_rate: warm-start learning rate.

@@ -158,12 +158,12 @@ def simulate_step(model: ModelSpec, cluster: Cluster, workload: Workload,
            sync=sync_seconds(model, cluster, rollout.replica, rollout.replicas))
   overall = overall_seconds(s["data"] + s["prepare"] + s["generation"] + s["reward"],
                             s["logprob"] + s["training"], s["sync"], schedule,
-                            cluster.colocated)
+                            colocated=cluster.colocated)
   return StepBreakdown(label=label or policy, overall=overall, rollout=rollout, **s)
 
 
 def overall_seconds(rollout_side: float, train_side: float, sync: float, schedule: Schedule,
-                    colocated: bool) -> float:
+                    *, colocated: bool) -> float:
   """A step's seconds from its rollout side (data, prepare, generation, reward), its train
   side (log-probs, training) and the weight sync. In sequence when sync or colocated; async
   on split device sets overlaps the two sides, and with policy lag 1 the next rollout still
