@@ -13,27 +13,25 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax._src import array as jax_array
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
-                              MTPDrafter, SamplingConfig)
+                              SamplingConfig)
 from specjax.errors import ConfigError
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
-from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, experiment
+from specjax.rl import GRPOConfig, PromptReader, encode_prompt, experiment
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step, prime_keys, rollout_metrics, scored_rollout,
                                 step_keys, update)
 from specjax.sharding import MeshConfig, make_mesh, transfer
+# The multi-host test's task, policy (one MTP module), optimizer, parity reward and async
+# configuration: the disaggregated and the multi-process steps are checked on the same run.
+from test_multihost_grpo import MODEL, PROMPTS, TASK, TOK, flat, optimizer, reward
+from test_multihost_grpo import config as multihost_config
 
-TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
-TOK = TASK.tokenizer
-MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
-                    head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)
-PROMPTS = 4
 STEPS = 3
 METRICS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean",
            "acceptance_length")
@@ -64,17 +62,6 @@ def host_reads():
     jax_array.ArrayImpl._value = original
 
 
-def reward(tokens, lengths, answers):
-  """Parity of the first response token: random responses differ within a group, so the
-  policy gradient is not zero (the task's reward is 0 for an untrained policy)."""
-  del lengths, answers
-  return (tokens[:, 0] % 2).astype(jnp.float32)
-
-
-def optimizer():
-  return optax.adam(1e-3, eps=1e-4)  # eps: see test_multihost_grpo.optimizer
-
-
 def batches(count: int):
   records = [{"prompt": encode_prompt(TOK, e.prompt), "reference": e.reference,
               "answer": e.answer} for e in TASK.examples("train")]
@@ -82,18 +69,8 @@ def batches(count: int):
   return [reader.batch_at(PROMPTS * i) for i in range(count)]
 
 
-def flat(tree) -> dict:
-  return {jax.tree_util.keystr(path): np.asarray(leaf)
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def mtp_config() -> TrainConfig:
-  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
-                          sampling=SamplingConfig(1.0), drafter=MTPDrafter(),
-                          tree=DraftTree.chain(1))
-  return TrainConfig(model=MODEL, grpo=GRPOConfig(group_size=4, beta=0.05, num_minibatches=2,
-                                                  tis_cap=2.0),
-                     rollout=rollout, async_mode=True)
+  return multihost_config(async_mode=True)
 
 
 EAGLE_MODEL = MODEL.replace(n_layers=2, num_mtp_modules=0)
