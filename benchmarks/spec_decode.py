@@ -59,7 +59,8 @@ each round runs plain decoding or the chain with the most expected tokens per se
 costs that `calibrate` measured at the row's batch size just before (cached under
 `--cache-dir`/calibration) and acceptance counted as the run goes. The log and the table
 show the share of rounds each entry ran; the summary compares each adaptive row with plain
-decoding and with the best fixed row of its batch. Their `verify` probes the menu's deepest
+decoding, with the best fixed tree of its own drafter (what its menu chooses among) and with
+the best fixed row of its batch (any drafter). Their `verify` probes the menu's deepest
 tree.
 
 Rows are `Variant`s (`variants()`); a drafter with its own parameters names them with
@@ -537,13 +538,16 @@ def main(argv=None) -> int:
     print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {r.ratio:.2f}, acc len "
           f"{r.acc_len:.2f}, eff {r.eff:.2f}, ideal {r.ideal:.2f}, engine eff "
           f"{r.engine_eff:.2f}")
-  for r in rows:  # adaptive rows against plain and against the best fixed tree of their batch
+  for r in rows:  # adaptive rows against plain, their drafter's best fixed tree, any row's
     if r.tree.startswith("adaptive"):
-      fixed = max((x for x in rows if x.batch == r.batch and not x.tree.startswith("adaptive")),
-                  key=lambda x: x.ratio)
+      fixed = [x for x in rows if x.batch == r.batch and not x.tree.startswith("adaptive")]
+      best = max(fixed, key=lambda x: x.ratio)
+      own = max((x for x in fixed if x.drafter in (r.drafter, "plain")),
+                key=lambda x: x.ratio)  # plain decoding is on every menu
       print(f"{r.tree} {r.drafter} at batch {r.batch}: {r.ratio:.2f}x plain, "
-            f"{r.ratio / fixed.ratio:.2f}x the best fixed row ({fixed.drafter} {fixed.tree} "
-            f"{fixed.ratio:.2f}x) [{r.tree_share}]")
+            f"{r.ratio / own.ratio:.2f}x its drafter's best fixed tree ({own.tree} "
+            f"{own.ratio:.2f}x), {r.ratio / best.ratio:.2f}x the best fixed row "
+            f"({best.drafter} {best.tree} {best.ratio:.2f}x) [{r.tree_share}]")
   print(f"load average at the end {os.getloadavg()[0]:.1f}; total "
         f"{time.perf_counter() - t_start:.0f}s")
   if args.json:
