@@ -58,9 +58,9 @@ def test_quick_run_reports_every_category_with_finite_predictions(tmp_path):
   plan = bench.QUICK
   decode = report["categories"]["decode"]["rows"]
   assert len(decode) == len(plan.shapes) * len(plan.batches) * len(plan.tokens)
-  # The fitted rows are the plan's: the first shape at its fit batches, nothing else.
+  # The fitted rows are the plan's: its fit shapes at its fit batches, nothing else.
   fitted = {r["config"] for r in decode if r["role"] == "fit"}
-  assert fitted == {f"{plan.shapes[0]} B={b} T={t}"
+  assert fitted == {f"{shape} B={b} T={t}" for shape in plan.fit_shapes
                     for b in plan.fit_batches for t in plan.tokens}
   spec = report["categories"]["spec"]["rows"]
   assert len(spec) == len(plan.spec_batches) * len(plan.keep)
