@@ -152,6 +152,8 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
                     batch_sizes=(4,), prompt_len=12, max_new_tokens=24, sampling=GREEDY)
   assert list((tmp_path / "calibration").glob("*.json")) == files
   assert len(table.seconds) == 3 and all(x > 0 for row in table.seconds for x in row)
+  # Nested entries: plain <= chain1 <= chain3, whatever the timing noise did.
+  assert table.seconds[0][0] <= table.seconds[1][0] <= table.seconds[2][0], table.seconds
   # What leaving the drafter out costs is measured too: its plain rounds and its prefill.
   assert table.alone[0] > 0 and table.setup[0] >= 0
   text = table.format(kwargs["speculation"].menu)
@@ -160,6 +162,18 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
   for seed in range(2):  # the same table from disk: the same static loop, no new compile
     generate(m["params"], m["config"], prompts, lengths, jax.random.key(seed), **kwargs)
   assert DecodeLoop.__call__._cache_size() == before
+
+
+def test_no_entry_is_listed_cheaper_than_an_entry_whose_work_it_does():
+  from specjax.decoding.calibrate import _dominance_floor
+  menu = (DraftTree.empty(), DraftTree.chain(1), DraftTree.chain(2), DraftTree.chain(4),
+          DraftTree.chain(6), DraftTree.from_widths((3, 1)))
+  # A noisy batch-1 table (seconds x 1e3, one column per batch): chain2 and chain6 came out
+  # cheaper than chain1 and chain4; the (3, 1) tree (3 nodes at depths 1 and 2) cheaper
+  # than chain2, which it covers. It does not cover chain4, nor chain4 it.
+  noisy = [[10.0, 40.0], [16.0, 60.0], [15.0, 70.0], [21.0, 90.0], [18.0, 80.0], [14.0, 95.0]]
+  assert _dominance_floor(menu, noisy) == [
+      [10.0, 40.0], [16.0, 60.0], [16.0, 70.0], [21.0, 90.0], [21.0, 90.0], [16.0, 95.0]]
 
 
 @pytest.mark.parametrize("costs,expect", [

@@ -7,8 +7,12 @@ one compiled loop per entry and batch, as the difference between running n2 and 
 turn (a burst of load from other processes then hits every entry alike). Beside the menu it
 measures what leaving the drafter out would cost: a plain round of the loop with no drafter
 (`CostTable.alone`) and the time the drafter adds to the prefill (`CostTable.setup`), so the
-policy can tell whether speculating in a call pays at all. The table is cached on disk,
-keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
+policy can tell whether speculating in a call pays at all. An entry that does all the work
+of another (as many nodes at every depth, or more) is never listed as cheaper than it
+(`_dominance_floor`): on a 2-core CPU at batch 1, timing noise once put chain6 14% below
+chain4, which would have had the policy take chain6's extra tokens for less than nothing.
+Each measurement runs >= `MIN_SECONDS`; the median of 7 is kept. The table is cached on
+disk, keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the
 next RL experiment on the same machine) reads it back, and a code change measures anew.
 
@@ -41,7 +45,7 @@ from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
 DEFAULT = "default"
-MIN_SECONDS = 0.1  # the least time one measurement of an entry runs for
+MIN_SECONDS = 0.25  # the least time one measurement of an entry runs for
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -114,6 +118,21 @@ def _round_timer(loop: DecodeLoop, entry: int):
   return run
 
 
+def _covers(big: DraftTree, small: DraftTree) -> bool:
+  """Whether a round of `big` does all the work of one of `small`: at least as many nodes at
+  every depth of `small` (drafted one depth at a time, then verified together)."""
+  return big.depth >= small.depth and all(
+      len(big.nodes_at_depth(d)) >= len(small.nodes_at_depth(d))
+      for d in range(1, small.depth + 1))
+
+
+def _dominance_floor(menu: Sequence[DraftTree], seconds: list[list[float]]
+                     ) -> list[list[float]]:
+  """`seconds` with each entry's cost raised to the most that any entry it covers measured."""
+  return [[max(seconds[k][j] for k, small in enumerate(menu) if _covers(tree, small))
+           for j in range(len(seconds[i]))] for i, tree in enumerate(menu)]
+
+
 def _prefill_timer(loop: DecodeLoop):
   """A compiled `(params, prompts, lengths, key, drafter_params) -> state`: the prefill."""
   return jax.jit(loop.prefill)
@@ -132,7 +151,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
               speculation: Adaptive | Sequence[DraftTree], *, batch_sizes: Sequence[int],
               prompt_len: int, max_new_tokens: int, drafter_params: Any = None,
               sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None,
-              rounds: int = 8, repeats: int = 5, cache_dir: Any = DEFAULT,
+              rounds: int = 8, repeats: int = 7, cache_dir: Any = DEFAULT,
               verbose: bool = False) -> CostTable:
   """Seconds per round of each menu entry at each batch size, measured (or read from disk).
 
@@ -219,6 +238,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     for i in range(len(timed)):
       seconds[i][j] = max(statistics.median(per_round[i]), 1e-7)
     setup[j] = max(statistics.median(extra), 0.0)
+  seconds[:-1] = _dominance_floor(menu, seconds[:-1])
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
                     alone=tuple(seconds[-1]), setup=tuple(setup))
   if path is not None:
