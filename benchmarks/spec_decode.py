@@ -1,7 +1,9 @@
 """Speculative vs plain decoding (temperature 1, or greedy), side by side in one engine and run.
 
-    python benchmarks/spec_decode.py                  # full run: ~13 min on 2 quiet cores, plus
+    python benchmarks/spec_decode.py                  # full run (21 rows x 4 batches): over an
+                                                      # hour on 2 cores (batch 1 ~20 min), plus
                                                       # ~8-14 min of training on first use
+    python benchmarks/spec_decode.py --batches 1,4 --rows "eagle3 chain4,eagle3 adaptive"
     python benchmarks/spec_decode.py --quick          # smoke: batch 1/4, 6 variants, 32 tokens
     python benchmarks/spec_decode.py --batches 16 --repeats 7 --json out.json
     python benchmarks/spec_decode.py --batches 1 --temperature 0   # greedy
