@@ -498,7 +498,8 @@ def describe_profile(profile: sim.DeviceProfile) -> str:
   knots = ", ".join(f"I={i:.3g}: {e:.2f}" for i, e in profile.matmul_eff.knots)
   return (f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s, copy {profile.hbm_bw / 1e9:.1f} GB/s, "
           f"matmul_eff [{knots}], mem_eff {profile.mem_eff:.3f}, kv_eff "
-          f"{profile.kv_eff(1e6):.3f}, attn_flops_eff {profile.attn_flops_eff:.3f}, layer_overhead {1e6 * profile.layer_overhead_s:.1f} us, "
+          f"{profile.kv_eff(1e6):.3f}, attn_flops_eff {profile.attn_flops_eff:.3f}, "
+          f"layer_overhead {1e6 * profile.layer_overhead_s:.1f} us, "
           f"round_overhead {1e6 * profile.round_overhead_s:.1f} us, spec_round_overhead "
           f"{1e6 * profile.spec_round_overhead_s:.1f} us, logits {1e9 * profile.logit_s:.1f} "
           f"+ {1e9 * profile.sample_logit_s:.1f} ns (draw), train_mfu {profile.train_mfu:.3f}")
