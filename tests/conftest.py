@@ -170,8 +170,8 @@ class CyclingPolicy(Adaptive):
   """Runs the menu's entries in turn, starting with the second (a speculative one): the
   adversary of any state a drafter keeps for one tree only."""
 
-  def choose(self, counts, batch):
+  def choose(self, counts, batch, live=None, remaining=None):
     return ((counts.rounds + 1) % len(self.menu)).astype(jnp.int32)
 
-  def keeps(self, entry, counts, batch):
+  def keeps(self, entry, counts, batch, live=None, remaining=None):
     return self.choose(counts, batch) == entry

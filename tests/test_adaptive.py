@@ -14,6 +14,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DecodeLoop,
                               DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
                               NGramDrafter, SamplingConfig, calibrate, generate)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter
+from specjax.decoding.policy import expected_normal_max
 from specjax.errors import ConfigError
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -51,6 +52,46 @@ def test_the_policy_never_picks_an_entry_that_costs_more_than_it_brings(alpha):
     assert rate[choice] >= 1.0 / seconds[0]  # never worse than plain decoding
   if alpha == 0.0:
     assert choice == 0
+
+
+def test_the_expected_maximum_of_normals_matches_its_closed_forms():
+  z = expected_normal_max(16)
+  # E max of 2 and 3 standard normals: 1/sqrt(pi) and 3/(2 sqrt(pi)); 16: 1.7660 (tables).
+  np.testing.assert_allclose(z[:4], [0.0, 0.0, 1 / np.sqrt(np.pi), 1.5 / np.sqrt(np.pi)],
+                             atol=1e-6)
+  np.testing.assert_allclose(z[16], 1.7660, atol=2e-4)
+  assert (np.diff(z[1:]) > 0).all()
+
+
+def test_the_token_variance_of_a_round_is_that_of_the_accepted_drafts():
+  policy = Adaptive((DraftTree.chain(2),))
+  # a = 0.5 at each depth: K = 0, 1, 2 drafts accepted with probability 1/2, 1/4, 1/4.
+  var = np.asarray(policy.token_variance(_counts(policy, 0.5)))
+  k, p = np.array([0, 1, 2]), np.array([0.5, 0.25, 0.25])
+  np.testing.assert_allclose(var, [0.0, (p * k * k).sum() - (p * k).sum() ** 2], rtol=1e-5)
+
+
+def test_stragglers_tip_a_marginal_tree_to_plain_decoding_until_few_rows_are_left():
+  # chain1 at a = 0.5 emits 1.5 tokens (variance 1/4) for 1.5 / 1.05 s: 5% more tokens per
+  # second than plain decoding for the mean row. With 16 rows needing 96 tokens each, the
+  # slowest of them advances 1 / (1 + 1.766 sqrt(0.25 / (96 * 1.5))) = 0.931 as fast: a loss.
+  costs = CostTable((16,), ((1.0,), (1.5 / 1.05,)))
+  policy = Adaptive((DraftTree.chain(1),), costs=costs)
+  counts = _counts(policy, 0.5)
+  rates = np.asarray(policy.rates(counts, 16, jnp.int32(16), jnp.float32(96.0)))
+  np.testing.assert_allclose(rates[1], 1.05 / (1 + 1.76599 * np.sqrt(0.25 / 144)), rtol=1e-4)
+  assert int(policy.choose(counts, 16)) == 1  # no progress given: the mean row
+  assert int(policy.choose(counts, 16, jnp.int32(16), jnp.float32(96.0))) == 0
+  assert int(policy.choose(counts, 16, jnp.int32(1), jnp.float32(96.0))) == 1  # one row left
+  assert int(policy.choose(counts, 16, jnp.int32(16), jnp.float32(5000.0))) == 1
+  strict = dataclasses.replace(policy, switch_margin=0.0)  # 0.978 is within the 5% margin
+  assert not bool(strict.keeps(1, counts, 16, jnp.int32(16), jnp.float32(96.0)))
+  # Before the call, at the prior: chain1's 1.9 tokens (variance 0.09) for 1.43 s pay at
+  # batch 16 over 96 tokens (1.25x plain, stragglers' 4% off), not for 1.85 s over 8 tokens.
+  assert not policy.plain_throughout((16,), new_tokens=96)
+  dear = policy.with_costs(CostTable((16,), ((1.0,), (1.85,)), alone=(1.0,)))
+  assert not dear.plain_throughout((16,))  # 1.9 / 1.85 > 1 for the mean row
+  assert dear.plain_throughout((16,), new_tokens=8)
 
 
 def test_the_choice_moves_with_acceptance_and_with_the_batch_size():
@@ -237,10 +278,10 @@ class _OffAtRoundTwo(Adaptive):
   """chain3 for two rounds, drafter off at the third, then chain3 again (which the loop
   must not follow: the drafter's state is stale once it was switched off)."""
 
-  def choose(self, counts, batch):
+  def choose(self, counts, batch, live=None, remaining=None):
     return jnp.where(counts.rounds == 2, self.off, 1).astype(jnp.int32)
 
-  def keeps(self, entry, counts, batch):
+  def keeps(self, entry, counts, batch, live=None, remaining=None):
     return self.choose(counts, batch) == entry
 
 

@@ -415,8 +415,15 @@ class DecodeLoop:
       return self.round_of(0, params, s)
     batch = s.seq.shape[0]
 
+    def progress(s: DecodeState) -> tuple[jax.Array, jax.Array]:
+      """The live rows and the mean tokens they still need (the policy's stragglers)."""
+      live = (~s.done).sum()
+      left = jnp.where(s.done, 0, self.max_new_tokens - s.generated).sum()
+      return live, left / jnp.maximum(live, 1).astype(jnp.float32)
+
     def run(entry: int, s: DecodeState) -> DecodeState:
-      keep = lambda s: more(s) & self.speculation.keeps(entry, s.acceptance, batch)
+      keep = lambda s: more(s) & self.speculation.keeps(entry, s.acceptance, batch,
+                                                        *progress(s))
       return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
                                 self.round_of(entry, params, s))
 
@@ -425,7 +432,8 @@ class DecodeLoop:
       return jax.lax.while_loop(more, plain, plain(s.replace(drafter_off=jnp.array(True))))
 
     off = self.speculation.off
-    entry = jnp.where(s.drafter_off, off, self.speculation.choose(s.acceptance, batch))
+    entry = jnp.where(s.drafter_off, off,
+                      self.speculation.choose(s.acceptance, batch, *progress(s)))
     branches = [functools.partial(run, i) for i in range(len(self.menu))] + [run_off]
     return jax.lax.switch(entry, branches, s)
 

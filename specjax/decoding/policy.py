@@ -10,11 +10,24 @@ tokens, where a_{i,d} is the probability that the path continues from depth d to
 d + 1 given that it reached depth d. `Adaptive` picks argmax_i E_i / c_i every round: the
 entry with the most expected tokens per second, plain decoding (E = 1) whenever nothing
 beats it; the entry that ran the last round keeps running while it is within a small margin
-of the best (hysteresis against switching on noise). The a_{i,d} are running estimates from the rounds of this call (optionally
-carried over from earlier calls, e.g. across RL steps): exponentially decayed counts per
-entry and depth, shrunk towards the estimate pooled over all entries, which is itself
-shrunk towards a prior. The prior is optimistic on purpose: a depth no entry has tried
-yet, or one whose evidence has decayed while plain rounds ran, gets tried again.
+of the best (hysteresis against switching on noise). The a_{i,d} are running estimates from
+the rounds of this call (optionally carried over from earlier calls, e.g. across RL steps):
+exponentially decayed counts per entry and depth, shrunk towards the estimate pooled over
+all entries, which is itself shrunk towards a prior. The prior is optimistic on purpose: a
+depth no entry has tried yet, or one whose evidence has decayed while plain rounds ran, gets
+tried again.
+
+Stragglers. A batch runs until its slowest row is done. Plain decoding advances every row by
+one token a round; a speculative entry advances each by a random count of mean E_i and
+variance V_i (from the same a_{i,d}), so rows that need n more tokens finish after about
+n / E_i rounds give or take sqrt(n V_i / E_i^3) (a renewal process), and the last of L live
+rows after n / E_i + z_L sqrt(n V_i / E_i^3), with z_L the expected maximum of L standard
+normals (0 for one row; 1.77 for 16; 2.34 for 64). Per round, the batch therefore advances at
+the rate of its slowest row, E_i / (1 + z_L sqrt(V_i / (n E_i))), and that is what the
+policy weighs when the loop tells it the live rows and the tokens they still need (about
+10% below E_i for a three-draft chain at batch 16 and 96 new tokens, where
+`benchmarks/spec_decode.py` measures a tail of 0.87; it fades as rows finish, so the tail
+itself speculates more). Not modelled: rows that stop at an EOS before n.
 
 Leaving the drafter out is a choice too. A plain round of a loop with a drafter still keeps
 the drafter's state in step with the text (`CostTable.seconds[0]`); one without does not
@@ -31,6 +44,8 @@ Shape letters: see `specjax` (B batch, D depth); I is the number of menu entries
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Sequence
 
 import jax
@@ -145,6 +160,22 @@ def describe(tree: DraftTree) -> str:
   if tree.is_chain():
     return f"chain{tree.depth}"
   return f"tree(N={tree.num_nodes},D={tree.depth})"
+
+
+@functools.lru_cache(maxsize=None)
+def expected_normal_max(rows: int) -> np.ndarray:
+  """`[rows + 1]` (read-only): the expected maximum of L independent standard normals, for
+  L = 0..rows (0 for L <= 1), integrated numerically: E max = int x L phi(x) Phi(x)^(L-1) dx.
+  """
+  x = np.linspace(-12.0, 12.0, 24001)
+  cdf = 0.5 * np.array([math.erfc(-v / math.sqrt(2.0)) for v in x])
+  density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+  dx = x[1] - x[0]
+  out = np.zeros(rows + 1)
+  for n in range(2, rows + 1):
+    out[n] = float((x * n * density * cdf ** (n - 1)).sum() * dx)
+  out.flags.writeable = False
+  return out
 
 
 @struct.dataclass
@@ -267,10 +298,29 @@ class Adaptive:
   def _expected(self, acceptance, xp):
     """`[I]` expected tokens from an `[I, D]` acceptance matrix, with `xp` = jnp or numpy
     (numpy where the answer must be known while the loop is traced)."""
+    return self._moments(acceptance, xp)[0]
+
+  def _moments(self, acceptance, xp):
+    """(`[I]` mean, `[I]` variance) of the tokens a row emits in one round of each entry,
+    from an `[I, D]` acceptance matrix: with K drafts accepted and r_j = P(K >= j),
+    E K = sum_j r_j and E K^2 = sum_j (2 j - 1) r_j."""
     depths = np.array([t.depth for t in self.menu])
-    reach = xp.cumprod(acceptance, axis=1)  # P(at least d + 1 accepted)
-    used = np.arange(acceptance.shape[1])[None, :] < depths[:, None]
-    return 1.0 + xp.where(used, reach, 0.0).sum(1)
+    d = np.arange(acceptance.shape[1])[None, :]
+    reach = xp.where(d < depths[:, None], xp.cumprod(acceptance, axis=1), 0.0)  # r_{d+1}
+    mean = reach.sum(1)
+    return 1.0 + mean, xp.maximum((reach * (2 * d + 1)).sum(1) - mean * mean, 0.0)
+
+  def token_variance(self, counts: AcceptanceCounts) -> jax.Array:
+    """`[I]` variance of the tokens a row emits in one round of each entry."""
+    return self._moments(self.acceptance(counts), jnp)[1]
+
+  def straggler_factor(self, mean, variance, live, remaining, batch: int, xp=jnp):
+    """`[I]` the fraction of its rows' mean progress per round at which a batch of `live`
+    rows, each needing `remaining` more tokens, advances its slowest row (see the module
+    docstring): 1 / (1 + z_live sqrt(V / (n E))); 1 for plain decoding (V = 0)."""
+    z = xp.asarray(expected_normal_max(batch), xp.float32)[xp.clip(live, 0, batch)]
+    n = xp.maximum(remaining, 1.0)
+    return 1.0 / (1.0 + z * xp.sqrt(variance / (n * mean)))
 
   def plain_throughout(self, batches: Sequence[int], new_tokens: int | None = None) -> bool:
     """Whether a call that starts without evidence should leave the drafter out altogether.
@@ -279,17 +329,18 @@ class Adaptive:
     its prefill (`CostTable.setup`) and, in plain rounds, keeping its state in step
     (`CostTable.seconds[0]`); a call without one pays plain decoding alone
     (`CostTable.alone`). So the drafter is left out when, for each of the loop's `batches`,
-    no tree's expected seconds per token at the prior, plus the setup spread over
-    `new_tokens` (None: setup not counted), beat plain decoding's seconds per token alone.
-    Not modelled: the rounds a batch waits for its slowest row (speculation's stragglers),
-    which compaction reduces.
+    no tree's expected seconds per token at the prior (its batch waiting for the slowest of
+    its rows, to `new_tokens` each), plus the setup spread over `new_tokens` (None: neither
+    counted), beat plain decoding's seconds per token alone.
     """
     self._check_costs()
     prior = np.full((len(self.menu), max(self.depth, 1)), self.prior, np.float32)
-    expected = self._expected(prior, np)[1:]
+    mean, variance = self._moments(prior, np)
     for b in batches:
       setup = self.costs.setup_at(b) / new_tokens if new_tokens else 0.0
-      per_token = (self.costs.at(b)[1:] / expected).min(initial=np.inf) + setup
+      pace = (self.straggler_factor(mean, variance, b, new_tokens, b, np) if new_tokens
+              else 1.0)
+      per_token = (self.costs.at(b)[1:] / (mean * pace)[1:]).min(initial=np.inf) + setup
       if per_token < self.costs.alone_at(b):
         return False
     return True
@@ -305,22 +356,32 @@ class Adaptive:
     drafter's state in step, for the rest of the call (`CostTable.alone` each)."""
     return len(self.menu)
 
-  def rates(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
+  def rates(self, counts: AcceptanceCounts, batch: int, live: jax.Array | None = None,
+            remaining: jax.Array | None = None) -> jax.Array:
     """`[I + 1]` expected tokens per second of each entry at `batch` rows, then of drafter
-    off (one token per plain round without the drafter)."""
+    off (one token per plain round without the drafter). Given the `live` rows and the mean
+    tokens they still need (`remaining`), a speculative entry's tokens are those of the
+    batch's slowest row (`straggler_factor`)."""
     self._check_costs()
     seconds = np.append(self.costs.at(batch), self.costs.alone_at(batch))
-    return (jnp.append(self.expected_tokens(counts), 1.0)
+    mean, variance = self._moments(self.acceptance(counts), jnp)
+    if live is not None and remaining is not None:
+      mean = mean * self.straggler_factor(mean, variance, live, remaining, batch)
+    return (jnp.append(mean, 1.0)
             / jnp.asarray(seconds, jnp.float32))  # off ties plain exactly without `alone`
 
-  def choose(self, counts: AcceptanceCounts, batch: int) -> jax.Array:
+  def choose(self, counts: AcceptanceCounts, batch: int, live: jax.Array | None = None,
+             remaining: jax.Array | None = None) -> jax.Array:
     """The entry with the most expected tokens per second at `batch` rows (scalar int32), or
     `off` when plain decoding without the drafter beats every entry; on a tie the first
-    (plain decoding with the drafter, whose evidence can still decay back to the prior)."""
-    return jnp.argmax(self.rates(counts, batch)).astype(jnp.int32)
+    (plain decoding with the drafter, whose evidence can still decay back to the prior).
+    `live`, `remaining`: see `rates`."""
+    return jnp.argmax(self.rates(counts, batch, live, remaining)).astype(jnp.int32)
 
-  def keeps(self, entry: int, counts: AcceptanceCounts, batch: int) -> jax.Array:
+  def keeps(self, entry: int, counts: AcceptanceCounts, batch: int,
+            live: jax.Array | None = None, remaining: jax.Array | None = None) -> jax.Array:
     """Whether entry `entry`, which ran the last round, runs the next one too: while its
-    rate is within `switch_margin` of the best (scalar bool)."""
-    rates = self.rates(counts, batch)
+    rate is within `switch_margin` of the best (scalar bool). `live`, `remaining`: see
+    `rates`."""
+    rates = self.rates(counts, batch, live, remaining)
     return rates[entry] >= (1.0 - self.switch_margin) * rates.max()

@@ -31,9 +31,10 @@ plain decoding included, as `specjax.decoding.Adaptive` chooses; here the accept
 known, not estimated). Plain rounds of an adaptive rollout pay no drafting: the drafter's
 catch-up is folded into the next speculative round's first depth.
 
-Not modelled: an adaptive policy changing its choices because of stragglers (its schedule is
-the fluid one's), rows whose acceptance differs systematically from the mean, continuous
-batching of more rows than fit, and preemption.
+The adaptive schedule is chosen on the fluid grid, each entry's tokens discounted for the
+stragglers of the live rows (`Adaptive`'s straggler factor). Not modelled: rows whose
+acceptance differs systematically from the mean, continuous batching of more rows than fit,
+and preemption.
 
 Shape letters: see `specjax` (B rows); R is the number of rounds, I of menu entries.
 """
@@ -44,6 +45,7 @@ import dataclasses
 
 import numpy as np
 
+from specjax.decoding.policy import expected_normal_max
 from specjax.errors import ConfigError
 from specjax.sim.cost import prefill_seconds, round_time
 from specjax.sim.model import ModelSpec
@@ -241,7 +243,15 @@ def _fluid_rounds(model: ModelSpec, profile, workload: Workload, entries: tuple[
     progress = _rounds_fixed(expected[0], longest)
     choice = np.zeros(progress.size, np.int64)
   else:
-    best = np.argmax(expected[:, None] / cost, axis=0)  # [longest]
+    # As `specjax.decoding.Adaptive` chooses: tokens per second of the batch's slowest row
+    # (its stragglers), given the live rows and the mean tokens they still need.
+    variance = np.array([e.token_variance for e in entries])
+    lengths_so_far = np.concatenate([[0], np.cumsum(mine)])  # mine: longest first
+    remaining = lengths_so_far[live_grid] / np.maximum(live_grid, 1) - progress_grid
+    z = expected_normal_max(rows)[live_grid]
+    pace = 1.0 / (1.0 + z * np.sqrt(variance[:, None]
+                                    / (np.maximum(remaining, 1.0) * expected[:, None])))
+    best = np.argmax(expected[:, None] * pace / cost, axis=0)  # [longest]
     picks, marks = [], []
     g = 0.0
     while g < longest - _EPS:
