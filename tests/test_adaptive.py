@@ -37,21 +37,38 @@ def test_expected_tokens_follow_the_acceptance_per_depth():
   np.testing.assert_allclose(e0[2], 1 + 0.9 + 0.81, rtol=1e-5)
 
 
+@pytest.mark.parametrize("margin", [0.0, 0.25])
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
-def test_the_policy_never_picks_an_entry_that_costs_more_than_it_brings(alpha):
+def test_the_policy_never_picks_an_entry_that_costs_more_than_it_brings(alpha, margin):
   rng = np.random.default_rng(int(alpha * 10))
-  policy = Adaptive(CHAINS)
+  policy = Adaptive(CHAINS, cost_margin=margin)
   for _ in range(20):
     seconds = np.sort(rng.uniform(1.0, 4.0, size=4))  # deeper trees cost more
     costs = CostTable(batches=(8,), seconds=tuple((float(x),) for x in seconds))
     policy = policy.with_costs(costs)
     counts = _counts(policy, alpha)
     choice = int(policy.choose(counts, 8))
-    rate = np.asarray(policy.expected_tokens(counts)) / seconds
+    weighed = seconds * np.array([1.0] + [1.0 + margin] * 3)  # drafting entries' margin
+    rate = np.asarray(policy.expected_tokens(counts)) / weighed
     assert rate[choice] == rate.max()
-    assert rate[choice] >= 1.0 / seconds[0]  # never worse than plain decoding
+    # Never worse than plain decoding; with a margin, better by at least the margin.
+    assert rate[choice] * weighed[choice] / seconds[choice] >= (
+        (1.0 + margin) / seconds[0] if choice else 1.0 / seconds[0])
   if alpha == 0.0:
     assert choice == 0
+
+
+def test_a_tree_must_beat_plain_decoding_by_the_cost_margin_to_run():
+  # chain2 at a = 0.9 emits 2.71 tokens for 2.26 s: 1.2x plain decoding's 1 token a second.
+  costs = CostTable((4,), ((1.0,), (2.71 / 1.2,)))
+  menu = (DraftTree.chain(2),)
+  counts = _counts(Adaptive(menu), 0.9)
+  assert int(Adaptive(menu, costs=costs, cost_margin=0.0).choose(counts, 4)) == 1
+  assert int(Adaptive(menu, costs=costs, cost_margin=0.1).choose(counts, 4)) == 1
+  assert int(Adaptive(menu, costs=costs).choose(counts, 4)) == 0  # the default 25%
+  assert Adaptive(menu, costs=costs).plain_throughout((4,))
+  with pytest.raises(ConfigError, match="cost_margin"):
+    Adaptive(menu, cost_margin=-0.1)
 
 
 def test_the_expected_maximum_of_normals_matches_its_closed_forms():
@@ -76,7 +93,7 @@ def test_stragglers_tip_a_marginal_tree_to_plain_decoding_until_few_rows_are_lef
   # second than plain decoding for the mean row. With 16 rows needing 96 tokens each, the
   # slowest of them advances 1 / (1 + 1.766 sqrt(0.25 / (96 * 1.5))) = 0.931 as fast: a loss.
   costs = CostTable((16,), ((1.0,), (1.5 / 1.05,)))
-  policy = Adaptive((DraftTree.chain(1),), costs=costs)
+  policy = Adaptive((DraftTree.chain(1),), costs=costs, cost_margin=0.0)
   counts = _counts(policy, 0.5)
   rates = np.asarray(policy.rates(counts, 16, jnp.int32(16), jnp.float32(96.0)))
   np.testing.assert_allclose(rates[1], 1.05 / (1 + 1.76599 * np.sqrt(0.25 / 144)), rtol=1e-4)
@@ -242,26 +259,26 @@ def test_the_drafter_is_left_out_unless_it_beats_plain_decoding_without_it():
   # chain3 at the prior (0.9) emits 3.44 tokens for 3.0 s: 0.87 s per token. That beats a
   # plain round that keeps the drafter in step (1.0 s), not one without a drafter (0.8 s).
   table = dict(batches=(4,), seconds=((1.0,), (2.5,), (3.0,)))
-  assert not Adaptive(menu, costs=CostTable(**table)).plain_throughout((4,))
-  assert Adaptive(menu, costs=CostTable(**table, alone=(0.8,))).plain_throughout((4,))
+  assert not Adaptive(menu, cost_margin=0.0, costs=CostTable(**table)).plain_throughout((4,))
+  assert Adaptive(menu, cost_margin=0.0, costs=CostTable(**table, alone=(0.8,))).plain_throughout((4,))
   # Against 0.9 s alone it pays by 0.03 s a token: by 3 s over 100 tokens, not by 6 s of
   # drafter prefill.
   paying = CostTable(**table, alone=(0.9,), setup=(6.0,))
-  assert not Adaptive(menu, costs=paying).plain_throughout((4,))
-  assert not Adaptive(menu, costs=paying).plain_throughout((4,), new_tokens=1000)
-  assert Adaptive(menu, costs=paying).plain_throughout((4,), new_tokens=100)
+  assert not Adaptive(menu, cost_margin=0.0, costs=paying).plain_throughout((4,))
+  assert not Adaptive(menu, cost_margin=0.0, costs=paying).plain_throughout((4,), new_tokens=1000)
+  assert Adaptive(menu, cost_margin=0.0, costs=paying).plain_throughout((4,), new_tokens=100)
 
 
 def test_the_policy_switches_the_drafter_off_when_plain_decoding_alone_beats_every_tree():
   menu = (DraftTree.chain(1), DraftTree.chain(3))
   table = dict(batches=(4,), seconds=((1.0,), (1.5,), (2.5,)))
   poor, good = _counts(Adaptive(menu), 0.2), _counts(Adaptive(menu), 0.95)
-  policy = Adaptive(menu, costs=CostTable(**table, alone=(0.8,)))
+  policy = Adaptive(menu, cost_margin=0.0, costs=CostTable(**table, alone=(0.8,)))
   assert int(policy.choose(poor, 4)) == policy.off == 3  # 1.25 tokens/s alone beat 1.0, 0.8
   assert not bool(policy.keeps(1, poor, 4))
   assert int(policy.choose(good, 4)) == 2  # chain3: 3.71 tokens in 2.5 s
   # Without a measured drafter-free cost, off ties with plain decoding, which comes first.
-  assert int(Adaptive(menu, costs=CostTable(**table)).choose(poor, 4)) == 0
+  assert int(Adaptive(menu, cost_margin=0.0, costs=CostTable(**table)).choose(poor, 4)) == 0
 
 
 def _ragged_batch_and_plain(m):

@@ -32,9 +32,10 @@ known, not estimated). Plain rounds of an adaptive rollout pay no drafting: the 
 catch-up is folded into the next speculative round's first depth.
 
 The adaptive schedule is chosen on the fluid grid, each entry's tokens discounted for the
-stragglers of the live rows (`Adaptive`'s straggler factor). Not modelled: rows whose
-acceptance differs systematically from the mean, continuous batching of more rows than fit,
-and preemption.
+stragglers of the live rows (`Adaptive`'s straggler factor), without `Adaptive.cost_margin`
+(a hedge against a measured cost table's error; these costs are the model's own). Not
+modelled: rows whose acceptance differs systematically from the mean, continuous batching of
+more rows than fit, and preemption.
 
 Shape letters: see `specjax` (B rows); R is the number of rounds, I of menu entries.
 """
