@@ -180,6 +180,17 @@ def expected_normal_max(rows: int) -> np.ndarray:
   return out
 
 
+def straggler_factor(mean, variance, live, remaining, rows: int, xp=jnp):
+  """The fraction of its rows' mean progress per round at which a batch of `live` rows (of
+  at most `rows`), each needing `remaining` more tokens, advances its slowest row, for rounds
+  emitting `mean` tokens of `variance` per row (see the module docstring):
+  1 / (1 + z_live sqrt(V / (n E))); 1 for plain decoding (V = 0). Broadcasts; `xp` = jnp or
+  numpy."""
+  z = xp.asarray(expected_normal_max(rows), xp.float32)[xp.clip(live, 0, rows)]
+  n = xp.maximum(remaining, 1.0)
+  return 1.0 / (1.0 + z * xp.sqrt(variance / (n * mean)))
+
+
 @struct.dataclass
 class AcceptanceCounts:
   """Decayed row-round counts from which per-depth acceptance is estimated.
@@ -305,16 +316,12 @@ class Adaptive:
 
   def expected_tokens(self, counts: AcceptanceCounts) -> jax.Array:
     """`[I]` expected tokens a row emits in one round of each entry."""
-    return self._expected(self.acceptance(counts), jnp)
-
-  def _expected(self, acceptance, xp):
-    """`[I]` expected tokens from an `[I, D]` acceptance matrix, with `xp` = jnp or numpy
-    (numpy where the answer must be known while the loop is traced)."""
-    return self._moments(acceptance, xp)[0]
+    return self._moments(self.acceptance(counts), jnp)[0]
 
   def _moments(self, acceptance, xp):
     """(`[I]` mean, `[I]` variance) of the tokens a row emits in one round of each entry,
-    from an `[I, D]` acceptance matrix: with K drafts accepted and r_j = P(K >= j),
+    from an `[I, D]` acceptance matrix, with `xp` = jnp or numpy (numpy where the answer
+    must be known while the loop is traced): with K drafts accepted and r_j = P(K >= j),
     E K = sum_j r_j and E K^2 = sum_j (2 j - 1) r_j."""
     depths = np.array([t.depth for t in self.menu])
     d = np.arange(acceptance.shape[1])[None, :]
@@ -325,14 +332,6 @@ class Adaptive:
   def token_variance(self, counts: AcceptanceCounts) -> jax.Array:
     """`[I]` variance of the tokens a row emits in one round of each entry."""
     return self._moments(self.acceptance(counts), jnp)[1]
-
-  def straggler_factor(self, mean, variance, live, remaining, batch: int, xp=jnp):
-    """`[I]` the fraction of its rows' mean progress per round at which a batch of `live`
-    rows, each needing `remaining` more tokens, advances its slowest row (see the module
-    docstring): 1 / (1 + z_live sqrt(V / (n E))); 1 for plain decoding (V = 0)."""
-    z = xp.asarray(expected_normal_max(batch), xp.float32)[xp.clip(live, 0, batch)]
-    n = xp.maximum(remaining, 1.0)
-    return 1.0 / (1.0 + z * xp.sqrt(variance / (n * mean)))
 
   def plain_throughout(self, batches: Sequence[int], new_tokens: int | None = None) -> bool:
     """Whether a call that starts without evidence should leave the drafter out altogether.
@@ -350,7 +349,7 @@ class Adaptive:
     mean, variance = self._moments(prior, np)
     for b in batches:
       setup = self.costs.setup_at(b) / new_tokens if new_tokens else 0.0
-      pace = (self.straggler_factor(mean, variance, b, new_tokens, b, np) if new_tokens
+      pace = (straggler_factor(mean, variance, b, new_tokens, b, np) if new_tokens
               else 1.0)
       per_token = (self._seconds(b)[1:-1] / (mean * pace)[1:]).min(initial=np.inf) + setup
       if per_token < self.costs.alone_at(b):
@@ -385,7 +384,7 @@ class Adaptive:
     seconds = self._seconds(batch)
     mean, variance = self._moments(self.acceptance(counts), jnp)
     if live is not None and remaining is not None:
-      mean = mean * self.straggler_factor(mean, variance, live, remaining, batch)
+      mean = mean * straggler_factor(mean, variance, live, remaining, batch)
     return (jnp.append(mean, 1.0)
             / jnp.asarray(seconds, jnp.float32))  # off ties plain exactly without `alone`
 

@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from specjax.decoding.policy import expected_normal_max
+from specjax.decoding.policy import straggler_factor
 from specjax.errors import ConfigError
 from specjax.sim.cost import prefill_seconds, round_time
 from specjax.sim.model import ModelSpec
@@ -249,9 +249,8 @@ def _fluid_rounds(model: ModelSpec, profile, workload: Workload, entries: tuple[
     variance = np.array([e.token_variance for e in entries])
     lengths_so_far = np.concatenate([[0], np.cumsum(mine)])  # mine: longest first
     remaining = lengths_so_far[live_grid] / np.maximum(live_grid, 1) - progress_grid
-    z = expected_normal_max(rows)[live_grid]
-    pace = 1.0 / (1.0 + z * np.sqrt(variance[:, None]
-                                    / (np.maximum(remaining, 1.0) * expected[:, None])))
+    pace = straggler_factor(expected[:, None], variance[:, None], live_grid, remaining, rows,
+                            np)
     best = np.argmax(expected[:, None] * pace / cost, axis=0)  # [longest]
     picks, marks = [], []
     g = 0.0
