@@ -268,7 +268,7 @@ def test_an_experiment_with_rollout_devices_gives_the_fused_async_runs_metrics_a
   config = experiment.ExperimentConfig(
       task=TASK, model=tiny, grpo=GRPOConfig(group_size=4, tis_cap=2.0),
       max_new_tokens=TASK.max_answer_tokens, drafter="none", async_mode=True, steps=3,
-      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1,
+      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1, speedup_seconds=0,
       checkpoint_every=1, learning_rate=1e-3, warmup_steps=0)
   logs = []
   experiment.run(dataclasses.replace(config, run_dir=str(tmp_path / "fused")),

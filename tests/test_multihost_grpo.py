@@ -204,7 +204,8 @@ def test_checkpoint_saved_by_several_processes_restores_on_one_process_to_identi
 ROOT = Path(__file__).resolve().parents[1]
 # A run of few compilations: plain rollouts, no warm start, two async steps.
 CLI_ARGS = ["--steps", "2", "--checkpoint-every", "1", "--sft-steps", "0", "--eval-prompts", "4",
-            "--speedup-repeats", "1", "--prompts-per-step", "4", "--grpo.group-size", "2",
+            "--speedup-repeats", "1", "--speedup-seconds", "0",
+            "--prompts-per-step", "4", "--grpo.group-size", "2",
             "--drafter", "none", "--async-mode", "--grpo.tis-cap", "2.0", "--model.d-model", "32",
             "--model.mlp-dim", "64", "--model.n-layers", "1", "--model.head-dim", "16",
             "--model.n-heads", "2", "--model.n-kv-heads", "2", "--model.num-mtp-modules", "0"]

@@ -35,7 +35,7 @@ def _config(run_dir, **kwargs) -> ExperimentConfig:
   fields = dict(run_dir=str(run_dir), task=TASK, model=MODEL, grpo=GRPOConfig(group_size=4),
                 max_new_tokens=TASK.max_answer_tokens, drafter="mtp", tree_widths=(1,),
                 steps=2, prompts_per_step=4, warmup_steps=0, sft_steps=0, checkpoint_every=1,
-                eval_prompts=8, speedup_repeats=1)
+                eval_prompts=8, speedup_repeats=1, speedup_seconds=0)
   return ExperimentConfig(**(fields | kwargs))
 
 
@@ -57,6 +57,8 @@ def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
     ("steps", 2.5, "int >= 1"),
     ("prompts_per_step", 0, "int >= 1"),
     ("warmup_steps", -1, "int >= 0"),
+    ("speedup_seconds", -1.0, "finite number >= 0"),
+    ("speedup_seconds", float("inf"), "finite number >= 0"),
 ])
 def test_invalid_numbers_are_rejected_at_config_time_naming_field_value_and_rule(
     tmp_path, field, value, allowed):

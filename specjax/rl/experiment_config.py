@@ -104,7 +104,11 @@ class ExperimentConfig:
     checkpoint_every: steps between checkpoints.
     max_checkpoints: checkpoints kept (>= 1: the newest is what a resumed run starts from).
     eval_prompts: held-out prompts evaluated (greedy) before and after RL.
-    speedup_repeats: timed calls of each arm of the rollout speedup measurement (median).
+    speedup_repeats: timed calls of each arm of the rollout speedup measurement (median),
+      at least.
+    speedup_seconds: each arm of the rollout speedup measurement is timed for at least this
+      long in all (more calls than `speedup_repeats` when calls are short: the median of a
+      few 50 ms calls on a shared machine moves by 5%); 0: exactly `speedup_repeats` calls.
     mesh: the device mesh of the train state and step (`data`, `fsdp`, `tensor`; one of them
       -1 for all the devices the others leave). The default splits the prompts of each step
       over every device of every process (data parallelism); `fsdp` also splits parameters
@@ -149,6 +153,7 @@ class ExperimentConfig:
   max_checkpoints: int = 2
   eval_prompts: int = 500
   speedup_repeats: int = 9
+  speedup_seconds: float = 2.0
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
@@ -191,7 +196,7 @@ class ExperimentConfig:
                  "max_grad_norm"):
       require(is_real(getattr(self, name)) and getattr(self, name) > 0, name,
               "must be a finite number > 0")
-    for name in ("temperature", "drafter_loss_weight"):
+    for name in ("temperature", "drafter_loss_weight", "speedup_seconds"):
       require(is_real(getattr(self, name)) and getattr(self, name) >= 0, name,
               "must be a finite number >= 0")
     distill = self.eagle3_distill_task

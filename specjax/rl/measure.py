@@ -101,8 +101,9 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   """Rollout tokens per second, plain vs speculative, same engine, same prompts (B = prompts
   x G rows); `costs` for adaptive speculation (`rollout_costs`).
 
-  The two arms alternate call by call (`speedup_repeats` each, medians), so that a slow
-  spell of a shared machine hits both alike. With adaptive speculation, `plain_share` is the
+  The two arms alternate call by call (medians of `speedup_repeats` calls each, or more
+  until each arm has run `speedup_seconds`), so that a slow spell of a shared machine hits
+  both alike. With adaptive speculation, `plain_share` is the
   fraction of rounds that ran plain decoding.
   """
   g = config.grpo.group_size
@@ -116,12 +117,15 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
         sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
         eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
-  rates = ([], [])
-  for r in range(config.speedup_repeats):
-    for run, arm_rates in zip(arms, rates):
+  rates, spent, r = ([], []), [0.0, 0.0], 0
+  while r < config.speedup_repeats or min(spent) < config.speedup_seconds:
+    r += 1
+    for i, (run, arm_rates) in enumerate(zip(arms, rates)):
       start = time.perf_counter()
-      out = jax.block_until_ready(run(jax.random.key(r + 1)))
-      arm_rates.append(int(out.lengths.sum()) / (time.perf_counter() - start))
+      out = jax.block_until_ready(run(jax.random.key(r)))
+      seconds = time.perf_counter() - start
+      spent[i] += seconds
+      arm_rates.append(int(out.lengths.sum()) / seconds)
   plain, spec = (float(np.median(x)) for x in rates)
   rounds = np.asarray(out.stats.tree_rounds, np.float64)
   summary = {"plain_tokens_per_s": plain, "spec_tokens_per_s": spec, "speedup": spec / plain,
