@@ -1,4 +1,4 @@
-"""The CPU demo: GRPO with speculative (MTP) rollouts on arithmetic, ~0.7M parameters.
+"""GRPO with speculative (MTP) rollouts on short arithmetic answers, ~0.7M parameters.
 
   specjax train --config configs/arithmetic_tiny.py [--steps 300 --grpo.group-size 8 ...]
 
@@ -8,7 +8,9 @@ the answers end with EOS; the others run on into the next problem, as concatenat
 without separators does. The warm-started policy therefore rarely stops, and the reward
 (the exact answer, then EOS) is almost never earned. GRPO learns to stop after the answer —
 a behaviour that carries over to unseen prompts — and sharpens the answers themselves.
-Sized to finish in a few minutes on a 2-core CPU.
+Sized to finish in a few minutes on a 2-core CPU; the README's demo
+(configs/arithmetic_worked.py) runs the same recipe on worked sums, whose longer responses
+are what speculation drafts.
 """
 
 from specjax.models import ModelConfig

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import runpy
 import signal
 import subprocess
 import sys
@@ -354,16 +355,37 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_deleted(tmp_path):
 
 TRAIN_ARGS = ["--steps", "12", "--checkpoint-every", "2", "--sft-steps", "5", "--sft-batch", "8",
               "--prompts-per-step", "4", "--grpo.group-size", "4", "--eval-prompts", "8",
-              "--speedup-repeats", "1", "--model.d-model", "32", "--model.mlp-dim", "64",
+              "--speedup-repeats", "1", "--speedup-seconds", "0",
+              "--model.d-model", "32", "--model.mlp-dim", "64",
               "--model.n-layers", "1", "--model.head-dim", "16", "--model.n-heads", "2",
               "--model.n-kv-heads", "2"]
 
 
+README_DEMO = ROOT / "configs" / "arithmetic_worked.py"  # the README's first command
+
+
+def test_the_readme_demo_runs_long_responses_with_adaptive_mtp_rollouts():
+  """The demo's task is one on which speculation can pay (responses of 24 tokens or more on
+  average, fitting its token budget and cache) and its rollouts choose their trees."""
+  config = runpy.run_path(str(README_DEMO))["get_config"]()
+  lengths = [len(e.reference) + 1 for e in config.task.examples("train")]  # + EOS
+  assert np.mean(lengths) >= 24 and max(lengths) <= config.max_new_tokens
+  assert config.speculation == "adaptive" and config.drafter == "mtp"
+  menu = config.adaptive().menu
+  prompt = max(len(encode_prompt(config.task.tokenizer, e.prompt))
+               for split in ("train", "test") for e in config.task.examples(split))
+  assert prompt + config.max_new_tokens + max(t.num_nodes for t in menu) + 1 <= (
+      config.model.max_position)
+  first = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
+  assert f"specjax train --config configs/{README_DEMO.name}" in first
+
+
 def _train(run_dir, compiled, extra=(), **popen):
-  """Start `specjax train` in a subprocess; its programs are cached in and read from the
-  directory `compiled`, so a run after the first loads them instead of compiling again."""
-  cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
-         str(ROOT / "configs" / "arithmetic_tiny.py"), "--run-dir", str(run_dir),
+  """Start `specjax train` on the README's demo config in a subprocess; its programs are
+  cached in and read from the directory `compiled`, so a run after the first loads them
+  instead of compiling again."""
+  cmd = [sys.executable, "-m", "specjax.cli", "train", "--config", str(README_DEMO),
+         "--run-dir", str(run_dir),
          *TRAIN_ARGS, *extra]
   env = child_env(JAX_COMPILATION_CACHE_DIR=str(compiled),
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -504,13 +526,12 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
 
 @pytest.mark.slow
 def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
-  import runpy
   from specjax.models import load_eagle3
   from specjax.rl.experiment import run
   base = runpy.run_path(str(ROOT / "configs" / "arithmetic_eagle3.py"))["get_config"]()
   config = dataclasses.replace(base, run_dir=str(tmp_path), steps=2, sft_steps=20,
                                eagle3_steps=5, eval_prompts=8, speedup_repeats=1,
-                               checkpoint_every=1, prompts_per_step=4)
+                               speedup_seconds=0, checkpoint_every=1, prompts_per_step=4)
   logs = []
   summary = run(config, log=logs.append)
   assert "probe_acceptance_after_frozen" in summary and summary["speedup"] > 0

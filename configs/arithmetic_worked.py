@@ -1,0 +1,42 @@
+"""The CPU demo: GRPO with speculative (MTP) rollouts on worked sums, ~0.7M parameters.
+
+  specjax train --config configs/arithmetic_worked.py [--steps 300 --grpo.group-size 8 ...]
+
+Task: four one-digit operands added left to right, every step written out before the answer
+("3+9+4+5=" -> "3+9=12,12+4=16,16+5=21;21"): responses of 24 tokens on average, most of them
+predictable from the prompt and the previous step, the kind of text a drafter accepts several
+tokens of. Held-out prompts are disjoint from training. The supervised warm start learns the
+worked solutions from text in which only 10% of them end with EOS; the others run on into the
+next problem, as concatenated text without separators does. The warm-started policy
+therefore rarely stops, and the reward (the right number after ";", then EOS) is almost never
+earned. GRPO learns to stop after the answer, a behaviour that carries over to unseen
+prompts. Rollouts use adaptive speculation: each round runs the menu entry (plain decoding,
+MTP chains of 1 and 2) with the most tokens per second by the costs measured at the start of
+the run, so speculation is never a loss.
+"""
+
+from specjax.models import ModelConfig
+from specjax.rl import ArithmeticTask, GRPOConfig
+from specjax.rl.experiment import ExperimentConfig
+
+
+def get_config() -> ExperimentConfig:
+  task = ArithmeticTask(max_digits=1, num_operands=4, operators="+", worked=True,
+                        test_fraction=0.3, num_test=200)
+  return ExperimentConfig(
+      run_dir="runs/arithmetic_worked",
+      task=task,
+      model=ModelConfig(vocab_size=task.tokenizer.vocab_size, d_model=128, n_layers=2,
+                        n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=256, num_mtp_modules=2,
+                        max_position=48),
+      grpo=GRPOConfig(group_size=8, eps_low=0.2, eps_high=0.28),
+      max_new_tokens=task.max_answer_tokens,
+      drafter="mtp",
+      tree_widths=(1, 1),
+      speculation="adaptive",
+      steps=300,
+      prompts_per_step=16,
+      learning_rate=3e-4,
+      sft_steps=600,
+      sft_eos_fraction=0.1,
+  )
