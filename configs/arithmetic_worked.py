@@ -15,28 +15,23 @@ MTP chains of 1 and 2) with the most tokens per second by the costs measured at 
 the run, so speculation is never a loss.
 """
 
-from specjax.models import ModelConfig
-from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.rl.experiment import ExperimentConfig
+import dataclasses
+import runpy
+from pathlib import Path
+
+from specjax.rl import ArithmeticTask
 
 
-def get_config() -> ExperimentConfig:
+def get_config():
+  """configs/arithmetic_tiny.py's policy, GRPO and adaptive MTP rollouts on worked sums."""
+  base = runpy.run_path(str(Path(__file__).with_name("arithmetic_tiny.py")))["get_config"]()
   task = ArithmeticTask(max_digits=1, num_operands=4, operators="+", worked=True,
                         test_fraction=0.3, num_test=200)
-  return ExperimentConfig(
+  return dataclasses.replace(
+      base,
       run_dir="runs/arithmetic_worked",
       task=task,
-      model=ModelConfig(vocab_size=task.tokenizer.vocab_size, d_model=128, n_layers=2,
-                        n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=256, num_mtp_modules=2,
-                        max_position=48),
-      grpo=GRPOConfig(group_size=8, eps_low=0.2, eps_high=0.28),
+      model=base.model.replace(vocab_size=task.tokenizer.vocab_size, max_position=48),
       max_new_tokens=task.max_answer_tokens,
-      drafter="mtp",
-      tree_widths=(1, 1),
-      speculation="adaptive",
-      steps=300,
-      prompts_per_step=16,
-      learning_rate=3e-4,
       sft_steps=600,
-      sft_eos_fraction=0.1,
   )
