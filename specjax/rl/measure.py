@@ -103,8 +103,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
 
   The two arms alternate call by call (medians of `speedup_repeats` calls each, or more
   until each arm has run `speedup_seconds`), so that a slow spell of a shared machine hits
-  both alike. With adaptive speculation, `plain_share` is the
-  fraction of rounds that ran plain decoding.
+  both alike. With adaptive speculation, `plain_share` is the fraction of rounds that ran
+  plain decoding.
   """
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
