@@ -435,14 +435,18 @@ def section_spec(ctx: Context) -> dict:
     plain_rounds = int(plain.stats.rounds)
     plain_s, plain_iqr = _median_iqr(times[None])
     prefill_s = statistics.median(times["prefill"])
-    plain_round = (plain_s - prefill_s) / plain_rounds
+    # A round's time is the call's less its prefill, paired within each repetition (so that a
+    # burst of load between repetitions cancels; a difference of medians once came out
+    # negative at the smoke test's tiny shapes on a busy 2-core machine).
+    less_prefill = lambda ts: statistics.median(t - f for t, f in zip(ts, times["prefill"]))
+    plain_round = less_prefill(times[None]) / plain_rounds
     f1, fk = statistics.median(times[1]), statistics.median(times[k + 1])
     agreement = map_agreement(plain_tokens, prompts, lengths, next_np)
     for p in plan.keep:
       res = results[p]
       rounds = int(res.stats.rounds)
       spec_s, iqr = _median_iqr(times[p])
-      spec_round = (spec_s - prefill_s) / rounds
+      spec_round = less_prefill(times[p]) / rounds
       per_rep = [a / s for a, s in zip(times[None], times[p])]
       cost, verify = spec_round / plain_round, fk / plain_round
       acc = float(res.stats.tokens_per_round)
