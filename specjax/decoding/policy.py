@@ -253,10 +253,16 @@ class Adaptive:
       pass over the caches).
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
       that a tree must beat plain decoding by that much on paper before it runs. A measured
-      table errs: on a shared 2-core CPU, calibrated rounds came out 4% (batch 16), 14%
-      (batch 1) and 25-34% (batch 64) below the same rounds inside `generate`, and at
-      batch 64 that error turned a tree worth 1.19x on paper into 0.81x. The margin costs a
-      gain smaller than itself; it never costs a large one (0: trust the table).
+      table errs: on a shared 2-core CPU, repeated calibrations of one round scatter by
+      +-10% around its cost inside `generate` (batch 1, draft model chain8: 18.2-20.5 ms vs
+      19.4 ms), the adaptive loop's rounds cost ~5% more than the timer's (EAGLE-3 chain3 at
+      batch 64: 155 ms vs 147 ms, interleaved), and once calibrated rounds came out 25-34%
+      low at batch 64, which turned a tree worth 1.19x on paper into 0.81x. A tree that pays
+      only a little on paper also flips with plain decoding, and every flip passes the caches
+      through `lax.switch`: at 10% the MTP menu at batch 16 ran plain and chain3 by turns
+      and lost (0.88x plain). The margin costs a gain smaller than itself (at 25%, an EAGLE-3
+      chain4 whose rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never
+      costs a large one (0: trust the table).
   """
 
   menu: tuple[DraftTree, ...]
