@@ -257,12 +257,14 @@ class Adaptive:
       +-10% around its cost inside `generate` (batch 1, draft model chain8: 18.2-20.5 ms vs
       19.4 ms), the adaptive loop's rounds cost ~5% more than the timer's (EAGLE-3 chain3 at
       batch 64: 155 ms vs 147 ms, interleaved), and once calibrated rounds came out 25-34%
-      low at batch 64, which turned a tree worth 1.19x on paper into 0.81x. A tree that pays
-      only a little on paper also flips with plain decoding, and every flip passes the caches
-      through `lax.switch`: at 10% the MTP menu at batch 16 ran plain and chain3 by turns
-      and lost (0.88x plain). The margin costs a gain smaller than itself (at 25%, an EAGLE-3
-      chain4 whose rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never
-      costs a large one (0: trust the table).
+      low at batch 64, which turned a tree worth 1.19x on paper into 0.81x. At 10% the MTP
+      menu at batch 16 lost (0.88x plain): its table put plain decoding without the drafter
+      at 24.3 ms a round (21.7 ms in a quiet rerun, 21.5 ms inside `generate`), so chain3
+      looked worth running while the prior's optimism lasted and ran in 41% of the rounds.
+      (Switching itself is cheap: a round through `lax.switch` cost 0.2 ms more than inline
+      at batch 16.) The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4
+      whose rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never costs
+      a large one (0: trust the table).
   """
 
   menu: tuple[DraftTree, ...]
