@@ -3,15 +3,19 @@
 `calibrate` times the real round bodies of the adaptive loop (`DecodeLoop.round_of`: draft,
 verify, emit, commit, drafter update) for every entry of a menu at a few batch sizes, inside
 one compiled loop per entry and batch, as the difference between running n2 and n1 rounds
-(so the prefill and the dispatch cancel), median over repeats that visit the entries in
-turn (a burst of load from other processes then hits every entry alike). Beside the menu it
-measures what leaving the drafter out would cost: a plain round of the loop with no drafter
-(`CostTable.alone`) and the time the drafter adds to the prefill (`CostTable.setup`), so the
-policy can tell whether speculating in a call pays at all. An entry that does all the work
+(so the prefill and the dispatch cancel). Beside the menu it measures what leaving the
+drafter out would cost: a plain round of the loop with no drafter (`CostTable.alone`) and
+the time the drafter adds to the prefill (`CostTable.setup`), so the policy can tell whether
+speculating in a call pays at all. That drafter-free round is also the yardstick: every
+entry is timed between two of its rounds and kept as a ratio to them, the median ratio over
+the repeats times the yardstick's median. The policy only compares costs with each other,
+and load from other processes slows an entry and the rounds beside it alike, so it cancels
+in the ratio; timed one after another instead, one busy stretch once put the drafter-free
+round 13% high at batch 16, and a tree the next measurement would have rejected ran. An entry that does all the work
 of another (as many nodes at every depth, or more) is never listed as cheaper than it
 (`_dominance_floor`): on a 2-core CPU at batch 1, timing noise once put chain6 14% below
 chain4, which would have had the policy take chain6's extra tokens for less than nothing.
-Each measurement runs >= `MIN_SECONDS`; the median of 7 is kept. The table is cached on
+Each measurement runs >= `MIN_SECONDS`; 7 repeats by default. The table is cached on
 disk, keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the
 next RL experiment on the same machine) reads it back, and a code change measures anew.
@@ -138,6 +142,17 @@ def _prefill_timer(loop: DecodeLoop):
   return jax.jit(loop.prefill)
 
 
+def _seconds_per_round(run, n: int, n1: int, args) -> float:
+  """One measurement: the time of n rounds less that of n1 rounds, per round (the prefill
+  and the dispatch cancel)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(run(*args, n1))
+  t1 = time.perf_counter()
+  jax.block_until_ready(run(*args, n))
+  t2 = time.perf_counter()
+  return ((t2 - t1) - (t1 - t0)) / (n - n1)
+
+
 def _median_seconds(fn, args, repeats: int) -> float:
   times = []
   for _ in range(repeats):
@@ -164,7 +179,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       size is part of what a round costs).
     rounds: the fewest rounds timed per measurement (more when rounds are so short that
       `MIN_SECONDS` would not be reached).
-    repeats: measurements per entry; the median is kept.
+    repeats: measurements per entry (each a ratio to the drafter-free round); the median is kept.
     cache_dir: where tables are kept (default: `default_cache_dir()`); None: no disk cache.
     verbose: print the table.
 
@@ -223,20 +238,28 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     prefills = [_prefill_timer(loop), _prefill_timer(alone_loop)]
     for prefill in prefills:
       jax.block_until_ready(prefill(*args))
-    per_round = [[] for _ in timed]
-    extra = []
-    for _ in range(repeats):  # entries interleaved, so a burst of load hits them alike
-      for i, (run, n) in enumerate(zip(runs, counts)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args, n1))
-        t1 = time.perf_counter()
-        jax.block_until_ready(run(*args, n))
-        t2 = time.perf_counter()
-        per_round[i].append(((t2 - t1) - (t1 - t0)) / (n - n1))
+    # Each entry is timed between two plain rounds without the drafter (the cheapest round,
+    # the anchor) and kept as a ratio to their mean: load that slows a stretch of the
+    # schedule slows an entry and its anchors alike, so a burst cancels instead of landing
+    # on one entry of the table. The anchor's own cost is the median of all its timings.
+    *entries, (anchor, anchor_n) = zip(runs, counts)
+    ratios = [[] for _ in entries]
+    anchors, extra = [], []
+    for _ in range(repeats):
+      before = _seconds_per_round(anchor, anchor_n, n1, args)
+      anchors.append(before)
+      for i, (run, n) in enumerate(entries):
+        cost = _seconds_per_round(run, n, n1, args)
+        after = _seconds_per_round(anchor, anchor_n, n1, args)
+        anchors.append(after)
+        ratios[i].append(cost / max(0.5 * (before + after), 1e-9))
+        before = after
       with_drafter, without = (_median_seconds(f, args, 3) for f in prefills)
       extra.append(with_drafter - without)
-    for i in range(len(timed)):
-      seconds[i][j] = max(statistics.median(per_round[i]), 1e-7)
+    base = max(statistics.median(anchors), 1e-7)
+    for i, entry_ratios in enumerate(ratios):
+      seconds[i][j] = max(statistics.median(entry_ratios) * base, 1e-7)
+    seconds[-1][j] = base
     setup[j] = max(statistics.median(extra), 0.0)
   seconds[:-1] = _dominance_floor(menu, seconds[:-1])
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
