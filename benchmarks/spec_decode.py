@@ -529,6 +529,9 @@ def main(argv=None) -> int:
     rows += bench_batch(target, drafter_params, lang, b, vs, max_new=max_new, repeats=repeats,
                         forward_pairs=args.forward_pairs, sampling=sampling,
                         cache_dir=cache / "calibration", log=log)
+    # A batch's compiled loops serve no other batch. Kept, they pile up: one run over four
+    # batches and every row once died compiling at batch 64 (LLVM: cannot allocate memory).
+    jax.clear_caches()
   print()
   print_table(rows)
   by_batch = {}

@@ -253,16 +253,14 @@ class Adaptive:
       pass over the caches).
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
       that a tree must beat plain decoding by that much on paper before it runs. A measured
-      table errs: on a shared 2-core CPU, repeated calibrations of one round scatter by
-      +-10% around its cost inside `generate` (batch 1, draft model chain8: 18.2-20.5 ms vs
-      19.4 ms), the adaptive loop's rounds cost ~5% more than the timer's (EAGLE-3 chain3 at
-      batch 64: 155 ms vs 147 ms, interleaved), and once calibrated rounds came out 25-34%
-      low at batch 64, which turned a tree worth 1.19x on paper into 0.81x. At 10% the MTP
-      menu at batch 16 lost (0.88x plain): its table put plain decoding without the drafter
-      at 24.3 ms a round (21.7 ms in a quiet rerun, 21.5 ms inside `generate`), so chain3
-      looked worth running while the prior's optimism lasted and ran in 41% of the rounds.
-      (Switching itself is cheap: a round through `lax.switch` cost 0.2 ms more than inline
-      at batch 16.) The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4
+      table errs low, and not only by noise (`calibrate` pairs each entry with plain rounds,
+      so repeated calibrations now agree within ~3%): inside `generate` a round costs more
+      than its timer reads (the draft model's chain3 at batch 16: ~24 ms vs 20.1 ms; the
+      drafter-free plain round 8.2 ms vs 7.5 ms), and each change of tree costs a pass over
+      the caches into and out of `lax.switch` (~1.9 ms there: plain and chain3 alternated
+      ran 0.85x plain). At 10% the draft model's menu at batch 16 mixed plain and chain3
+      rounds and ran 0.85x plain decoding in `benchmarks/spec_decode.py` (a fixed chain3:
+      1.00x); at 25% it runs plain. The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4
       whose rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never costs
       a large one (0: trust the table).
   """
