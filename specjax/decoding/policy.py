@@ -253,16 +253,16 @@ class Adaptive:
       pass over the caches).
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
       that a tree must beat plain decoding by that much on paper before it runs. A measured
-      table errs low, and not only by noise (`calibrate` pairs each entry with plain rounds,
-      so repeated calibrations now agree within ~3%): inside `generate` a round costs more
-      than its timer reads (the draft model's chain3 at batch 16: ~24 ms vs 20.1 ms; the
-      drafter-free plain round 8.2 ms vs 7.5 ms), and each change of tree costs a pass over
-      the caches into and out of `lax.switch` (~1.9 ms there: plain and chain3 alternated
-      ran 0.85x plain). At 10% the draft model's menu at batch 16 mixed plain and chain3
-      rounds and ran 0.85x plain decoding in `benchmarks/spec_decode.py` (a fixed chain3:
-      1.00x); at 25% it runs plain. The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4
-      whose rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never costs
-      a large one (0: trust the table).
+      table errs low: repeated calibrations agree within ~3% (`calibrate` pairs each entry
+      with plain rounds), but inside `generate` a round costs a little more than its timer
+      reads (the draft model's chain3 at batch 16: 17.9 ms vs 17.0-17.6 ms), and changing
+      tree costs a pass over the caches into and out of `lax.switch` (~4 ms there, a
+      quarter of a chain3 round; plain and chain3 alternated ran 0.85x plain). At 10% the
+      draft model's menu at batch 16, where chain3 is worth 1.04x, mixed plain and chain3
+      rounds and ran 0.85x plain decoding in `benchmarks/spec_decode.py`; at 25% it runs
+      plain. The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4 whose
+      rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never costs a
+      large one (0: trust the table).
   """
 
   menu: tuple[DraftTree, ...]
