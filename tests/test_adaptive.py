@@ -138,6 +138,25 @@ def test_the_running_entry_keeps_its_place_within_the_switch_margin():
   assert not bool(strict.keeps(2, counts, 4)) and bool(strict.keeps(1, counts, 4))
 
 
+def test_a_change_of_tree_must_save_what_it_costs_over_the_tokens_still_needed():
+  # Without a margin, chain2 (the running entry) loses to chain1 by 1 / 1.167 - 1 / 1.2 =
+  # 0.024 s a token (both with the 25% cost margin). A change costs 1 s: it pays only when
+  # the rows still need more than ~42 tokens.
+  table = CostTable((4,), ((1.0,), (1.0,), (1.2,), (3.0,)), switch=(1.0,))
+  policy = Adaptive(CHAINS, costs=table, switch_margin=0.0)
+  counts, one_row = _counts(policy, 0.5), jnp.array(1)
+  assert int(policy.choose(counts, 4, one_row, jnp.array(100.0))) == 1
+  assert bool(policy.keeps(2, counts, 4, one_row, jnp.array(10.0)))
+  assert not bool(policy.keeps(2, counts, 4, one_row, jnp.array(100.0)))
+  # Free changes, or no count of the tokens left: the rates alone decide.
+  free = policy.with_costs(dataclasses.replace(table, switch=(0.0,)))
+  assert not bool(free.keeps(2, counts, 4, one_row, jnp.array(10.0)))
+  assert not bool(policy.keeps(2, counts, 4))
+  assert "change of tree" in table.format(policy.menu)
+  with pytest.raises(ConfigError, match="switch"):
+    CostTable((4,), ((1.0,),), switch=(-1.0,))
+
+
 @pytest.mark.parametrize("make,needle", [
     (lambda: Adaptive(()), "non-empty"),
     (lambda: Adaptive((DraftTree.chain(2), DraftTree.chain(2))), "twice"),
@@ -213,7 +232,7 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
   # Nested entries: plain <= chain1 <= chain3, whatever the timing noise did.
   assert table.seconds[0][0] <= table.seconds[1][0] <= table.seconds[2][0], table.seconds
   # What leaving the drafter out costs is measured too: its plain rounds and its prefill.
-  assert table.alone[0] > 0 and table.setup[0] >= 0
+  assert table.alone[0] > 0 and table.setup[0] >= 0 and table.switch[0] >= 0
   text = table.format(kwargs["speculation"].menu)
   assert "chain3" in text and "no drafter" in text and "drafter prefill" in text
   before = DecodeLoop.__call__._cache_size()

@@ -6,15 +6,18 @@ one compiled loop per entry and batch, as the difference between running n2 and 
 (so the prefill and the dispatch cancel). Beside the menu it measures what leaving the
 drafter out would cost: a plain round of the loop with no drafter (`CostTable.alone`) and
 the time the drafter adds to the prefill (`CostTable.setup`), so the policy can tell whether
-speculating in a call pays at all. That drafter-free round is also the yardstick: every
-entry is timed between two of its rounds and kept as a ratio to them, the median ratio over
-the repeats times the yardstick's median. The policy only compares costs with each other,
-and load from other processes slows an entry and the rounds beside it alike, so it cancels
-in the ratio; timed one after another instead, one busy stretch once put the drafter-free
-round 13% high at batch 16, and a tree the next measurement would have rejected ran. An entry that does all the work
-of another (as many nodes at every depth, or more) is never listed as cheaper than it
-(`_dominance_floor`): on a 2-core CPU at batch 1, timing noise once put chain6 14% below
-chain4, which would have had the policy take chain6's extra tokens for less than nothing.
+speculating in a call pays at all; and what a change of tree costs (`CostTable.switch`:
+rounds that alternate between plain decoding and the first tree, each a segment of its own
+inside `lax.switch` as the loop runs them, less the two rounds). The drafter-free round is
+also the yardstick: every entry is timed between two of its rounds and kept as a ratio to
+them, the median ratio over the repeats times the yardstick's median. The policy only
+compares costs with each other, and load from other processes slows an entry and the rounds
+beside it alike, so it cancels in the ratio; timed one after another instead, one busy
+stretch once put the drafter-free round 13% high at batch 16, and a tree the next
+measurement would have rejected ran. An entry that does all the work of another (as many
+nodes at every depth, or more) is never listed as cheaper than it (`_dominance_floor`): on a
+2-core CPU at batch 1, timing noise once put chain6 14% below chain4, which would have had
+the policy take chain6's extra tokens for less than nothing.
 Each measurement runs >= `MIN_SECONDS`; 7 repeats by default. The table is cached on
 disk, keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the
@@ -27,6 +30,7 @@ The cache lives in `$SPECJAX_CACHE_DIR/calibration` (default `~/.cache/specjax`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -122,6 +126,23 @@ def _round_timer(loop: DecodeLoop, entry: int):
   return run
 
 
+def _switch_timer(loop: DecodeLoop, entries: tuple[int, int]):
+  """Like `_round_timer`, but each round is a segment of its own inside `lax.switch`,
+  alternating between two entries, as `DecodeLoop.segment` runs a change of tree: its time
+  per round less the two entries' mean is what a change costs."""
+
+  @jax.jit
+  def run(params, prompts, lengths, key, drafter_params, n):
+    def segment(entry: int, s):
+      once = lambda s: s.generated.sum() < 0  # never, but not known to be so when compiled
+      return jax.lax.while_loop(once, functools.partial(loop.round_of, entry, params),
+                                loop.round_of(entry, params, s))
+    branches = [functools.partial(segment, e) for e in entries]
+    state = loop.prefill(params, prompts, lengths, key, drafter_params)
+    return jax.lax.fori_loop(0, n, lambda i, s: jax.lax.switch(i % 2, branches, s), state)
+  return run
+
+
 def _covers(big: DraftTree, small: DraftTree) -> bool:
   """Whether a round of `big` does all the work of one of `small`: at least as many nodes at
   every depth of `small` (drafted one depth at a time, then verified together)."""
@@ -179,13 +200,15 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       size is part of what a round costs).
     rounds: the fewest rounds timed per measurement (more when rounds are so short that
       `MIN_SECONDS` would not be reached).
-    repeats: measurements per entry (each a ratio to the drafter-free round); the median is kept.
+    repeats: measurements per entry (each a ratio to the drafter-free round); the median
+      is kept.
     cache_dir: where tables are kept (default: `default_cache_dir()`); None: no disk cache.
     verbose: print the table.
 
   Returns:
     A `CostTable` with one row per entry of the normalised menu (plain decoding first), and
-    the drafter-free plain round and the drafter's prefill at each batch size.
+    the drafter-free plain round, the drafter's prefill and a change of tree at each batch
+    size.
   """
   menu = speculation.menu if isinstance(speculation, Adaptive) else Adaptive(tuple(speculation)).menu
   batches = tuple(sorted(set(int(b) for b in batch_sizes)))
@@ -207,7 +230,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       try:
         table = CostTable(**json.loads(path.read_text()))
         if (len(table.seconds) == len(menu) and table.batches == batches
-            and table.alone is not None):
+            and table.alone is not None and table.switch is not None):
           if verbose:
             print(f"calibration read from {path}\n{table.format(menu)}")
           return table
@@ -217,8 +240,9 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   key = jax.random.key(0)
   alone_loop = loop.drafter_free(prompt_len)
   timed = [(loop, i) for i in range(len(menu))] + [(alone_loop, 0)]  # the last: no drafter
+  pair = (0, min(1, len(menu) - 1))  # a change between plain decoding and the first tree
   seconds = [[0.0] * len(batches) for _ in timed]
-  setup = [0.0] * len(batches)
+  setup, switch = [0.0] * len(batches), [0.0] * len(batches)
   for j, b in enumerate(batches):
     prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
                                  config.vocab_size, jnp.int32)
@@ -226,8 +250,9 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     loop.check_prompts(prompts, lengths)
     args = (params, prompts, lengths, key, drafter_params)
     runs, counts = [], []
-    for timed_loop, i in timed:  # compile and warm up every entry first
-      run = _round_timer(timed_loop, i)
+    timers = [_round_timer(timed_loop, i) for timed_loop, i in timed]
+    timers.insert(-1, _switch_timer(loop, pair))  # (timed like one more entry)
+    for run in timers:  # compile and warm up every entry first
       jax.block_until_ready(run(*args, n2))
       t0 = time.perf_counter()
       jax.block_until_ready(run(*args, n2))
@@ -257,13 +282,16 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       with_drafter, without = (_median_seconds(f, args, 3) for f in prefills)
       extra.append(with_drafter - without)
     base = max(statistics.median(anchors), 1e-7)
+    *ratios, changing = ratios
     for i, entry_ratios in enumerate(ratios):
       seconds[i][j] = max(statistics.median(entry_ratios) * base, 1e-7)
     seconds[-1][j] = base
+    switch[j] = max(statistics.median(changing) * base
+                    - 0.5 * (seconds[pair[0]][j] + seconds[pair[1]][j]), 0.0)
     setup[j] = max(statistics.median(extra), 0.0)
   seconds[:-1] = _dominance_floor(menu, seconds[:-1])
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
-                    alone=tuple(seconds[-1]), setup=tuple(setup))
+                    alone=tuple(seconds[-1]), setup=tuple(setup), switch=tuple(switch))
   if path is not None:
     table = _keep_first(path, table)
   if verbose:

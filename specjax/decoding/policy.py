@@ -72,12 +72,17 @@ class CostTable:
       rows: what a call that leaves speculation out pays per token. None: `seconds[0]`.
     setup: `setup[j]`, the seconds a drafter adds to a call's prefill (its state built from
       the prompt), at `batches[j]` rows. None: 0.
+    switch: `switch[j]`, the seconds one change of tree costs at `batches[j]` rows: the
+      compiled loop runs each tree's rounds as a segment inside `lax.switch`, and entering
+      and leaving it copies the caches (calibrated at batch 16 on a 2-core CPU, for a draft
+      model's menu: 2.2 ms, a ninth of a three-draft round). None: 0.
   """
 
   batches: tuple[int, ...]
   seconds: tuple[tuple[float, ...], ...]
   alone: tuple[float, ...] | None = None
   setup: tuple[float, ...] | None = None
+  switch: tuple[float, ...] | None = None
 
   def __post_init__(self):
     def number(x, integral: bool) -> float:  # what float()/int() would silently change
@@ -103,7 +108,7 @@ class CostTable:
                         f"batch size ({len(batches)}), got {self.seconds!r}")
     if not all(np.isfinite(x) and x > 0 for row in seconds for x in row):
       raise ConfigError(f"CostTable.seconds must be finite and > 0, got {self.seconds!r}")
-    for name, least in (("alone", 0.0), ("setup", None)):
+    for name, least in (("alone", 0.0), ("setup", None), ("switch", None)):
       row = getattr(self, name)
       if row is None:
         continue
@@ -139,6 +144,10 @@ class CostTable:
     """Seconds the drafter adds to the prefill at `batch` rows."""
     return self._interp(self.setup, batch) if self.setup is not None else 0.0
 
+  def switch_at(self, batch: int) -> float:
+    """Seconds one change of tree costs at `batch` rows."""
+    return self._interp(self.switch, batch) if self.switch is not None else 0.0
+
   def format(self, menu: Sequence[DraftTree]) -> str:
     """The table as text: one line per entry, milliseconds per round at each batch size."""
     names = [describe(t) for t in menu]
@@ -148,6 +157,8 @@ class CostTable:
       rows.append(("plain, no drafter", self.alone))
     if self.setup is not None:
       rows.append(("drafter prefill (once)", self.setup))
+    if self.switch is not None:
+      rows.append(("change of tree (each)", self.switch))
     width = max(width, *(len(n) for n, _ in rows))
     lines = [f"{'entry':<{width}} " + " ".join(f"{f'B={b}':>9}" for b in self.batches)]
     for name, row in rows:
@@ -249,15 +260,15 @@ class Adaptive:
       whose acceptance changes along the generation (1: never forget).
     switch_margin: the entry that ran the last round runs again while its expected tokens per
       second are within this fraction of the best entry's (hysteresis): the estimates are
-      noisy, and a switch driven by noise costs a worse round (and, in the compiled loop, a
-      pass over the caches).
+      noisy, and a switch driven by noise costs a worse round. (What the change itself
+      costs, a pass over the caches, is weighed apart: `CostTable.switch`.)
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
       that a tree must beat plain decoding by that much on paper before it runs. A measured
       table errs low: repeated calibrations agree within ~3% (`calibrate` pairs each entry
       with plain rounds), but inside `generate` a round costs a little more than its timer
       reads (the draft model's chain3 at batch 16: 17.9 ms vs 17.0-17.6 ms), and changing
-      tree costs a pass over the caches into and out of `lax.switch` (~4 ms there, a
-      quarter of a chain3 round; plain and chain3 alternated ran 0.85x plain). At 10% the
+      tree costs a pass over the caches into and out of `lax.switch` (2.2 ms there, a
+      ninth of a chain3 round; now weighed by `keeps`, see `CostTable.switch`). At 10% the
       draft model's menu at batch 16, where chain3 is worth 1.04x, mixed plain and chain3
       rounds and ran 0.85x plain decoding in `benchmarks/spec_decode.py`; at 25% it runs
       plain. The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4 whose
@@ -405,7 +416,13 @@ class Adaptive:
   def keeps(self, entry: int, counts: AcceptanceCounts, batch: int,
             live: jax.Array | None = None, remaining: jax.Array | None = None) -> jax.Array:
     """Whether entry `entry`, which ran the last round, runs the next one too: while its
-    rate is within `switch_margin` of the best (scalar bool). `live`, `remaining`: see
-    `rates`."""
+    rate is within `switch_margin` of the best, or while changing to the best would not
+    save what the change costs (`CostTable.switch`) over the tokens the live rows still
+    need (scalar bool). `live`, `remaining`: see `rates`."""
     rates = self.rates(counts, batch, live, remaining)
-    return rates[entry] >= (1.0 - self.switch_margin) * rates.max()
+    best = rates.max()
+    keep = rates[entry] >= (1.0 - self.switch_margin) * best
+    if remaining is not None and self.costs.switch is not None:
+      saved = remaining * (1.0 / rates[entry] - 1.0 / best)  # seconds, at the rates as now
+      keep = keep | (saved < self.costs.switch_at(batch))
+    return keep
