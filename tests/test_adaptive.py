@@ -300,6 +300,30 @@ def test_the_policy_switches_the_drafter_off_when_plain_decoding_alone_beats_eve
   assert int(Adaptive(menu, cost_margin=0.0, costs=CostTable(**table)).choose(poor, 4)) == 0
 
 
+def test_the_drafter_is_switched_off_only_on_enough_evidence():
+  # Batch 1: three poor rounds (drafts accepted 0, 1, 0) where the drafter-free round is 1%
+  # cheaper than a plain one with the drafter. Off is for the rest of the call, so three
+  # rounds must not decide it: plain with the drafter runs, and the tree is tried again.
+  menu = (DraftTree.chain(6), DraftTree.chain(8))
+  policy = Adaptive(menu, costs=CostTable((1,), ((2.63,), (5.89,), (6.74,)), alone=(2.60,)))
+  counts = AcceptanceCounts.zeros(len(policy.menu), policy.depth)
+  for entry, accepted in ((1, 0), (1, 1), (2, 0)):
+    counts = counts.observe(entry, policy.menu[entry].depth, jnp.array([accepted]),
+                            jnp.array([True]), policy.decay)
+  assert int(policy.choose(counts, 1)) == 0
+  assert int(dataclasses.replace(policy, off_evidence=0.0).choose(counts, 1)) == policy.off
+  for _ in range(40):  # plain rounds: the poor evidence decays towards the prior
+    counts = counts.observe(0, 0, jnp.array([0]), jnp.array([True]), policy.decay)
+    if not bool(policy.keeps(0, counts, 1)):
+      break
+  assert int(policy.choose(counts, 1)) in (1, 2)
+  # The same poor acceptance over 64 rows is evidence enough.
+  poor = _counts(policy, 0.05, rows=64.0)
+  assert int(policy.choose(poor, 64)) == policy.off, np.asarray(policy.rates(poor, 64))
+  with pytest.raises(ConfigError, match="off_evidence"):
+    Adaptive(menu, off_evidence=-1.0)
+
+
 def _ragged_batch_and_plain(m):
   """8 ragged prompts and their greedy plain decoding (40 tokens, EOS 7): an EOS that some
   rows meet early and others late or never, so a compacting batch shrinks 8 -> 4 -> 2."""
