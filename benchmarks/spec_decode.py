@@ -62,8 +62,9 @@ costs that `calibrate` measured at the row's batch size just before (cached unde
 `--cache-dir`/calibration) and acceptance counted as the run goes. The log and the table
 show the share of rounds each entry ran; the summary compares each adaptive row with plain
 decoding, with the best fixed tree of its own drafter (what its menu chooses among) and with
-the best fixed row of its batch (any drafter). Their `verify` probes the menu's deepest
-tree.
+the best fixed row of its batch (any drafter). Their `verify` is each entry's verify forward
+(plain decoding's: the T=1 step) weighted by the share of rounds the entry ran, so `draft`
+is what the adaptive row's rounds cost beyond the verifies they ran.
 
 Rows are `Variant`s (`variants()`); a drafter with its own parameters names them with
 `Variant.params_name`, a key of the `drafter_params` dict built in `main`. The JSON output
@@ -117,8 +118,8 @@ class Variant:
     quick: also run under `--quick`.
     menu: for an adaptive row, the trees `Adaptive` chooses from every round (plain decoding
       included); its costs are measured by `calibrate` at the row's batch size before the
-      row is timed (cached on disk under `--cache-dir`). `tree` is then the menu's deepest,
-      the one whose verify forward the `verify` column probes.
+      row is timed (cached on disk under `--cache-dir`). `tree` is then the menu's deepest;
+      the `verify` column probes every entry and weighs them by the rounds they ran.
     compaction: halvings of the batch as rows finish (`generate(compaction=...)`).
   """
 
@@ -235,6 +236,7 @@ class Row:
   verify_ms: float    # median verify forward (the T=1 forward for plain)
   step_ms: float      # median T=1 forward timed alongside this row
   tree_share: str = ""  # adaptive rows: share of rounds each menu entry ran
+  segments: float = 0.0  # adaptive rows: runs of one tree per call (changes of tree + 1)
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -319,14 +321,17 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
       kw |= dict(tree=None, speculation=policy.with_costs(costs), compaction=v.compaction)
     return lambda key: generate(target, M.TARGET, prompts, lengths, key, **kw)
 
-  def probe(v: Variant, key: jax.Array) -> ForwardProbe:
-    speculative = v.drafter is not None and v.tree.num_nodes > 0
+  def probes_of(v: Variant, key: jax.Array) -> list[ForwardProbe | None]:
+    """The verify forward of each tree the row runs (its menu's, for an adaptive row); None
+    for plain decoding's, which is the T=1 step the row's pairs time anyway."""
+    trees = Adaptive(v.menu).menu if v.menu else (v.tree,)
     # The state halfway through the run, and the cache size `generate` allocates by default.
-    nodes = max(t.num_nodes for t in v.menu) if v.menu else v.tree.num_nodes
-    max_len = min(PROMPT_LEN + max_new + nodes + 1, M.TARGET.max_position)
-    return ForwardProbe(target, v.tree,
-                        v.drafter.hidden_layers(M.TARGET) if speculative else (),
-                        lengths + max_new // 2, max_len, key)
+    max_len = min(PROMPT_LEN + max_new + max(t.num_nodes for t in trees) + 1,
+                  M.TARGET.max_position)
+    return [ForwardProbe(target, t, v.drafter.hidden_layers(M.TARGET), lengths + max_new // 2,
+                         max_len, jax.random.fold_in(key, e))
+            if v.drafter is not None and t.num_nodes else None
+            for e, t in enumerate(trees)]
 
   runs = [runner(v) for v in vs]
   compile_s = []
@@ -334,10 +339,12 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
     t = time.perf_counter()
     jax.block_until_ready(run(jax.random.key(0)))
     compile_s.append(time.perf_counter() - t)
-  step_probe = probe(vs[0], jax.random.key(0))
-  probes = [None] + [probe(v, jax.random.key(i)) for i, v in enumerate(vs[1:], 1)]
-  for p in (step_probe, *probes[1:]):  # compile and warm up
-    p()
+  step_probe = ForwardProbe(target, DraftTree.empty(), (), lengths + max_new // 2,
+                            min(PROMPT_LEN + max_new + 1, M.TARGET.max_position),
+                            jax.random.key(0))
+  probes = [probes_of(v, jax.random.key(i)) for i, v in enumerate(vs)]
+  for p in (step_probe, *(p for ps in probes for p in ps if p is not None)):
+    p()  # compile and warm up
     p()
   times = [[] for _ in vs]
   tokens = [[] for _ in vs]
@@ -346,9 +353,10 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
   depth = [[] for _ in vs]
   rounds = [[] for _ in vs]
   tree_rounds = [[] for _ in vs]
+  segments = [[] for _ in vs]
   row_rounds = [[] for _ in vs]
   step_s = [[] for _ in vs]
-  verify_s = [[] for _ in vs]
+  verify_s = [[[] for _ in ps] for ps in probes]  # [row][menu entry] seconds
   for r in range(repeats):
     key = jax.random.key(1 + r)
     for i, run in enumerate(runs):
@@ -361,13 +369,15 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
       depth[i].append(np.asarray(res.stats.accepted_per_depth))
       rounds[i].append(int(res.stats.rounds))
       tree_rounds[i].append(np.asarray(res.stats.tree_rounds))
+      segments[i].append(int(res.stats.segments))
       row_rounds[i].append(float(np.mean(res.stats.row_rounds)))
       # The row's forwards right after its run, in (step, verify) pairs, so that they see
       # the same load as each other and as the run.
       for _ in range(forward_pairs):
         step_s[i].append(step_probe())
-        if probes[i] is not None:
-          verify_s[i].append(probes[i]())
+        for e, p in enumerate(probes[i]):
+          if p is not None:
+            verify_s[i][e].append(p())
   plain_tps = statistics.median(n / t for n, t in zip(tokens[0], times[0]))
   per_step = statistics.median(times[0]) / float(np.mean(rounds[0]))
   step_ms = 1e3 * statistics.median(x for xs in step_s for x in xs)
@@ -385,11 +395,13 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
     tail = float(np.mean(row_rounds[i])) / n_rounds
     per_round = statistics.median(times[i]) / n_rounds
     cost = per_round / per_step
-    if probes[i] is None:
-      verify, verify_ms = 1.0, 1e3 * statistics.median(step_s[i])
-    else:
-      verify_ms = 1e3 * statistics.median(verify_s[i])
-      verify = verify_ms / (1e3 * statistics.median(step_s[i]))
+    # Each tree's verify forward, weighed by the rounds it ran (one tree: its own).
+    step = statistics.median(step_s[i])
+    share = np.sum(tree_rounds[i], 0) if v.menu else np.ones(1)
+    share = share / max(share.sum(), 1)
+    verify_ms = 1e3 * float(sum(w * (statistics.median(xs) if xs else step)
+                                for w, xs in zip(share, verify_s[i])))
+    verify = verify_ms / (1e3 * step)
     ideal = acc_len / verify
     rows.append(Row(drafter=v.drafter_name, tree=v.tree_name, batch=batch, plain_tps=plain_tps,
                     spec_tps=tps, ratio=ratio, spread=spread, acc_len=acc_len,
@@ -400,12 +412,14 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
                     cost=cost, verify=verify, draft=cost - verify, ideal=ideal,
                     engine_eff=ratio / ideal, verify_ms=verify_ms,
                     step_ms=1e3 * statistics.median(step_s[i]),
-                    tree_share=_tree_share(v, tree_rounds[i])))
+                    tree_share=_tree_share(v, tree_rounds[i]),
+                    segments=float(np.mean(segments[i]))))
     log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
         f"acc len {acc_len:4.2f} drafts {rows[-1].drafts:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
         f"{cost:4.2f} = verify {verify:4.2f} + draft {cost - verify:4.2f}; ideal "
         f"{ideal:4.2f}, engine eff {ratio / ideal:4.2f} (compile {compile_s[i]:.1f}s)"
-        + (f"; rounds by tree: {rows[-1].tree_share}" if v.menu else ""))
+        + (f"; rounds by tree: {rows[-1].tree_share} in {rows[-1].segments:.1f} runs"
+           if v.menu else ""))
   return rows
 
 

@@ -69,6 +69,7 @@ class DecodeState:
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
     drafts: scalar draft tokens verified in rows' rounds.
     tree_rounds: `[I]` rounds per menu entry (rounds with the drafter off count as plain).
+    segments: scalar runs of one tree the policy started (`segment`; 0 without a policy).
     acceptance: `AcceptanceCounts` the speculation policy reads.
     drafter_off: scalar bool, the policy switched the drafter off (`Adaptive.off`): its state
       is no longer kept in step, so every later round is plain.
@@ -89,13 +90,14 @@ class DecodeState:
   emitted: jax.Array
   drafts: jax.Array
   tree_rounds: jax.Array
+  segments: jax.Array
   acceptance: AcceptanceCounts
   drafter_off: jax.Array
 
   # Loop-wide fields, and the drafter's state (which `Drafter.take_rows` selects rows of).
   UNBATCHED: ClassVar[tuple[str, ...]] = ("drafter_state", "key", "rounds",
                                           "accepted_at_depth", "emitted", "drafts", "tree_rounds",
-                                          "acceptance", "drafter_off")
+                                          "segments", "acceptance", "drafter_off")
 
   @property
   def context(self) -> DraftContext:
@@ -389,7 +391,7 @@ class DecodeLoop:
         rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((b,), jnp.int32),
         accepted_at_depth=jnp.zeros((max(self.envelope.depth, 1),), jnp.int32),
         emitted=jnp.zeros((), jnp.int32), drafts=jnp.zeros((), jnp.int32),
-        tree_rounds=jnp.zeros((len(self.menu),), jnp.int32),
+        tree_rounds=jnp.zeros((len(self.menu),), jnp.int32), segments=jnp.zeros((), jnp.int32),
         acceptance=AcceptanceCounts.zeros(len(self.menu), max(self.envelope.depth, 1)),
         drafter_off=jnp.zeros((), bool))
     if self.speculative:
@@ -435,7 +437,7 @@ class DecodeLoop:
     entry = jnp.where(s.drafter_off, off,
                       self.speculation.choose(s.acceptance, batch, *progress(s)))
     branches = [functools.partial(run, i) for i in range(len(self.menu))] + [run_off]
-    return jax.lax.switch(entry, branches, s)
+    return jax.lax.switch(entry, branches, s.replace(segments=s.segments + 1))
 
   def round_of(self, entry: int, params: Params, s: DecodeState, *,
                keep_drafter: bool = True) -> DecodeState:
@@ -563,7 +565,7 @@ class DecodeLoop:
         accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
         tokens_per_round=s.emitted.astype(jnp.float32) / denom,
         drafts_per_round=s.drafts.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
-        acceptance=s.acceptance)
+        segments=s.segments, acceptance=s.acceptance)
     return GenerationResult(
         tokens=jnp.where(valid, jnp.take_along_axis(out.seq, idx, axis=1), self.pad_id),
         lengths=out.generated,

@@ -35,6 +35,9 @@ class GenerationStats:
     drafts_per_round: mean draft tokens verified per row-round (the tree's nodes, fewer when a
       drafter stops early: `confidence`).
     tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
+    segments: runs of rounds of one tree that the speculation policy started (at each change
+      of tree and at the start of each compaction bucket), each a pass over the caches into
+      and out of `lax.switch` (`CostTable.switch`); 0 for a fixed tree.
     acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
       call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
   """
@@ -45,6 +48,7 @@ class GenerationStats:
   tokens_per_round: jax.Array
   drafts_per_round: jax.Array
   tree_rounds: jax.Array
+  segments: jax.Array
   acceptance: AcceptanceCounts
 
 
