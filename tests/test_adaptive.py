@@ -64,9 +64,9 @@ def test_a_tree_must_beat_plain_decoding_by_the_cost_margin_to_run():
   menu = (DraftTree.chain(2),)
   counts = _counts(Adaptive(menu), 0.9)
   assert int(Adaptive(menu, costs=costs, cost_margin=0.0).choose(counts, 4)) == 1
-  assert int(Adaptive(menu, costs=costs, cost_margin=0.1).choose(counts, 4)) == 1
-  assert int(Adaptive(menu, costs=costs).choose(counts, 4)) == 0  # the default 25%
-  assert Adaptive(menu, costs=costs).plain_throughout((4,))
+  assert int(Adaptive(menu, costs=costs).choose(counts, 4)) == 1  # the default 10%
+  assert int(Adaptive(menu, costs=costs, cost_margin=0.25).choose(counts, 4)) == 0
+  assert Adaptive(menu, costs=costs, cost_margin=0.25).plain_throughout((4,))
   with pytest.raises(ConfigError, match="cost_margin"):
     Adaptive(menu, cost_margin=-0.1)
 
@@ -207,6 +207,8 @@ def test_greedy_output_equals_plain_while_the_tree_changes_every_round(
   np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
   rounds = np.asarray(spec.stats.tree_rounds)
   assert rounds.sum() == int(spec.stats.rounds) and (rounds >= 2).all(), rounds
+  assert int(spec.stats.segments) == int(spec.stats.rounds)  # a change of tree every round
+  assert int(plain.stats.segments) == 0
   if name != "ngram":  # plain rounds in between must not leave the drafter behind
     assert float(spec.stats.tokens_per_round) > 1.5, spec.stats
 

@@ -418,10 +418,11 @@ class DecodeLoop:
     batch = s.seq.shape[0]
 
     def progress(s: DecodeState) -> tuple[jax.Array, jax.Array]:
-      """The live rows and the mean tokens they still need (the policy's stragglers)."""
+      """The live rows and the most tokens one of them still needs (the policy's
+      stragglers): the batch is done when its slowest row is, in as many plain rounds."""
       live = (~s.done).sum()
-      left = jnp.where(s.done, 0, self.max_new_tokens - s.generated).sum()
-      return live, left / jnp.maximum(live, 1).astype(jnp.float32)
+      left = jnp.where(s.done, 0, self.max_new_tokens - s.generated).max()
+      return live, left.astype(jnp.float32)
 
     def run(entry: int, s: DecodeState) -> DecodeState:
       keep = lambda s: more(s) & self.speculation.keeps(entry, s.acceptance, batch,

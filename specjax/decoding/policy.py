@@ -11,7 +11,7 @@ d + 1 given that it reached depth d. `Adaptive` picks argmax_i E_i / c_i every r
 entry with the most expected tokens per second, plain decoding (E = 1) whenever nothing
 beats it; the entry that ran the last round keeps running while it is within a small margin
 of the best (hysteresis against switching on noise). A drafting entry's measured cost is
-taken `cost_margin` higher (25%): a table measured on a busy machine errs low, and a tree
+taken `cost_margin` higher (10%): a table measured on a busy machine errs low, and a tree
 that pays only on paper must not run. The a_{i,d} are running estimates from
 the rounds of this call (optionally carried over from earlier calls, e.g. across RL steps):
 exponentially decayed counts per entry and depth, shrunk towards the estimate pooled over
@@ -26,10 +26,14 @@ n / E_i rounds give or take sqrt(n V_i / E_i^3) (a renewal process), and the las
 rows after n / E_i + z_L sqrt(n V_i / E_i^3), with z_L the expected maximum of L standard
 normals (0 for one row; 1.77 for 16; 2.34 for 64). Per round, the batch therefore advances at
 the rate of its slowest row, E_i / (1 + z_L sqrt(V_i / (n E_i))), and that is what the
-policy weighs when the loop tells it the live rows and the tokens they still need (about
-10% below E_i for a three-draft chain at batch 16 and 96 new tokens, where
+policy weighs when the loop tells it the live rows and n, the most tokens one of them still
+needs (about 10% below E_i for a three-draft chain at batch 16 and 96 new tokens, where
 `benchmarks/spec_decode.py` measures a tail of 0.87; it fades as rows finish, so the tail
-itself speculates more). Not modelled: rows that stop at an EOS before n.
+itself speculates more). n is the slowest row's need, not the live rows' mean: plain
+decoding too takes n rounds, and once speculation has spread the rows apart the mean
+understates n (with the mean, a draft model's chain4 at batch 16 fell to plain decoding
+with 9 tokens to go on average, and ran 17 rounds of it). Not modelled: rows that stop at
+an EOS before n.
 
 Leaving the drafter out is a choice too. A plain round of a loop with a drafter still keeps
 the drafter's state in step with the text (`CostTable.seconds[0]`); one without does not
@@ -264,16 +268,14 @@ class Adaptive:
       costs, a pass over the caches, is weighed apart: `CostTable.switch`.)
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
       that a tree must beat plain decoding by that much on paper before it runs. A measured
-      table errs low: repeated calibrations agree within ~3% (`calibrate` pairs each entry
-      with plain rounds), but inside `generate` a round costs a little more than its timer
-      reads (the draft model's chain3 at batch 16: 17.9 ms vs 17.0-17.6 ms), and changing
-      tree costs a pass over the caches into and out of `lax.switch` (2.2 ms there, a
-      ninth of a chain3 round; now weighed by `keeps`, see `CostTable.switch`). At 10% the
-      draft model's menu at batch 16, where chain3 is worth 1.04x, mixed plain and chain3
-      rounds and ran 0.85x plain decoding in `benchmarks/spec_decode.py`; at 25% it runs
-      plain. The margin costs a gain smaller than itself (at 25%, an EAGLE-3 chain4 whose
-      rollouts ran 1.20x plain at batch 2 in `benchmarks/rl_step.py`); it never costs a
-      large one (0: trust the table).
+      table errs: repeated calibrations of one entry agree within 5-10% on a busy 2-core
+      CPU (`calibrate` times each entry as a ratio to plain rounds beside it), and inside
+      `generate` a round costs a few percent more than its timer reads. At batch 16 in
+      `benchmarks/spec_decode.py`'s setting, where the best fixed chains run 1.04-1.13x
+      plain decoding, 25% kept every drafter plain (0.92-0.97x the best fixed chain, in
+      probes of 7-9 runs each); 10% ran EAGLE-3 at 1.08x (its chain3: 1.08x) and the
+      draft model at 1.00x (chain3: 1.04x). 5% did as well there, but is less than two
+      calibrations of one entry differ by. 0: trust the table.
     off_evidence: row-rounds that tried a first draft (decayed like the counts) before the
       policy may switch the drafter off. Off is for the rest of the call, so a few poor
       rounds must not decide it: at batch 1, three (drafts accepted 0, 1, 0) once did, where
@@ -289,7 +291,7 @@ class Adaptive:
   prior_rounds: float = 2.0
   decay: float = 0.98
   switch_margin: float = 0.05
-  cost_margin: float = 0.25
+  cost_margin: float = 0.10
   off_evidence: float = 16.0
 
   def __post_init__(self):
@@ -406,9 +408,9 @@ class Adaptive:
   def rates(self, counts: AcceptanceCounts, batch: int, live: jax.Array | None = None,
             remaining: jax.Array | None = None) -> jax.Array:
     """`[I + 1]` expected tokens per second of each entry at `batch` rows, then of drafter
-    off (one token per plain round without the drafter). Given the `live` rows and the mean
-    tokens they still need (`remaining`), a speculative entry's tokens are those of the
-    batch's slowest row (`straggler_factor`). Drafter off's rate is 0 until the counts hold
+    off (one token per plain round without the drafter). Given the `live` rows and the most
+    tokens one of them still needs (`remaining`), a speculative entry's tokens are those of
+    the batch's slowest row (`straggler_factor`). Drafter off's rate is 0 until the counts hold
     `off_evidence` row-rounds of first drafts."""
     seconds = self._seconds(batch)
     mean, variance = self._moments(self.acceptance(counts), jnp)

@@ -245,10 +245,9 @@ def _fluid_rounds(model: ModelSpec, profile, workload: Workload, entries: tuple[
     choice = np.zeros(progress.size, np.int64)
   else:
     # As `specjax.decoding.Adaptive` chooses: tokens per second of the batch's slowest row
-    # (its stragglers), given the live rows and the mean tokens they still need.
+    # (its stragglers), given the live rows and the most tokens one of them still needs.
     variance = np.array([e.token_variance for e in entries])
-    lengths_so_far = np.concatenate([[0], np.cumsum(mine)])  # mine: longest first
-    remaining = lengths_so_far[live_grid] / np.maximum(live_grid, 1) - progress_grid
+    remaining = longest - progress_grid
     pace = straggler_factor(expected[:, None], variance[:, None], live_grid, remaining, rows,
                             np)
     best = np.argmax(expected[:, None] * pace / cost, axis=0)  # [longest]
