@@ -164,7 +164,8 @@ def generate_command(
         f"{np.round(np.asarray(stats.accepted_per_depth), 2).tolist()}")
   if speculation is not None:
     print("rounds per tree: " + ", ".join(
-        f"{describe(t)} {n}" for t, n in zip(speculation.menu, np.asarray(stats.tree_rounds))))
+        f"{describe(t)} {n}" for t, n in zip(speculation.menu, np.asarray(stats.tree_rounds)))
+        + f" (in {int(stats.segments)} runs of one tree)")
   if compare and draft is not None:
     plain, plain_s = _timed(lambda: run(None, None))
     plain_tokens = int(np.asarray(plain.lengths).sum())

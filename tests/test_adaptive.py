@@ -255,6 +255,26 @@ def test_no_entry_is_listed_cheaper_than_an_entry_whose_work_it_does():
       [10.0, 40.0], [16.0, 60.0], [16.0, 70.0], [21.0, 90.0], [21.0, 90.0], [16.0, 95.0]]
 
 
+
+def test_drafting_costs_are_pooled_by_a_fit_in_depth_and_nodes():
+  from specjax.decoding.calibrate import _fit_to_work
+  menu = (DraftTree.empty(), DraftTree.chain(1), DraftTree.chain(2), DraftTree.chain(4),
+          DraftTree.from_widths((3, 1)), DraftTree.chain(6))
+  # Costs exactly 5 + 2 depth + 1 node (two batch sizes, the second doubled): kept as they are.
+  work = lambda t: 5.0 + 2.0 * t.depth + t.num_nodes
+  exact = [[1.0, 2.0]] + [[work(t), 2 * work(t)] for t in menu[1:]]
+  np.testing.assert_allclose(_fit_to_work(menu, exact), exact)
+  # One entry timed 20% high: pulled back towards the others' line, plain decoding untouched.
+  noisy = [list(row) for row in exact]
+  noisy[3][0] *= 1.2
+  fitted = np.array(_fit_to_work(menu, noisy))
+  assert fitted[0, 0] == 1.0 and abs(fitted[3, 0] - exact[3][0]) < 0.5 * (noisy[3][0] - exact[3][0])
+  np.testing.assert_allclose(fitted[:, 1], np.array(exact)[:, 1])
+  # No more drafting entries than the fit's parameters (chains: depth = nodes): as measured.
+  two = (DraftTree.empty(), DraftTree.chain(1), DraftTree.chain(3))
+  assert _fit_to_work(two, [[1.0], [9.0], [20.0]]) == [[1.0], [9.0], [20.0]]
+
+
 @pytest.mark.parametrize("costs,expect", [
     # Speculation as cheap as a plain step: the trained MTP stack accepts most drafts, so
     # the deepest chain runs nearly every round.

@@ -36,7 +36,7 @@ def test_generate_demo_with_adaptive_speculation_prints_costs_and_rounds_per_tre
   generate_command(demo=True, demo_steps=30, max_new_tokens=8, widths=(1, 1), adaptive=True)
   out = capsys.readouterr().out
   assert "calibration" in out and "chain2" in out
-  assert "rounds per tree: plain" in out
+  assert "rounds per tree: plain" in out and "runs of one tree)" in out
   assert "speculative / plain throughput" in out
 
 

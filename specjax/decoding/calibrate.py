@@ -14,10 +14,15 @@ them, the median ratio over the repeats times the yardstick's median. The policy
 compares costs with each other, and load from other processes slows an entry and the rounds
 beside it alike, so it cancels in the ratio; timed one after another instead, one busy
 stretch once put the drafter-free round 13% high at batch 16, and a tree the next
-measurement would have rejected ran. An entry that does all the work of another (as many
-nodes at every depth, or more) is never listed as cheaper than it (`_dominance_floor`): on a
-2-core CPU at batch 1, timing noise once put chain6 14% below chain4, which would have had
-the policy take chain6's extra tokens for less than nothing.
+measurement would have rejected ran. Each entry still carries its own timing error (5-10%
+between two calibrations on a busy 2-core CPU), so the drafting entries' costs are replaced
+by their least-squares fit in the work a round does, a + b depth + c nodes (`_fit_to_work`,
+for menus with more drafting entries than that has parameters): at batch 16 one EAGLE-3
+table put chain4 6% above chain3 where their fixed rounds differ by 16% (the fit: 18%), and
+the policy ran chain4 at 0.94x plain where chain3 ran 1.08x. An entry that does all the work
+of another (as many nodes at every depth, or more) is never listed as cheaper than it
+(`_dominance_floor`): on a 2-core CPU at batch 1, timing noise once put chain6 14% below
+chain4, which would have had the policy take chain6's extra tokens for less than nothing.
 Each measurement runs >= `MIN_SECONDS`; 7 repeats by default. The table is cached on
 disk, keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the
@@ -149,6 +154,25 @@ def _covers(big: DraftTree, small: DraftTree) -> bool:
   return big.depth >= small.depth and all(
       len(big.nodes_at_depth(d)) >= len(small.nodes_at_depth(d))
       for d in range(1, small.depth + 1))
+
+
+def _fit_to_work(menu: Sequence[DraftTree], seconds: list[list[float]]) -> list[list[float]]:
+  """`seconds` with the drafting entries' costs replaced, per batch size, by their least-squares
+  fit a + b depth + c nodes (a drafter pass per depth, a verified token per node), where
+  there are more drafting entries than the fit has free parameters; plain decoding's as
+  measured. Each entry is timed apart, so each carries its own timing error; the fit pools
+  them."""
+  drafting = [i for i, t in enumerate(menu) if t.num_nodes]
+  work = np.array([[1.0, menu[i].depth, menu[i].num_nodes] for i in drafting])
+  if len(drafting) <= np.linalg.matrix_rank(work):
+    return seconds
+  out = [list(row) for row in seconds]
+  for j in range(len(seconds[0])):
+    y = np.array([seconds[i][j] for i in drafting])
+    fit = work @ np.linalg.lstsq(work, y, rcond=None)[0]
+    for i, value in zip(drafting, fit):
+      out[i][j] = max(float(value), 1e-7)
+  return out
 
 
 def _dominance_floor(menu: Sequence[DraftTree], seconds: list[list[float]]
@@ -289,7 +313,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     switch[j] = max(statistics.median(changing) * base
                     - 0.5 * (seconds[pair[0]][j] + seconds[pair[1]][j]), 0.0)
     setup[j] = max(statistics.median(extra), 0.0)
-  seconds[:-1] = _dominance_floor(menu, seconds[:-1])
+  seconds[:-1] = _dominance_floor(menu, _fit_to_work(menu, seconds[:-1]))
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
                     alone=tuple(seconds[-1]), setup=tuple(setup), switch=tuple(switch))
   if path is not None:
