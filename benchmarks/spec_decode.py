@@ -236,7 +236,7 @@ class Row:
   verify_ms: float    # median verify forward (the T=1 forward for plain)
   step_ms: float      # median T=1 forward timed alongside this row
   tree_share: str = ""  # adaptive rows: share of rounds each menu entry ran
-  segments: float = 0.0  # adaptive rows: runs of one tree per call (changes of tree + 1)
+  segments: float = 0.0  # adaptive rows: runs of one tree per call (a new tree or bucket starts one)
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
