@@ -23,7 +23,10 @@ retraining the target.
 For every batch size and every drafter/tree, `specjax.decoding.generate` runs from the same
 prompts (ragged lengths) with the same `max_new_tokens` and keys as the plain baseline. All
 programs are compiled first; then the repeats are interleaved round-robin over the variants,
-so a burst of load from other processes hits every column alike. Reported per row:
+so a burst of load from other processes hits every column alike, each repeat starting one
+variant later than the last, so that no row always runs right after the same one (in fixed
+order, the batch-64 adaptive rows, which ran exactly plain decoding's program, read
+0.95-0.98x in two runs in a row). Reported per row:
 
 - `plain tok/s`, `spec tok/s`: generated tokens (sum of `result.lengths`) / median wall time.
 - `ratio`: spec tok/s / plain tok/s. `spread` is the (max - min) / median of the per-repeat
@@ -61,7 +64,8 @@ each round runs plain decoding or the chain with the most expected tokens per se
 costs that `calibrate` measured at the row's batch size just before (cached under
 `--cache-dir`/calibration) and acceptance counted as the run goes. The log and the table
 show the share of rounds each entry ran; the summary compares each adaptive row with plain
-decoding, with the best fixed tree of its own drafter (what its menu chooses among) and with
+decoding, with the best fixed tree of its own drafter (what its menu chooses among; also
+paired by repeat: the median over repeats of the two rows' ratio within one repeat) and with
 the best fixed row of its batch (any drafter). Their `verify` is each entry's verify forward
 (plain decoding's: the T=1 step) weighted by the share of rounds the entry ran, so `draft`
 is what the adaptive row's rounds cost beyond the verifies they ran.
@@ -236,7 +240,8 @@ class Row:
   verify_ms: float    # median verify forward (the T=1 forward for plain)
   step_ms: float      # median T=1 forward timed alongside this row
   tree_share: str = ""  # adaptive rows: share of rounds each menu entry ran
-  segments: float = 0.0  # adaptive rows: runs of one tree per call (a new tree or bucket starts one)
+  segments: float = 0.0  # adaptive rows: runs of one tree per call (new tree or bucket: a new run)
+  per_repeat: list[float] = dataclasses.field(default_factory=list)  # ratio in each repeat
 
 
 def _timed(fn, *args) -> tuple[Any, float]:
@@ -359,7 +364,9 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
   verify_s = [[[] for _ in ps] for ps in probes]  # [row][menu entry] seconds
   for r in range(repeats):
     key = jax.random.key(1 + r)
-    for i, run in enumerate(runs):
+    for j in range(len(runs)):
+      i = (j + r) % len(runs)
+      run = runs[i]
       t = time.perf_counter()
       res = jax.block_until_ready(run(key))
       times[i].append(time.perf_counter() - t)
@@ -413,7 +420,7 @@ def bench_batch(target, drafter_params: dict[str, Any], lang, batch: int, vs: li
                     engine_eff=ratio / ideal, verify_ms=verify_ms,
                     step_ms=1e3 * statistics.median(step_s[i]),
                     tree_share=_tree_share(v, tree_rounds[i]),
-                    segments=float(np.mean(segments[i]))))
+                    segments=float(np.mean(segments[i])), per_repeat=per_rep))
     log(f"  batch {batch:3d} {v.drafter_name:12s} {v.tree_name:12s} ratio {ratio:5.2f} "
         f"acc len {acc_len:4.2f} drafts {rows[-1].drafts:4.2f} eff {ratio / acc_len:4.2f} = tail {tail:4.2f} / cost "
         f"{cost:4.2f} = verify {verify:4.2f} + draft {cost - verify:4.2f}; ideal "
@@ -563,10 +570,14 @@ def main(argv=None) -> int:
       best = max(fixed, key=lambda x: x.ratio)
       own = max((x for x in fixed if x.drafter in (r.drafter, "plain")),
                 key=lambda x: x.ratio)  # plain decoding is on every menu
+      # The same comparison repeat by repeat (both rows timed within one repeat): less
+      # exposed to the machine's speed drifting between repeats than the medians' ratio.
+      paired = statistics.median(a / b for a, b in zip(r.per_repeat, own.per_repeat))
       print(f"{r.tree} {r.drafter} at batch {r.batch}: {r.ratio:.2f}x plain, "
             f"{r.ratio / own.ratio:.2f}x its drafter's best fixed tree ({own.tree} "
-            f"{own.ratio:.2f}x), {r.ratio / best.ratio:.2f}x the best fixed row "
-            f"({best.drafter} {best.tree} {best.ratio:.2f}x) [{r.tree_share}]")
+            f"{own.ratio:.2f}x; paired by repeat {paired:.2f}x), {r.ratio / best.ratio:.2f}x "
+            f"the best fixed row ({best.drafter} {best.tree} {best.ratio:.2f}x) "
+            f"[{r.tree_share}]")
   print(f"load average at the end {os.getloadavg()[0]:.1f}; total "
         f"{time.perf_counter() - t_start:.0f}s")
   if args.json:
