@@ -255,7 +255,6 @@ def test_no_entry_is_listed_cheaper_than_an_entry_whose_work_it_does():
       [10.0, 40.0], [16.0, 60.0], [16.0, 70.0], [21.0, 90.0], [21.0, 90.0], [16.0, 95.0]]
 
 
-
 def test_drafting_costs_are_pooled_by_a_fit_in_depth_and_nodes():
   from specjax.decoding.calibrate import _fit_to_work
   menu = (DraftTree.empty(), DraftTree.chain(1), DraftTree.chain(2), DraftTree.chain(4),
@@ -268,7 +267,8 @@ def test_drafting_costs_are_pooled_by_a_fit_in_depth_and_nodes():
   noisy = [list(row) for row in exact]
   noisy[3][0] *= 1.2
   fitted = np.array(_fit_to_work(menu, noisy))
-  assert fitted[0, 0] == 1.0 and abs(fitted[3, 0] - exact[3][0]) < 0.5 * (noisy[3][0] - exact[3][0])
+  assert fitted[0, 0] == 1.0
+  assert abs(fitted[3, 0] - exact[3][0]) < 0.5 * (noisy[3][0] - exact[3][0])
   np.testing.assert_allclose(fitted[:, 1], np.array(exact)[:, 1])
   # No more drafting entries than the fit's parameters (chains: depth = nodes): as measured.
   two = (DraftTree.empty(), DraftTree.chain(1), DraftTree.chain(3))
