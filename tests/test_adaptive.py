@@ -161,6 +161,13 @@ def test_a_change_of_tree_must_save_what_it_costs_over_the_tokens_still_needed()
     (lambda: Adaptive(()), "non-empty"),
     (lambda: Adaptive((DraftTree.chain(2), DraftTree.chain(2))), "twice"),
     (lambda: Adaptive(CHAINS, prior=1.5), "prior"),
+    # Each number field by type as well as range: a string or a bool is named, not compared.
+    (lambda: Adaptive(CHAINS, decay="0.9"), r"Adaptive\.decay='0\.9' is invalid: must be a "
+                                            r"factor in \(0, 1\]"),
+    (lambda: Adaptive(CHAINS, prior_rounds="2"), r"prior_rounds='2' .* row-rounds > 0"),
+    (lambda: Adaptive(CHAINS, switch_margin=None), r"switch_margin=None .* \[0, 1\)"),
+    (lambda: Adaptive(CHAINS, cost_margin=True), r"cost_margin=True .* \[0, 10\)"),
+    (lambda: Adaptive(CHAINS, prior=float("nan")), r"prior=nan .* \(0, 1\)"),
     (lambda: Adaptive(CHAINS, costs=CostTable((1,), ((1.0,),))), "rows for a menu of 4"),
     (lambda: CostTable((4, 2), ((1.0, 1.0),)), "increasing"),
     (lambda: CostTable((1,), ((float("nan"),),)), "finite"),

@@ -30,8 +30,8 @@ from tokenizers import models as tokenizer_models
 from specjax.checkpoint import Checkpointer
 from specjax.cli import generate_command
 from specjax.cli import main as cli_main
-from specjax.decoding import (Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig,
-                              generate)
+from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftTree,
+                              Eagle3Drafter, MTPDrafter, SamplingConfig, calibrate, generate)
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import Llama3RopeScaling, ModelConfig, config_from_hf, init_params
 from specjax.models import load_hf, save_hf
@@ -234,6 +234,12 @@ def _generate_under_jit(prompts, lengths):
   return jax.block_until_ready(run(prompts, lengths))
 
 
+def _calibrate(**kwargs):
+  kwargs = {"speculation": (CHAIN1,), "batch_sizes": (2,), "prompt_len": 4,
+            "max_new_tokens": 3, **kwargs}
+  return calibrate(GEN_PARAMS, GEN_CONFIG, MTPDrafter(), cache_dir=None, **kwargs)
+
+
 def _without(key: str):
   return {k: v for k, v in GEN_PARAMS.items() if k != key}
 
@@ -310,6 +316,36 @@ GENERATE_CASES = [
     case("prompt_token_outside_the_vocabulary_under_jit",
          lambda: _generate_under_jit(_with(PROMPTS, (1, 2), 16), LENGTHS),
          Exception, r"prompt_tokens\[1, 2\] = 16 is not a token id of this model"),
+    case("config_not_a_model_config",
+         lambda: generate(GEN_PARAMS, {"vocab_size": 16}, PROMPTS, LENGTHS, jax.random.key(0),
+                          max_new_tokens=3),
+         ConfigError, r"config=\{'vocab_size': 16\} is invalid: must be a "
+                      r"specjax\.models\.ModelConfig"),
+    case("drafter_sampled_a_string", lambda: _generate(drafter=MTPDrafter(sampled="yes"),
+                                                       tree=CHAIN1),
+         ConfigError, r"MTPDrafter\(sampled='yes'\) is invalid: must be True .* or False"),
+    case("draft_model_config_a_name",
+         lambda: _generate(drafter=DraftModelDrafter("llama"), tree=CHAIN1),
+         ConfigError, r"DraftModelDrafter\(config='llama'\) is invalid: must be the draft "
+                      r"model's specjax\.models\.ModelConfig"),
+    case("eagle3_config_none", lambda: _generate(drafter=Eagle3Drafter(None), tree=CHAIN1),
+         ConfigError, r"Eagle3Drafter\(config=None\) is invalid: must be the head's "
+                      r"specjax\.models\.Eagle3Config"),
+    case("calibrate_max_new_tokens_a_string", lambda: _calibrate(max_new_tokens="3"),
+         ConfigError, r"max_new_tokens='3' is invalid: must be an int >= 1"),
+    case("verifier_not_callable", lambda: _generate(verifier="lossless"),
+         ConfigError, r"verifier='lossless' is invalid: must be a specjax\.decoding\.Verifier"),
+    case("compaction_a_bool", lambda: _generate(compaction=True),
+         ConfigError, r"compaction=True is invalid: must be an int >= 0"),
+    case("calibrate_a_menu_given_as_a_string", lambda: _calibrate(speculation="chain3"),
+         ConfigError, r"speculation='chain3' is invalid: must be an Adaptive policy .* or a "
+                      r"sequence of DraftTree"),
+    case("calibrate_a_fractional_batch_size", lambda: _calibrate(batch_sizes=(2.5,)),
+         ConfigError, r"batch_sizes=\(2\.5,\) is invalid: .*ints >= 1"),
+    case("calibrate_one_batch_size_not_in_a_sequence", lambda: _calibrate(batch_sizes=4),
+         ConfigError, r"batch_sizes=4 is invalid: must be a non-empty sequence"),
+    case("calibrate_a_prompt_width_of_0", lambda: _calibrate(prompt_len=0),
+         ConfigError, r"prompt_len=0 is invalid: must be an int >= 1"),
     case("prompt_length_beyond_the_buffer_under_jit",
          lambda: _generate_under_jit(PROMPTS, np.array([3, 5], np.int32)),
          Exception, r"prompt_lengths must be in \[1, 4\].*got min 3 max 5"),

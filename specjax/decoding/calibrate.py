@@ -234,15 +234,28 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     the drafter-free plain round, the drafter's prefill and a change of tree at each batch
     size.
   """
-  menu = speculation.menu if isinstance(speculation, Adaptive) else Adaptive(tuple(speculation)).menu
-  batches = tuple(sorted(set(int(b) for b in batch_sizes)))
-  if not batches or batches[0] < 1:
-    raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be sizes >= 1")
+  if isinstance(speculation, Adaptive):
+    menu = speculation.menu
+  elif isinstance(speculation, (tuple, list)):
+    menu = Adaptive(tuple(speculation)).menu
+  else:
+    raise ConfigError(f"speculation={speculation!r} is invalid: must be an Adaptive policy "
+                      "(its menu is measured) or a sequence of DraftTree")
+  count = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+  sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list, range)) else ()
+  if not sizes or not all(count(b) for b in sizes):
+    raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be a non-empty sequence "
+                      "of batch sizes (ints >= 1)")
+  batches = tuple(sorted(set(int(b) for b in sizes)))
+  if not count(prompt_len):
+    raise ConfigError(f"prompt_len={prompt_len!r} is invalid: must be an int >= 1 (the prompt "
+                      "width of the calls the table is for)")
   if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
     raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
   max_nodes = max(t.num_nodes for t in menu)
-  if max_len is None:
+  if max_len is None and isinstance(config, ModelConfig) and isinstance(max_new_tokens, int):
     max_len = min(prompt_len + max_new_tokens + max_nodes + 1, config.max_position)
+  # (otherwise DecodeLoop names the bad config or max_new_tokens)
   loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
                     sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
   n1, n2 = 2, 2 + rounds

@@ -172,6 +172,9 @@ class DecodeLoop:
   verifier: Verifier = LosslessVerifier()
 
   def __post_init__(self):
+    if not isinstance(self.config, ModelConfig):
+      raise ConfigError(f"config={self.config!r} is invalid: must be a "
+                        "specjax.models.ModelConfig (e.g. config_from_hf(...))")
     if not (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
             and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
@@ -190,15 +193,22 @@ class DecodeLoop:
                           "(a tree chosen per round), not both")
       if self.drafter is None:
         raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
-    if not (isinstance(self.compaction, int) and self.compaction >= 0):
+    if not (isinstance(self.compaction, int) and not isinstance(self.compaction, bool)
+            and self.compaction >= 0):
       raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
                         "(halvings of the batch)")
+    if not callable(self.verifier):
+      raise ConfigError(f"verifier={self.verifier!r} is invalid: must be a "
+                        "specjax.decoding.Verifier, e.g. LosslessVerifier()")
     if self.max_nodes and self.drafter is None:
       raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
     if self.drafter is not None and not isinstance(self.drafter, Drafter):
       raise ConfigError(f"drafter={self.drafter!r} is invalid: must be a "
                         "specjax.decoding.Drafter (MTPDrafter(), NGramDrafter(), ...)")
     if self.drafter is not None:
+      if not isinstance(self.drafter.sampled, (bool, np.bool_)):
+        raise ConfigError(f"{type(self.drafter).__name__}(sampled={self.drafter.sampled!r}) is "
+                          "invalid: must be True (sampled drafts) or False")
       for tree in self.menu:
         self.drafter.validate(self.config, tree)
     vocab = self.config.vocab_size
@@ -620,8 +630,8 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   check_key(key)
   prompt_tokens = as_ids(prompt_tokens, "prompt_tokens", 2)
   prompt_lengths = as_ids(prompt_lengths, "prompt_lengths", 1)
-  if max_len is None:  # just enough; a bad max_new_tokens is reported by DecodeLoop
-    new = max_new_tokens if isinstance(max_new_tokens, int) else 0
+  if max_len is None and isinstance(config, ModelConfig):  # just enough; DecodeLoop reports
+    new = max_new_tokens if isinstance(max_new_tokens, int) else 0  # a bad config or length
     nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)
                                       else (tree,)))
     max_len = min(prompt_tokens.shape[1] + new + nodes + 1, config.max_position)

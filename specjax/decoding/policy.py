@@ -63,6 +63,11 @@ from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 
 
+def is_real(x) -> bool:
+  """Whether `x` is a real number (a Python or numpy int or float; a bool is not)."""
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostTable:
   """Measured seconds per decoding round of each menu entry, at a few batch sizes.
@@ -90,8 +95,7 @@ class CostTable:
 
   def __post_init__(self):
     def number(x, integral: bool) -> float:  # what float()/int() would silently change
-      ok = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-      return (x if not integral or float(x).is_integer() else None) if ok else None
+      return (x if not integral or float(x).is_integer() else None) if is_real(x) else None
 
     raw_batches = tuple(self.batches) if isinstance(self.batches, (tuple, list)) else ()
     if not raw_batches or any(number(b, True) is None for b in raw_batches):
@@ -304,21 +308,19 @@ class Adaptive:
     plain = DraftTree.empty()
     menu = (plain,) + tuple(t for t in menu if t != plain)
     object.__setattr__(self, "menu", menu)
-    if not 0.0 < self.prior < 1.0:
-      raise ConfigError(f"Adaptive.prior={self.prior!r} is invalid: must be in (0, 1)")
-    if not self.prior_rounds > 0:
-      raise ConfigError(f"Adaptive.prior_rounds={self.prior_rounds!r} is invalid: must be > 0")
-    if not 0.0 < self.decay <= 1.0:
-      raise ConfigError(f"Adaptive.decay={self.decay!r} is invalid: must be in (0, 1]")
-    if not 0.0 <= self.switch_margin < 1.0:
-      raise ConfigError(f"Adaptive.switch_margin={self.switch_margin!r} is invalid: must be in "
-                        "[0, 1)")
-    if not (isinstance(self.cost_margin, (int, float)) and 0.0 <= self.cost_margin < 10.0):
-      raise ConfigError(f"Adaptive.cost_margin={self.cost_margin!r} is invalid: must be a "
-                        "fraction in [0, 10) (0: trust the measured costs)")
-    if not (isinstance(self.off_evidence, (int, float)) and self.off_evidence >= 0.0):
-      raise ConfigError(f"Adaptive.off_evidence={self.off_evidence!r} is invalid: must be a "
-                        "number of row-rounds >= 0")
+    # (field, whether its value is allowed, what is allowed), each a number first: a string
+    # or a bool would otherwise compare (or fail to) in ways that say nothing of the field.
+    for name, ok, allowed in (
+        ("prior", lambda x: 0.0 < x < 1.0, "a probability in (0, 1)"),
+        ("prior_rounds", lambda x: x > 0.0, "a number of row-rounds > 0"),
+        ("decay", lambda x: 0.0 < x <= 1.0, "a factor in (0, 1]"),
+        ("switch_margin", lambda x: 0.0 <= x < 1.0, "a fraction in [0, 1)"),
+        ("cost_margin", lambda x: 0.0 <= x < 10.0,
+         "a fraction in [0, 10) (0: trust the measured costs)"),
+        ("off_evidence", lambda x: x >= 0.0, "a number of row-rounds >= 0")):
+      value = getattr(self, name)
+      if not (is_real(value) and ok(value)):
+        raise ConfigError(f"Adaptive.{name}={value!r} is invalid: must be {allowed}")
     if self.costs is not None and len(self.costs.seconds) != len(menu):
       raise ConfigError(
           f"Adaptive.costs has {len(self.costs.seconds)} rows for a menu of {len(menu)} "

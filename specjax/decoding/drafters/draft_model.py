@@ -62,6 +62,9 @@ class DraftModelDrafter(Drafter):
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
     check_confidence(self, self.confidence)
+    if not isinstance(self.config, ModelConfig):
+      raise ConfigError(f"DraftModelDrafter(config={self.config!r}) is invalid: must be the "
+                        "draft model's specjax.models.ModelConfig")
     if self.config.vocab_size != config.vocab_size:
       raise ConfigError(
           f"draft model vocab_size={self.config.vocab_size} differs from the target's "

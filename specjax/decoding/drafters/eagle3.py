@@ -119,6 +119,9 @@ class Eagle3Drafter(Drafter):
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
     check_confidence(self, self.confidence)
+    if not isinstance(self.config, Eagle3Config):
+      raise ConfigError(f"Eagle3Drafter(config={self.config!r}) is invalid: must be the head's "
+                        "specjax.models.Eagle3Config (Eagle3Config.for_target(...))")
     self.config.check_target(config)
 
   def _logits(self, weights: Eagle3Weights, stream: jax.Array) -> jax.Array:
