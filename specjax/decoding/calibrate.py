@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.engine import DecodeLoop
 from specjax.decoding.policy import Adaptive, CostTable
@@ -241,7 +242,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   else:
     raise ConfigError(f"speculation={speculation!r} is invalid: must be an Adaptive policy "
                       "(its menu is measured) or a sequence of DraftTree")
-  count = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+  count = lambda x: is_int(x) and x >= 1
   sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list, range)) else ()
   if not sizes or not all(count(b) for b in sizes):
     raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be a non-empty sequence "

@@ -59,13 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.checks import is_number
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
-
-
-def is_real(x) -> bool:
-  """Whether `x` is a real number (a Python or numpy int or float; a bool is not)."""
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +91,7 @@ class CostTable:
 
   def __post_init__(self):
     def number(x, integral: bool) -> float:  # what float()/int() would silently change
-      return (x if not integral or float(x).is_integer() else None) if is_real(x) else None
+      return (x if not integral or float(x).is_integer() else None) if is_number(x) else None
 
     raw_batches = tuple(self.batches) if isinstance(self.batches, (tuple, list)) else ()
     if not raw_batches or any(number(b, True) is None for b in raw_batches):
@@ -319,7 +315,7 @@ class Adaptive:
          "a fraction in [0, 10) (0: trust the measured costs)"),
         ("off_evidence", lambda x: x >= 0.0, "a number of row-rounds >= 0")):
       value = getattr(self, name)
-      if not (is_real(value) and ok(value)):
+      if not (is_number(value) and ok(value)):
         raise ConfigError(f"Adaptive.{name}={value!r} is invalid: must be {allowed}")
     if self.costs is not None and len(self.costs.seconds) != len(menu):
       raise ConfigError(

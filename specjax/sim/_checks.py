@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
+from specjax.checks import is_int, is_real
 from specjax.errors import ConfigError
 
 
 def require(ok: bool, field: str, value, allowed: str) -> None:
   if not ok:
     raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
-
-
-def is_int(value) -> bool:
-  """A Python or NumPy integer, not a bool (True would pass as a count of 1)."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value) -> bool:
-  """A finite real number, not a bool, a string or NaN / inf."""
-  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value))
 
 
 def positive_int(field: str, value) -> int:
