@@ -286,3 +286,32 @@ def test_an_experiment_with_rollout_devices_gives_the_fused_async_runs_metrics_a
     for key in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean"):
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5,
                                  err_msg=f"step {want['step']}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout_devices", [0, 4], ids=["fused", "disaggregated"])
+def test_async_runs_with_adaptive_speculation_start_and_resume(tmp_path, monkeypatch,
+                                                               rollout_devices):
+  """Async mode with the configs' default (MTP drafts, adaptive speculation, acceptance
+  counts carried in the state) runs 2 steps and resumes to a third, fused on one mesh and
+  with rollouts on 4 devices of 8. Regression: priming the state's structure went through the
+  fixed-tree step, which has no policy to update the carried counts, and every such run
+  stopped before its first step."""
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+  tiny = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                     n_kv_heads=2, head_dim=16, mlp_dim=64, max_position=32,
+                     num_mtp_modules=2)
+  config = experiment.ExperimentConfig(
+      task=TASK, model=tiny, grpo=GRPOConfig(group_size=4, tis_cap=2.0),
+      max_new_tokens=TASK.max_answer_tokens, drafter="mtp", tree_widths=(1, 1),
+      speculation="adaptive", async_mode=True, rollout_devices=rollout_devices, steps=3,
+      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1, speedup_seconds=0,
+      checkpoint_every=1, learning_rate=1e-3, warmup_steps=0, run_dir=str(tmp_path / "run"))
+  assert config.carry > 0  # the counts the regression tripped over are in the state
+  logs = []
+  experiment.run(dataclasses.replace(config, steps=2), log=logs.append)
+  experiment.run(config, log=logs.append)
+  assert any("resumed from" in line for line in logs)
+  metrics = _metrics(tmp_path / "run")
+  assert [m["step"] for m in metrics] == [1, 2, 3]
+  assert all(m["acceptance_length"] >= 1 for m in metrics), metrics

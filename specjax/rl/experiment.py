@@ -290,9 +290,12 @@ def run(config: ExperimentConfig, log=print) -> dict:
   ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_checkpoints)
   abstract = _abstract_state(config, tc, optimizer)
   if config.async_mode:
-    # The pending rollout is part of the state from the first step on.
-    abstract = jax.eval_shape(make_prime_fn(tc, reward, pad_id=tok.pad_id), abstract,
-                              reader.batch_at(0))
+    # The pending rollout is part of the state from the first step on. Its shapes do not
+    # depend on how trees are chosen, so the fixed-tree step primes a state without the
+    # adaptive policy's counts (a fixed tree has none to update) and they are put back.
+    primed = jax.eval_shape(make_prime_fn(tc, reward, pad_id=tok.pad_id),
+                            abstract.replace(acceptance=None), reader.batch_at(0))
+    abstract = primed.replace(acceptance=abstract.acceptance)
   shardings = train_state_shardings(abstract, mesh, tc)
   restored = ckpt.restore(_with_shardings(abstract, shardings))
   metrics_file = run_dir / "metrics.jsonl"
