@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from specjax.decoding import Eagle3Weights, SamplingConfig, generate
-from specjax.drafter_training import (draft_vocab_from_data, eagle3_loss,
+from specjax.supervised.eagle3 import (draft_vocab_from_data, eagle3_loss,
                                       self_distillation_data, train_eagle3)
 from specjax.models import Eagle3Config, ModelConfig, count_params, init_eagle3, init_params
 from specjax.supervised import init_supervised_state, make_supervised_step
@@ -187,7 +187,7 @@ QUICK_TRAIN = TrainSpec(target_steps=20, draft_steps=30, distill_docs=64,
 
 @dataclasses.dataclass(frozen=True)
 class EagleSpec:
-  """EAGLE-3 training schedule (`specjax.drafter_training`), after the target's.
+  """EAGLE-3 training schedule (`specjax.supervised.eagle3`), after the target's.
 
   The head learns on the target's own temperature-1 responses (`self_distillation_data`) to
   `docs` language prompts of `prompt` tokens, with the training-time test over `ttt_steps`

@@ -5,7 +5,7 @@
     python benchmarks/sim_validation.py --json out.json  # also write every row and profile
 
 Issue 12 makes this validation part of the simulator: in ONE run the script measures
-`sim.calibrate_profile` (the machine's micro-benchmarks), times every configuration below,
+`calibrate_profile` (the machine's micro-benchmarks), times every configuration below,
 fits a few of the profile's factors to a FIT subset of them, predicts all the others and
 prints predicted vs measured with the error, predicted / measured - 1. Which configurations
 are fitted is fixed in `FULL` / `QUICK` (`Plan`), not chosen after the fact, and only the
@@ -13,7 +13,7 @@ held-out rows enter the summary, which says whether each category met the issue'
 (held-out median |error| <= 10%, worst <= 25%).
 
 Fits, in order (each starts from the profile the previous one left):
-  0. `sim.calibrate_profile`: matmul rates by arithmetic intensity (`Plan.calibrate`), copy
+  0. `calibrate_profile`: matmul rates by arithmetic intensity (`Plan.calibrate`), copy
      bandwidth, `mem_eff`, `layer_overhead_s` fitted to two 2-layer decoders, and the
      sampler's seconds per logit (greedy, and the extra of a random draw).
   1. decode: `mem_eff`, `matmul_scale` (the matmul efficiency curve scaled as a whole),
@@ -78,6 +78,7 @@ import accelerator as acc  # noqa: E402
 import decode_step as ds  # noqa: E402
 from specjax import sim  # noqa: E402
 from specjax.decoding import DraftTree, SamplingConfig, generate  # noqa: E402
+from specjax.experiments.device_profile import calibrate_profile  # noqa: E402
 from specjax.models import KVCache, ModelConfig, init_params  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
@@ -623,7 +624,7 @@ def _run(args: argparse.Namespace) -> int:
   print(f"specjax.sim validation: jax {jax.__version__}, {device.platform} "
         f"({device.device_kind}), {mode} plan, categories {', '.join(categories)}")
   log("calibrate_profile")
-  profile = sim.calibrate_profile(**dict(plan.calibrate))
+  profile = calibrate_profile(**dict(plan.calibrate))
   print(f"calibrated ({time.perf_counter() - start:.0f}s): {describe_profile(profile)}",
         flush=True)
   report: dict[str, Any] = {

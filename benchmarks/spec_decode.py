@@ -13,7 +13,7 @@ parameters, with 3 MTP modules and 3 Medusa heads, a 2-layer draft model sharing
 vocabulary, and an EAGLE-3 head (one decoder layer on the target's streams at aux layers
 (2, 4, 5), a 512-token draft vocabulary). All are trained here, on this CPU, on the
 procedural phrase language whose held-out documents the benchmark then decodes (the drafters
-on the target's own temperature-1 samples; the EAGLE-3 head with `specjax.drafter_training`:
+on the target's own temperature-1 samples; the EAGLE-3 head with `specjax.supervised.eagle3`:
 training-time test over 3 steps, the target's distributions as soft labels); the parameters
 are cached (`--cache-dir`, default `benchmarks/.cache/`, which ignores itself in git) so
 reruns skip training. The head has a cache file of its own, keyed by the target's key and

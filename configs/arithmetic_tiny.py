@@ -15,7 +15,7 @@ are what speculation drafts.
 
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.rl.experiment import ExperimentConfig
+from specjax.experiments.grpo import ExperimentConfig
 
 
 def get_config() -> ExperimentConfig:

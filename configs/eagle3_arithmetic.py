@@ -28,7 +28,7 @@ runs/eagle3_arithmetic/eagle3` (the same policy: same task, warm-start recipe an
 import runpy
 from pathlib import Path
 
-from specjax.drafter_experiment import DrafterTrainConfig
+from specjax.experiments.drafter import DrafterTrainConfig
 
 
 def get_config() -> DrafterTrainConfig:

@@ -21,7 +21,7 @@ every compiled shape are Qwen3-1.7B's, the text is arithmetic.
 
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.rl.experiment import ExperimentConfig
+from specjax.experiments.grpo import ExperimentConfig
 from specjax.sharding import MeshConfig
 
 QWEN3_VOCAB = 151936

@@ -32,8 +32,10 @@ used; an einsum that needs an axis outside this list (a flattened or concatenate
 output side of a square matrix) uses X and says what X is in a comment next to it.
 """
 
-from specjax.errors import CheckpointError, ConfigError, SpecjaxError
+from specjax.errors import (CheckpointError, ConfigError, RewardError, SpecjaxError, TaskError,
+                            TokenizerError)
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "ConfigError", "SpecjaxError", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "RewardError", "SpecjaxError", "TaskError",
+           "TokenizerError", "__version__"]

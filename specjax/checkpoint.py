@@ -38,7 +38,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from specjax import atomic
+from specjax.checks import is_int
+from specjax.files import fsync, write_text_atomic
 from specjax.errors import CheckpointError, ConfigError
 
 DIGEST_FILE = "specjax_digest.json"
@@ -81,17 +82,8 @@ def _write_digest(step_dir: Path) -> None:
            for relative, path in _step_files(step_dir).items()}
   text = json.dumps({"format": _DIGEST_FORMAT, "algorithm": "sha256", "files": files},
                     indent=1, sort_keys=True)
-  tmp = step_dir / f".{DIGEST_FILE}.tmp-{os.getpid()}"
-  try:
-    with open(tmp, "w") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, step_dir / DIGEST_FILE)
-  except BaseException:
-    tmp.unlink(missing_ok=True)
-    raise
-  atomic.fsync(step_dir)
+  write_text_atomic(step_dir / DIGEST_FILE, text)
+  fsync(step_dir)
 
 
 def _read_digest(step_dir: Path) -> dict[str, tuple[int, str]]:
@@ -128,7 +120,7 @@ def _check_step(step: Any, allow_none: bool) -> None:
   missing step that looks present, a negative one saved as if it were valid)."""
   if step is None and allow_none:
     return
-  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+  if not is_int(step) or step < 0:
     raise ConfigError(f"step={step!r} is invalid: allowed an int >= 0"
                       + (", or None for the latest" if allow_none else ""))
 

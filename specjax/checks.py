@@ -16,6 +16,12 @@ def is_int(value) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_plain_int(value) -> bool:
+  """A Python int, not a bool or a NumPy integer: for fields of frozen configs, which are
+  hashed as static arguments and written to JSON."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_number(value) -> bool:
   """A Python or NumPy real number, not a bool or a string; NaN and inf included (the
   field's range check decides those)."""

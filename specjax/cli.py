@@ -15,43 +15,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import runpy
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree, MedusaDrafter,
-                              MTPDrafter, NGramDrafter, SamplingConfig, calibrate, generate)
+from specjax.checks import is_int
+from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, build_drafter,
+                              calibrate, check_draft_source, generate)
 from specjax.decoding.policy import describe
 from specjax.errors import ConfigError
 from specjax.tokenizer import with_bos
 
-DrafterName = Literal["none", "mtp", "medusa", "ngram", "draft-model"]
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
-
-
-def _drafter(name: DrafterName, draft_checkpoint: str | None):
-  """The drafter object and its parameters."""
-  if name == "mtp":
-    return MTPDrafter(), None
-  if name == "medusa":
-    return MedusaDrafter(), None
-  if name == "ngram":
-    return NGramDrafter(), None
-  if name == "draft-model":
-    if draft_checkpoint is None:
-      raise SystemExit("--drafter draft-model needs --draft-checkpoint DIR")
-    from specjax.models.hf import load_hf
-    params, config = load_hf(draft_checkpoint)
-    return DraftModelDrafter(config), params
-  return None, None
 
 
 def _timed(fn):
@@ -66,7 +49,7 @@ def generate_command(
     checkpoint: str | None = None,
     prompt: tuple[str, ...] = (),
     demo: bool = False,
-    drafter: DrafterName = "mtp",
+    drafter: str = "mtp",
     draft_checkpoint: str | None = None,
     widths: tuple[int, ...] = (1, 1, 1),
     adaptive: bool = False,
@@ -86,8 +69,11 @@ def generate_command(
       the tokenizer, generation_config.json or config.json (`eos_token_id`, an id or a list).
     prompt: prompts to continue (one batch row each).
     demo: train the built-in tiny counting model (about a minute on CPU) and use it.
-    drafter: where drafts come from; "none" is plain autoregressive decoding.
-    draft_checkpoint: HF directory of the external draft model (--drafter draft-model).
+    drafter: where drafts come from, a registered name (`specjax.decoding.drafter_names`:
+      none, draft-model, eagle3, medusa, mtp, ngram, and any `register_drafter` added);
+      "none" is plain autoregressive decoding.
+    draft_checkpoint: the drafter's own weights: an HF draft model's directory
+      (--drafter draft-model) or an EAGLE-3 head's (--drafter eagle3).
     widths: draft tree, children per node at each depth; (1, 1, 1) is a chain of 3.
     adaptive: each round runs plain decoding, a chain of 1 .. depth drafts or the widths
       tree, whichever is expected to be fastest (costs measured first, cached on disk).
@@ -103,17 +89,15 @@ def generate_command(
     raise SystemExit("pass --checkpoint DIR or --demo")
   if not demo and not prompt:
     raise SystemExit("pass at least one --prompt")
-  if drafter == "draft-model" and draft_checkpoint is None:
-    raise SystemExit("--drafter draft-model needs --draft-checkpoint DIR")
+  check_draft_source(drafter, draft_checkpoint, "--drafter", "--draft-checkpoint")
   # Checked before a checkpoint is loaded or the demo model trained (a minute on CPU), so a
   # bad flag fails in a second rather than after the slow part.
   sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
   tree = DraftTree.from_widths(widths) if drafter != "none" else None
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-      max_new_tokens < 1):
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
   if demo:
-    from specjax import demo as demo_lib
+    from specjax.experiments import demo as demo_lib
     print("training the built-in demo model (counting text, 3 MTP heads)...")
     params, config = demo_lib.train_demo_model(demo_lib.DemoTraining(steps=demo_steps))
     tokenizer = demo_lib.TOKENIZER
@@ -138,7 +122,7 @@ def generate_command(
   for i, e in enumerate(encoded):
     tokens[i, :len(e)] = e
   lengths = np.array([len(e) for e in encoded], np.int32)
-  draft, draft_params = _drafter(drafter, draft_checkpoint)
+  draft, draft_params = build_drafter(drafter, DraftSource(config, draft_checkpoint))
   speculation = None
   if adaptive and draft is not None:
     speculation = Adaptive.up_to(tree)
@@ -193,6 +177,8 @@ def train_command(argv: list[str]) -> dict:
   (`specjax.rl.join_cluster`), then the run shards its train state over the mesh of all
   processes' devices (`--mesh.data/--mesh.fsdp/--mesh.tensor`). Only process 0 prints.
   """
+  from specjax.rl.distributed import (DEFAULT_CLUSTER_TIMEOUT_S, check_same_config,
+                                      join_cluster)
   parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
   parser.add_argument("--config", required=True,
                       help="a config file, e.g. configs/arithmetic_tiny.py")
@@ -202,14 +188,18 @@ def train_command(argv: list[str]) -> dict:
                       help="processes of the run (default: $JAX_NUM_PROCESSES)")
   parser.add_argument("--process-id", type=int, default=None,
                       help="this process, 0 .. N - 1 (default: $JAX_PROCESS_ID)")
+  parser.add_argument("--cluster-timeout", type=int, default=DEFAULT_CLUSTER_TIMEOUT_S,
+                      help="seconds to wait for process 0 and for all processes to join "
+                           f"(default {DEFAULT_CLUSTER_TIMEOUT_S})")
   known, rest = parser.parse_known_args(argv)
-  from specjax.rl.distributed import join_cluster
   try:
     # Before anything touches a device: jax.distributed must come first.
-    join_cluster(known.coordinator_address, known.num_processes, known.process_id)
+    join_cluster(known.coordinator_address, known.num_processes, known.process_id,
+                 timeout_s=known.cluster_timeout)
   except ConfigError as err:
     raise SystemExit(f"specjax train: {err}") from None
-  from specjax.rl.experiment import ExperimentConfig, run
+  from specjax.experiments.grpo import ExperimentConfig, run
+  from specjax.experiments.run_record import config_record
   default = load_experiment(known.config)
   if not isinstance(default, ExperimentConfig):
     # tyro would ignore a default of another type and run ExperimentConfig's own defaults.
@@ -217,6 +207,10 @@ def train_command(argv: list[str]) -> dict:
                      "train needs an ExperimentConfig (see configs/arithmetic_tiny.py)")
   config = tyro.cli(ExperimentConfig, default=default, args=rest,
                     prog=f"specjax train --config {known.config}")
+  try:  # before the run's first collective: different programs would stall in it
+    check_same_config(config_record(config))
+  except ConfigError as err:
+    raise SystemExit(f"specjax train: {err}") from None
   summary = run(config)
   if jax.process_index() != 0:
     return summary
@@ -241,8 +235,8 @@ def train_command(argv: list[str]) -> dict:
 
 def train_drafter_command(argv: list[str]) -> dict:
   """`specjax train-drafter [--config FILE] [--field value ...]`: offline EAGLE-3 training
-  (`specjax.drafter_experiment`); without --config the fields start at their defaults."""
-  from specjax.drafter_experiment import DrafterTrainConfig, run_drafter_training
+  (`specjax.experiments.drafter`); without --config the fields start at their defaults."""
+  from specjax.experiments.drafter import DrafterTrainConfig, run_drafter_training
   parser = argparse.ArgumentParser(prog="specjax train-drafter", add_help=False)
   parser.add_argument("--config", help="a config file, e.g. configs/eagle3_arithmetic.py")
   known, rest = parser.parse_known_args(argv)
@@ -286,6 +280,50 @@ SIM_COMMANDS = {
 }
 
 
+def plan_command(argv: list[str]) -> int:
+  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]`:
+  print the plan; the mesh flags override the config's mesh axis by axis. Returns the exit
+  status (0 fits, 1 does not fit)."""
+  parser = argparse.ArgumentParser(
+      prog="specjax plan",
+      description="Compile a config's GRPO train step for N fake CPU devices with abstract "
+                  "parameters and print per-device memory (compiled and analytical), FLOPs and "
+                  "whether it fits.")
+  parser.add_argument("--config", required=True, help="a config file, e.g. "
+                      "configs/qwen3_1p7b_grpo.py")
+  parser.add_argument("--devices", type=int, required=True,
+                      help="accelerators to plan for (compiled on as many fake CPU devices)")
+  parser.add_argument("--hbm-gib", type=float, default=80.0,
+                      help="memory per accelerator in GiB (default 80: H100 / A100 80GB)")
+  for axis in ("data", "fsdp", "tensor"):
+    parser.add_argument(f"--mesh.{axis}", type=int, default=None, dest=axis,
+                        help=f"mesh {axis} size (-1: the devices the other axes leave); "
+                             "default the config's")
+  args = parser.parse_args(argv)
+  from specjax.experiments.grpo_config import ExperimentConfig
+  from specjax.experiments.plan import fake_devices, plan
+
+  # Before anything touches a device: the fake device count is fixed when JAX starts.
+  try:
+    jax.config.update("jax_platforms", "cpu")
+    devices = fake_devices(args.devices)
+  except ConfigError as err:
+    raise SystemExit(f"specjax plan: {err}") from None
+  config = load_experiment(args.config)
+  overrides = {a: getattr(args, a) for a in ("data", "fsdp", "tensor")
+               if getattr(args, a) is not None}
+  try:
+    mesh = None
+    if overrides and isinstance(config, ExperimentConfig):
+      mesh = dataclasses.replace(config.mesh, **overrides)
+    result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
+  except ConfigError as err:
+    raise SystemExit(f"specjax plan --config {args.config}: {err}") from None
+  print(result.format())
+  sys.stdout.flush()
+  return 0 if result.fits else 1
+
+
 def _usage() -> str:
   width = max(map(len, COMMANDS))
   lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
@@ -299,16 +337,39 @@ def _sim_usage() -> str:
                     "commands:"] + lines)
 
 
+# `specjax sim calibrate --quick`: the smallest shapes that still fit both efficiency curves.
+_QUICK_CALIBRATION = dict(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
+                          decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)
+
+
+def sim_calibrate_command(argv: list[str]) -> int:
+  """Measure this machine (`calibrate_profile`) and write the profile as JSON."""
+  parser = argparse.ArgumentParser(prog="specjax sim calibrate",
+                                   description=sim_calibrate_command.__doc__)
+  parser.add_argument("--out", default="device_profile.json")
+  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default by platform)")
+  parser.add_argument("--quick", action="store_true",
+                      help="small shapes, 2 repeats: a rough profile in a few seconds (to try "
+                           "the command; its small matmuls run from the caches on a CPU)")
+  args = parser.parse_args(argv)
+  from specjax.experiments.device_profile import calibrate_profile  # starts JAX
+  profile = calibrate_profile(dtype=args.dtype, **(_QUICK_CALIBRATION if args.quick else {}))
+  Path(args.out).write_text(profile.to_json())
+  print(f"{profile.name}: {profile.peak_flops / 1e9:.1f} GFLOP/s, "
+        f"{profile.hbm_bw / 1e9:.1f} GB/s copy, mem_eff {profile.mem_eff:.2f}, "
+        f"layer overhead {profile.layer_overhead_s * 1e6:.0f} us -> {args.out}")
+  return 0
+
+
 def sim_command(argv: list[str]) -> int:
   """`specjax sim SUBCOMMAND ...`: the simulator's tools other than `simulate` itself."""
-  from specjax.sim.cli import calibrate_main
   if not argv or argv[0] in ("-h", "--help"):
     print(_sim_usage(), file=sys.stdout if argv else sys.stderr)
     return 0 if argv else 2
   if argv[0] not in SIM_COMMANDS:
     print(f"specjax sim: unknown command {argv[0]!r}\n\n{_sim_usage()}", file=sys.stderr)
     return 2
-  return calibrate_main(argv[1:])
+  return sim_calibrate_command(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,9 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     train_drafter_command(argv[1:])
     return
   if argv[0] == "plan":
-    # Its own argparse: the fake device count is set before JAX starts (specjax.plan).
-    from specjax.plan import plan_main
-    status = plan_main(argv[1:])
+    status = plan_command(argv[1:])
     if status:
       raise SystemExit(status)
     return

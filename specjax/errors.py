@@ -20,3 +20,19 @@ class CheckpointError(SpecjaxError, ValueError):
   """A checkpoint that cannot be used: a missing or unreadable file or directory, a missing,
   unexpected or misshapen tensor, or a step that cannot be restored. The message names the
   file, tensor or step and what to do."""
+
+
+class TokenizerError(SpecjaxError, ValueError):
+  """Text, an id or a tokenizer directory that cannot be used; the message names it."""
+
+
+class TaskError(SpecjaxError, ValueError):
+  """Task data that cannot be used (a malformed JSONL line, ...); the message locates it."""
+
+
+class RewardError(SpecjaxError, RuntimeError):
+  """A Python reward function raised or returned a non-finite value; names task and sample."""
+
+
+class RunDirectoryInUse(SpecjaxError, RuntimeError):
+  """A run directory that another live process owns; the message names its host and pid."""

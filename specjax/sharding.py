@@ -28,12 +28,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.params import init_params, param_axes
+from specjax.models.params import Params, init_params, param_axes
 
 __all__ = [
     "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "Rules", "batch_sharding", "init_sharded_params",
@@ -42,7 +44,6 @@ __all__ = [
     "transfer",
 ]
 
-Params = dict[str, Any]
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
@@ -67,7 +68,7 @@ def _check_axis_sizes(sizes: dict[str, int], prefix: str = "") -> list[str]:
   """Raise `ConfigError` unless every size is an int >= 1 or -1, with at most one -1; return
   the names of the -1 axes. `prefix` names the sizes as the caller knows them ("mesh.")."""
   for name, size in sizes.items():
-    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+    if not is_int(size) or (size < 1 and size != -1):
       raise ConfigError(f"{prefix}{name}={size!r} is invalid: must be an int >= 1, or -1 for "
                         "all the devices the other axes leave")
   free = [name for name, size in sizes.items() if size == -1]

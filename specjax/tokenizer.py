@@ -17,12 +17,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
-from specjax.errors import ConfigError
-from specjax.jsonfile import read_object
-
-
-class TokenizerError(ValueError):
-  """Text, an id or a tokenizer directory that cannot be used; the message names it."""
+from specjax.checks import is_int
+from specjax.errors import ConfigError, TokenizerError
+from specjax.files import read_object
 
 
 def with_bos(ids: list[int], bos_id: int | None) -> list[int]:
@@ -341,7 +338,7 @@ def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
   than the tokenizer's is fine and common (checkpoints pad V to a multiple of 64 or 128; the
   padding ids are never produced).
   """
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+  if not is_int(vocab_size) or vocab_size < 1:
     raise ConfigError(f"vocab_size={vocab_size!r} is invalid: allowed the model's vocabulary "
                       "size, an int >= 1")
   if tokenizer.vocab_size > vocab_size:

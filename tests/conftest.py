@@ -4,16 +4,11 @@ one compilation cache on disk for the whole run.
 XLA_FLAGS must be set before jax is imported anywhere, which is why it lives here.
 """
 
-import contextlib
-import dataclasses
-import fcntl
-import importlib.util
 import os
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
+# Named again in support.py, which imports JAX and so cannot be imported before this.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Compiling is most of this suite's time on CPU, and LLVM's optimisation passes about a third of
 # each compilation (measured: a compile-bound test 64 s -> 41 s); at these tiny shapes the code
@@ -23,7 +18,6 @@ os.environ.setdefault("XLA_FLAGS", f"{DEVICE_COUNT_FLAG}=8 {FAST_COMPILE_FLAG}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -31,9 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
-from specjax.decoding import Adaptive  # noqa: E402
-from specjax.models import ModelConfig, init_params  # noqa: E402
-from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
+from specjax.models import ModelConfig  # noqa: E402
+from support import PROGRESSION_VOCAB, progression_batch, train_progression_model  # noqa: E402
 
 # Compiling, not running, is most of this suite's time on CPU, and many tests compile the same
 # programs (the same decode loop on the same tiny models, the same train step) in different
@@ -60,70 +53,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(owned, ignore_errors=True)
 
 
-def child_env(**overrides: str) -> dict[str, str]:
-  """The environment of a process a test starts: this one's (the compilation cache, the
-  compiler flags, CPU only) without the 8 fake devices, which the child chooses for itself."""
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-  env["XLA_FLAGS"] = " ".join(flags)
-  env["JAX_PLATFORMS"] = "cpu"
-  return env | overrides
-
-
-PROGRESSION_VOCAB = 32
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_benchmark(name: str):
-  """`benchmarks/<name>.py` as a module: the scripts are run by path, not installed, and
-  import their siblings (`accelerator`, `decode_step`) by bare name."""
-  spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  # dataclasses resolve the script's string annotations through sys.modules.
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-def progression_batch(rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
-  """Arithmetic progressions mod 31 with a random start and step in 1..3 per row."""
-  start = rng.integers(0, 31, batch)[:, None]
-  step = rng.integers(1, 4, batch)[:, None]
-  return (start + step * np.arange(length)[None, :]) % 31
-
-
-def _train(config: ModelConfig, steps: int, seed: int):
-  rng = np.random.default_rng(seed)
-  optimizer = optax.adam(3e-3)
-  state = init_supervised_state(init_params(config, jax.random.key(seed)), optimizer)
-  step = make_supervised_step(config, optimizer)
-  mask = np.ones((16, 32), np.int32)
-  for _ in range(steps):
-    state, _ = step(state, progression_batch(rng, 16, 32), mask)
-  return state.params
-
-
-@contextlib.contextmanager
-def shared_dir(tmp_path_factory, worker_id: str, name: str):
-  """A directory of this test session that its pytest-xdist workers share, entered under a
-  lock: for what is too expensive to build once per worker (the tests of a module fixture
-  may run on both workers, and each would build it). The first worker to enter builds the
-  contents; a later one finds them built. (xdist's `--dist loadgroup` would pin such tests
-  to one worker, but with pytest 9 it silently does not: it renames items through an
-  attribute pytest no longer reads.)"""
-  root = tmp_path_factory.getbasetemp()
-  if worker_id != "master":  # workers' base dirs are siblings in the session's directory
-    root = root.parent
-  with open(root / f"{name}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      path = root / name
-      path.mkdir(exist_ok=True)
-      yield path
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
   """Drop every compiled program after each test module: a worker runs half the suite, and
@@ -143,15 +72,15 @@ def progression_models():
                        num_medusa_heads=3, max_position=128)
   draft = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=32, n_layers=1, n_heads=2,
                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=128)
-  return {"config": target, "params": _train(target, 250, 0),
-          "draft_config": draft, "draft_params": _train(draft, 150, 1)}
+  return {"config": target, "params": train_progression_model(target, 250, 0),
+          "draft_config": draft, "draft_params": train_progression_model(draft, 150, 1)}
 
 
 @pytest.fixture(scope="session")
 def progression_eagle(progression_models):
   """An EAGLE-3 head for `progression_models`' target, trained with the training-time test
   on the same kind of sequences (a few seconds), over a reduced 28-token draft vocabulary."""
-  from specjax.drafter_training import draft_vocab_from_data, train_eagle3
+  from specjax.supervised.eagle3 import draft_vocab_from_data, train_eagle3
   from specjax.models import Eagle3Config
 
   m = progression_models
@@ -163,15 +92,3 @@ def progression_eagle(progression_models):
   weights, _ = train_eagle3(m["params"], m["config"], config, ((t, mask) for t in data),
                             optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
   return {"config": config, "weights": weights}
-
-
-@dataclasses.dataclass(frozen=True)
-class CyclingPolicy(Adaptive):
-  """Runs the menu's entries in turn, starting with the second (a speculative one): the
-  adversary of any state a drafter keeps for one tree only."""
-
-  def choose(self, counts, batch, live=None, remaining=None):
-    return ((counts.rounds + 1) % len(self.menu)).astype(jnp.int32)
-
-  def keeps(self, entry, counts, batch, live=None, remaining=None):
-    return self.choose(counts, batch) == entry

@@ -34,8 +34,8 @@ from specjax.rl.trainer import make_prime_fn  # noqa: E402
 from specjax.sharding import MeshConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_multihost_grpo import (MESH, PROMPTS, STEPS, TOK, config, flat,  # noqa: E402
-                                 initial_state, optimizer, reader, reward)
+from support import (MESH, PROMPTS, STEPS, TOK, config, flat, initial_state,  # noqa: E402
+                     optimizer, reader, reward)
 
 assert jax.process_count() == nproc and jax.device_count() == nproc * ndev == 4
 mesh = MESH.make()

@@ -27,7 +27,8 @@ from specjax.models import forward  # noqa: E402
 from specjax.supervised import init_supervised_state, make_supervised_step  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from test_multihost import CONFIG, global_batch  # noqa: E402
+from support import SUPERVISED_MODEL as CONFIG  # noqa: E402
+from support import supervised_global_batch as global_batch  # noqa: E402
 
 assert jax.process_count() == nproc and jax.device_count() == nproc * ndev
 mesh = sharding.make_mesh(data=nproc, fsdp=1, tensor=ndev)

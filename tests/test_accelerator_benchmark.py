@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from conftest import load_benchmark
+from support import load_benchmark
 
 
 def _numbers(tree, path=()):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import progression_batch
+from support import progression_batch
 from specjax.decoding import DraftModelDrafter, DraftTree, MTPDrafter, SamplingConfig, generate
 from specjax.models import ConfigError, KVCache, ModelConfig, forward, init_params
 from specjax.models import attention

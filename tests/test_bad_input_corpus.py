@@ -38,11 +38,10 @@ from specjax.models import load_hf, save_hf
 from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader,
                         RewardError, TaskError, arithmetic_reward, group_advantages, grpo_loss,
                         read_gsm8k_jsonl)
-from specjax.rl import experiment
-from specjax.rl.experiment import ExperimentConfig
+from specjax.experiments import grpo as experiment
+from specjax.experiments.grpo import ExperimentConfig
 from specjax.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits
-from test_cli import _write_checkpoint
-from test_hf_bad_inputs import _edit_config, _edit_tensors
+from support import edit_config, edit_tensors, write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,35 +105,35 @@ HF_CASES = [
          _then_load(lambda p: (p / "config.json").write_bytes(b"\xff\xfe{}")),
          CheckpointError, r"config\.json: not UTF-8 text \(byte 0\).*re-download"),
     case("unknown_architecture",
-         _then_load(lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"],
+         _then_load(lambda p: edit_config(p, architectures=["GPT2LMHeadModel"],
                                            model_type="gpt2")),
          ConfigError, r"architectures=\['GPT2LMHeadModel'\] \(model_type='gpt2'\) is "
                       r"unsupported: allowed model_type one of \['llama', 'qwen2', 'qwen3'\]"),
     case("missing_required_field",
          _then_load(lambda p: _drop_config_fields(p, "hidden_size")),
          ConfigError, r"missing required fields \['hidden_size'\] for LlamaForCausalLM"),
-    case("integer_field_as_string", _then_load(lambda p: _edit_config(p, vocab_size="64")),
+    case("integer_field_as_string", _then_load(lambda p: edit_config(p, vocab_size="64")),
          ConfigError, r"vocab_size='64' is invalid: allowed an integer"),
     case("unsupported_rope_type",
-         _then_load(lambda p: _edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 2.0},
+         _then_load(lambda p: edit_config(p, rope_scaling={"rope_type": "yarn", "factor": 2.0},
                                            rope_parameters=None)),
          ConfigError, r"rope type 'yarn' is unsupported: allowed 'default' .* or 'llama3'"),
-    case("missing_tensor", _then_load(lambda p: _edit_tensors(p, lambda t: t.pop(UP))),
+    case("missing_tensor", _then_load(lambda p: edit_tensors(p, lambda t: t.pop(UP))),
          CheckpointError, rf"missing tensor '{re.escape(UP)}' \(expected shape \(48, 32\)\)"),
     case("wrong_tensor_shape",
-         _then_load(lambda p: _edit_tensors(
+         _then_load(lambda p: edit_tensors(
              p, lambda t: t.update({"model.norm.weight": np.ones(16, np.float32)}))),
          CheckpointError, r"tensor 'model\.norm\.weight' in model\.safetensors has shape "
                           r"\(16,\), expected \(32,\)"),
     case("tensor_of_a_layer_the_config_lacks",
-         _then_load(lambda p: _edit_tensors(
+         _then_load(lambda p: edit_tensors(
              p, lambda t: t.update({UP.replace(".0.", ".5."): t[UP]}))),
          CheckpointError, r"unexpected tensors for a 1-layer llama model: "
                           r"\['model\.layers\.5\.mlp\.up_proj\.weight'\]"),
     case("no_weights_file", _then_load(lambda p: (p / "model.safetensors").unlink()),
          CheckpointError, r"no model\.safetensors or model\.safetensors\.index\.json"),
     case("draft_heads_listed_but_absent",
-         _then_load(lambda p: _edit_config(p, specjax={"num_mtp_modules": 1})),
+         _then_load(lambda p: edit_config(p, specjax={"num_mtp_modules": 1})),
          CheckpointError, r"config\.json lists draft heads but specjax_heads\.safetensors is "
                           r"missing"),
     case("unsupported_param_dtype", lambda p: load_hf(p, param_dtype="int8"),
@@ -148,18 +147,18 @@ HF_CASES = [
                            p.parent / "out"),
          ConfigError, r"params embed has shape \(8, 32\), expected \(64, 32\)"),
     case("rope_theta_not_a_number",
-         _then_load(lambda p: _edit_config(p, rope_theta="fast", rope_parameters=None)),
+         _then_load(lambda p: edit_config(p, rope_theta="fast", rope_parameters=None)),
          ConfigError, r"rope_theta='fast' is invalid"),
-    case("rms_norm_eps_not_a_number", _then_load(lambda p: _edit_config(p, rms_norm_eps="x")),
+    case("rms_norm_eps_not_a_number", _then_load(lambda p: edit_config(p, rms_norm_eps="x")),
          ConfigError, r"rms_norm_eps='x' is invalid"),
-    case("rope_scaling_a_list", _then_load(lambda p: _edit_config(p, rope_scaling=[8.0])),
+    case("rope_scaling_a_list", _then_load(lambda p: edit_config(p, rope_scaling=[8.0])),
          ConfigError, r"rope_scaling"),
-    case("specjax_entry_a_list", _then_load(lambda p: _edit_config(p, specjax=[1])),
+    case("specjax_entry_a_list", _then_load(lambda p: edit_config(p, specjax=[1])),
          ConfigError, r"specjax"),
-    case("head_dim_zero", _then_load(lambda p: _edit_config(p, head_dim=0)),
+    case("head_dim_zero", _then_load(lambda p: edit_config(p, head_dim=0)),
          ConfigError, r"head_dim=0"),
     case("tensor_holding_nan",
-         _then_load(lambda p: _edit_tensors(
+         _then_load(lambda p: edit_tensors(
              p, lambda t: t.update({UP: np.where(np.arange(48)[:, None] < 2, np.nan,
                                                  t[UP]).astype(np.float32)}))),
          CheckpointError, rf"tensor '{re.escape(UP)}' in .*model\.safetensors holds 64 "
@@ -746,7 +745,7 @@ def test_specjax_train_with_a_bad_config_file_exits_with_a_message(tmp_path, bod
 @pytest.fixture
 def no_model(monkeypatch):
   """Loading a checkpoint or training the demo model fails the test: flags are checked first."""
-  from specjax import demo
+  from specjax.experiments import demo
   from specjax.models import hf
 
   def refuse(*args, **kwargs):
@@ -776,7 +775,7 @@ CLI_CASES = [
          SystemExit, r"pass at least one --prompt"),
     case("generate_draft_model_without_its_checkpoint",
          lambda p: generate_command(checkpoint=str(p), prompt=("a",), drafter="draft-model"),
-         SystemExit, r"--drafter draft-model needs --draft-checkpoint DIR"),
+         ConfigError, r"--drafter='draft-model' needs its weights: pass --draft-checkpoint=DIR"),
 ]
 
 
@@ -800,16 +799,16 @@ def test_specjax_train_with_a_bad_flag_value_exits_2_naming_the_flag(capsys):
 
 
 def test_drafter_target_whose_tokenizer_exceeds_the_model_vocab_is_refused(tmp_path):
-  from specjax.drafter_data import target_spec
-  from specjax.drafter_experiment import DrafterTrainConfig
-  _write_checkpoint(tmp_path, vocab_size=8)  # a tokenizer of 10 ids
+  from specjax.experiments.drafter_data import target_spec
+  from specjax.experiments.drafter import DrafterTrainConfig
+  write_tiny_checkpoint(tmp_path, vocab_size=8)  # a tokenizer of 10 ids
   with pytest.raises(ConfigError, match=r"tokenizer vocab 10 > model vocab_size 8"):
     target_spec(DrafterTrainConfig(run_dir=str(tmp_path / "run"), target_dir=str(tmp_path)))
 
 
 def test_drafter_data_generation_stops_at_every_end_id_of_the_tokenizer(tmp_path, monkeypatch):
-  from specjax import drafter_data
-  _write_checkpoint(tmp_path)
+  from specjax.experiments import drafter_data
+  write_tiny_checkpoint(tmp_path)
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
   tokenizer = HFTokenizer.from_dir(tmp_path)
   assert tokenizer.eos_ids == (2, 3)  # </s> and <|eot_id|>

@@ -167,10 +167,13 @@ def test_resave_of_an_existing_step_does_not_bless_its_corrupted_bytes(tmp_path)
   ckpt.close()
 
 
+@pytest.mark.slow
 def test_resume_of_a_training_run_from_a_corrupted_checkpoint_raises_instead_of_training(
     tmp_path):
-  from test_train_guards import _config, _kill_after_first_checkpoint, _Killed
-  from specjax.rl.experiment import run
+  from support import Killed as _Killed
+  from support import kill_after_first_checkpoint as _kill_after_first_checkpoint
+  from support import tiny_experiment as _config
+  from specjax.experiments.grpo import run
 
   config = _config(tmp_path, steps=1)
   with pytest.raises(_Killed):

@@ -6,22 +6,18 @@ import json
 import jax
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import models, pre_tokenizers, processors
 
 from specjax import cli
 from specjax.cli import COMMANDS, generate_command, main
 from specjax.decoding import SamplingConfig, generate
 from specjax.errors import ConfigError
-from specjax.models import ModelConfig, init_params, save_hf
 from specjax.models.hf import eos_token_ids
+from support import write_tiny_checkpoint
 
-# Ids 0 <pad>, 1 <s>, 2 </s>, 3 <|eot_id|>, then the words: 10 in all.
-SPECIALS = ["<pad>", "<s>", "</s>", "<|eot_id|>"]
-WORDS = ["a", "b", "c", "d", "e", "f"]
 MAX_NEW = 8
 
 
+@pytest.mark.slow
 def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
   generate_command(demo=True, demo_steps=30, max_new_tokens=8, widths=(2, 1))
   out = capsys.readouterr().out
@@ -30,6 +26,7 @@ def test_generate_demo_prints_text_acceptance_and_speedup(capsys):
   assert "speculative / plain throughput" in out
 
 
+@pytest.mark.slow
 def test_generate_demo_with_adaptive_speculation_prints_costs_and_rounds_per_tree(
     capsys, tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
@@ -56,24 +53,6 @@ def test_help_lists_every_command_and_a_missing_or_unknown_one_exits_2(capsys):
       main(argv)
     assert exit_info.value.code == 2
   assert "unknown command 'trian'" in capsys.readouterr().err
-
-
-def _write_checkpoint(path, vocab_size: int = 16):
-  """A random 1-layer Llama and a word-level tokenizer whose post-processor adds <s> (as
-  Llama 3's does) when asked for special tokens."""
-  config = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                       head_dim=16, mlp_dim=64, max_position=64, family="llama")
-  params = init_params(config, jax.random.key(0))
-  save_hf(params, config, path)
-  vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-  tok = RawTokenizer(models.WordLevel(vocab, unk_token=None))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(SPECIALS)
-  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-  tok.save(str(path / "tokenizer.json"))
-  (path / "tokenizer_config.json").write_text(json.dumps(
-      {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
-  return params, config
 
 
 def _edit_json(file, **changes) -> None:
@@ -103,7 +82,7 @@ PROMPT_LENGTHS = np.array([3, 2])
 @pytest.mark.parametrize("source", ["config.json", "generation_config.json"])
 def test_generate_on_a_checkpoint_prepends_bos_once_and_stops_at_every_listed_end_id(
     tmp_path, generate_calls, capsys, source):
-  params, config = _write_checkpoint(tmp_path)
+  params, config = write_tiny_checkpoint(tmp_path)
   unstopped = np.asarray(generate(params, config, PROMPT_TOKENS, PROMPT_LENGTHS,
                                   jax.random.key(0), max_new_tokens=MAX_NEW,
                                   sampling=SamplingConfig(temperature=0.0)).tokens)
@@ -132,7 +111,7 @@ def test_generate_on_a_checkpoint_prepends_bos_once_and_stops_at_every_listed_en
 
 def test_generate_on_a_checkpoint_without_listed_end_ids_stops_at_the_tokenizers_eos(
     tmp_path, generate_calls):
-  _write_checkpoint(tmp_path)
+  write_tiny_checkpoint(tmp_path)
   generate_command(checkpoint=str(tmp_path), prompt=("a",), drafter="none", temperature=0.0,
                    max_new_tokens=2)
   assert generate_calls[-1][1]["eos_id"] == (2,)
@@ -140,7 +119,7 @@ def test_generate_on_a_checkpoint_without_listed_end_ids_stops_at_the_tokenizers
 
 def test_a_tokenizer_larger_than_the_model_is_refused_before_generating(tmp_path,
                                                                         generate_calls):
-  _write_checkpoint(tmp_path, vocab_size=8)
+  write_tiny_checkpoint(tmp_path, vocab_size=8)
   with pytest.raises(ConfigError, match=r"tokenizer vocab 10 > model vocab_size 8"):
     generate_command(checkpoint=str(tmp_path), prompt=("a",), drafter="none")
   assert not generate_calls

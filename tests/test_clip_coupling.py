@@ -19,7 +19,7 @@ from specjax.models import ModelConfig, init_params
 from specjax.models.transformer import forward
 from specjax.rl import ArithmeticTask
 from specjax.models.heads import DRAFT_HEAD_KEYS
-from specjax.rl.experiment_config import ExperimentConfig, _clip_trunk_and_heads
+from specjax.experiments.grpo_config import ExperimentConfig, _clip_trunk_and_heads
 from specjax.supervised import draft_head_loss
 
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)

@@ -21,7 +21,8 @@ from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eag
                               SamplingConfig)
 from specjax.errors import ConfigError
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
-from specjax.rl import GRPOConfig, PromptReader, encode_prompt, experiment
+from specjax.experiments import grpo as experiment
+from specjax.rl import GRPOConfig, PromptReader, encode_prompt
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step, prime_keys, rollout_metrics, scored_rollout,
@@ -29,8 +30,8 @@ from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, ma
 from specjax.sharding import MeshConfig, make_mesh, transfer
 # The multi-host test's task, policy (one MTP module), optimizer, parity reward and async
 # configuration: the disaggregated and the multi-process steps are checked on the same run.
-from test_multihost_grpo import MODEL, PROMPTS, TASK, TOK, flat, optimizer, reward
-from test_multihost_grpo import config as multihost_config
+from support import MODEL, PROMPTS, TASK, TOK, flat, optimizer, reward
+from support import config as multihost_config
 
 STEPS = 3
 METRICS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean",

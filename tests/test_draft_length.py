@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CyclingPolicy, progression_batch
+from support import CyclingPolicy, progression_batch
 from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, SamplingConfig, generate,
                               verify)
 from specjax.decoding.drafters import draft_level_by_level
@@ -69,6 +69,7 @@ def _drafters(m, e):
           "eagle3": (Eagle3Drafter(e["config"], confidence=0.9), e["weights"])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["draft_model", "eagle3"])
 def test_greedy_output_equals_plain_with_early_stopping(progression_models, progression_eagle,
                                                         name):

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import CyclingPolicy, progression_batch
+from support import CyclingPolicy, progression_batch
 from specjax.decoding import (Adaptive, CostTable, DecodeLoop, DraftModelDrafter, DraftTree,
                               Eagle3Drafter, MTPDrafter, SamplingConfig, generate)
 from specjax.errors import ConfigError
@@ -47,6 +47,7 @@ def _first_proposal(max_new_tokens: int):
   return proposal, loop.max_len
 
 
+@pytest.mark.slow
 def test_mtp_drafts_near_the_end_of_the_buffer_equal_drafts_far_from_it():
   near, near_slots = _first_proposal(max_new_tokens=2)
   far, _ = _first_proposal(max_new_tokens=30)
@@ -98,6 +99,7 @@ def test_drafts_of_caches_sized_like_the_targets_are_the_same_near_the_end_of_th
   np.testing.assert_allclose(near.logprobs, far.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["eagle3", "draft_model"])
 def test_drafter_caches_sized_like_the_targets_lose_nothing_at_the_end_of_the_buffer(
     progression_models, progression_eagle, name):

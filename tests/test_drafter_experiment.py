@@ -14,9 +14,9 @@ from tokenizers import models, pre_tokenizers
 
 from specjax.cli import main
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
-from specjax.drafter_experiment import (DrafterTrainConfig, load_target, task_prompts,
+from specjax.experiments.drafter import (DrafterTrainConfig, load_target, task_prompts,
                                         run_drafter_training)
-from specjax.errors import ConfigError
+from specjax.errors import CheckpointError, ConfigError
 from specjax.models import ModelConfig, init_params, load_eagle3, save_hf
 from specjax.rl import ArithmeticTask
 
@@ -54,6 +54,7 @@ def tiny_run(tmp_path_factory):
           "metrics": _metrics(run_dir)}
 
 
+@pytest.mark.slow
 def test_tiny_run_exports_a_head_that_loads_and_drafts_losslessly(tiny_run):
   config, summary, run_dir = tiny_run["config"], tiny_run["summary"], tiny_run["dir"]
   assert summary["steps"] == summary["steps_this_run"] == 6
@@ -145,7 +146,7 @@ def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
 
 def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_path):
   from specjax.checkpoint import Checkpointer
-  from specjax.rl.experiment import ExperimentConfig
+  from specjax.experiments.grpo import ExperimentConfig
   from specjax.rl.trainer import init_train_state
   rl = ExperimentConfig(task=TASK, model=MODEL, drafter="none")
   params = init_params(MODEL, jax.random.key(5))
@@ -157,6 +158,16 @@ def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_pat
   with pytest.raises(ConfigError, match=r"^target_rl_run=.*params\['embed'\]"):
     load_target(_tiny(tmp_path / "run", target_rl_run=str(tmp_path / "rl"),
                       model=MODEL.replace(d_model=64)))
+  # A flipped byte in a saved array is caught by the run's digest, not trained against.
+  from specjax.checkpoint import DIGEST_FILE
+  step_dir = tmp_path / "rl" / "checkpoints" / "4"
+  data = max((p for p in step_dir.rglob("*") if p.is_file() and p.name != DIGEST_FILE),
+             key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF
+  data.write_bytes(bytes(raw))
+  with pytest.raises(CheckpointError, match=r"checkpoint step 4 at .* is corrupted"):
+    load_target(_tiny(tmp_path / "run", target_rl_run=str(tmp_path / "rl")))
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -192,7 +203,7 @@ def test_configs_that_do_not_fit_the_target_fail_before_any_training(tmp_path, c
 
 def test_cli_train_drafter_applies_overrides_to_the_config_file(monkeypatch, tmp_path):
   seen = []
-  monkeypatch.setattr("specjax.drafter_experiment.run_drafter_training",
+  monkeypatch.setattr("specjax.experiments.drafter.run_drafter_training",
                       lambda config: seen.append(config) or {})
   main(["train-drafter", "--config", str(CONFIGS / "eagle3_arithmetic.py"), "--run-dir",
         str(tmp_path), "--steps", "70", "--ttt-steps", "2", "--aux-layers", "1", "1", "1"])
@@ -200,3 +211,42 @@ def test_cli_train_drafter_applies_overrides_to_the_config_file(monkeypatch, tmp
   assert seen[0].run_dir == str(tmp_path) and seen[0].draft_vocab_size == 15
   with pytest.raises(SystemExit, match="needs a DrafterTrainConfig"):
     main(["train-drafter", "--config", str(CONFIGS / "arithmetic_tiny.py")])
+
+
+def test_a_rerun_names_a_damaged_data_file_and_tolerates_a_metrics_line_cut_by_a_kill(
+    tmp_path):
+  """What `train-drafter` reads back from its run directory: `data.npz` truncated, foreign or
+  inconsistent is refused naming the file; a `metrics.jsonl` whose last line a kill cut short
+  loses that line (the step runs again), while a malformed earlier line or one without a step
+  is named (the shared reader of `specjax train`)."""
+  from specjax.experiments.drafter import _read_data
+  from specjax.experiments.run_record import kept_metrics
+  good = tmp_path / "data.npz"
+  tokens = np.arange(12, dtype=np.int32).reshape(3, 4)
+  np.savez(good, tokens=tokens, loss_mask=np.ones_like(tokens), d2t=np.arange(5))
+  np.testing.assert_array_equal(_read_data(good)[0], tokens)
+  cut = tmp_path / "cut.npz"
+  cut.write_bytes(good.read_bytes()[:100])
+  foreign = tmp_path / "foreign.npz"
+  np.savez(foreign, weights=np.zeros(3))
+  wrong = tmp_path / "wrong.npz"
+  np.savez(wrong, tokens=tokens.astype(np.float32), loss_mask=np.ones_like(tokens),
+           d2t=np.arange(5))
+  for path, message in ((cut, "cannot be read as this run's data"),
+                        (foreign, "cannot be read as this run's data \\(KeyError"),
+                        (wrong, "holds tokens \\(3, 4\\) float32")):
+    with pytest.raises(CheckpointError, match=rf"{path.name} {message}"):
+      _read_data(path)
+
+  metrics = tmp_path / "metrics.jsonl"
+  metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+  logs = []
+  assert kept_metrics(metrics, 2, logs.append) == ['{"step": 1, "loss": 2.0}',
+                                                   '{"step": 2, "loss": 1.5}']
+  assert "dropped the truncated last line 3" in logs[0]
+  metrics.write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.5}\n')
+  with pytest.raises(CheckpointError, match="line 1 is not a JSON record"):
+    kept_metrics(metrics, 2)
+  metrics.write_text('{"loss": 1.5}\n{"step": 2}\n')
+  with pytest.raises(CheckpointError, match='line 1 has no integer "step"'):
+    kept_metrics(metrics, 2)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import progression_batch
+from support import progression_batch
 from specjax.decoding import DecodeLoop, DraftTree, SamplingConfig, generate
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.errors import ConfigError
@@ -65,6 +65,7 @@ def test_eos_inside_an_accepted_eagle3_run_truncates_like_plain_decoding(progres
   np.testing.assert_array_equal(spec.lengths, plain_eos.lengths)
 
 
+@pytest.mark.slow
 def test_drafted_distributions_equal_the_training_time_test_unroll(progression_models,
                                                                    progression_eagle):
   """The drafter's distribution at depth j + 1 of a chain is the training-time test's step j

@@ -528,6 +528,15 @@ def _bad_d2t_offsets(kind):
      r"aux_layers=\(2, 16, 29\) is invalid for a 4-layer target: each must be in 1..3"),
     ({"hf_changes": {"num_hidden_layers": 2}}, ConfigError,
      "num_hidden_layers=2 is unsupported: allowed 1"),
+    # Once silently taken: a fractional size truncated, integer and NaN weights loaded.
+    ({"hf_changes": {"hidden_size": 32.5}}, ConfigError,
+     r"config.json: hidden_size=32.5 is invalid: allowed an integer"),
+    ({"hf_changes": {"rms_norm_eps": "1e-6"}}, ConfigError,
+     r"rms_norm_eps='1e-6' is invalid: allowed a finite number"),
+    ({"extra": {"norm.weight": np.ones((32,), np.int32)}}, CheckpointError,
+     r"tensor 'norm.weight' has dtype I32: allowed a float dtype"),
+    ({"extra": {"fc.weight": np.full((32, 96), np.nan, np.float32)}}, CheckpointError,
+     r"tensor 'fc.weight' holds 3072 non-finite values \(NaN or inf\)"),
 ])
 def test_bad_checkpoints_raise_clear_errors(tmp_path, kwargs, error, message):
   _hand_checkpoint(tmp_path, _config(), 0, **kwargs)
@@ -562,3 +571,22 @@ def test_save_replaces_an_export_atomically_and_keeps_other_files(tmp_path, monk
   jax.tree.map(np.testing.assert_array_equal, load_eagle3(out, TARGET)[1], new)
   assert (out / "README.md").read_text() == "notes"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]  # no temp dirs left behind
+
+
+def test_an_export_killed_between_its_two_renames_is_read_and_restored_by_the_next_save(
+    tmp_path):
+  """A save killed after moving the old head aside and before renaming the new one in leaves
+  no `draft/`: loading reads the old head where it was moved, and the next save puts it back
+  before replacing it, leaving no temporary or backup directory behind."""
+  config = _config()
+  old, new = _random_params(config, 40), _random_params(config, 41)
+  out = tmp_path / "draft"
+  save_eagle3(out, old, config, _d2t())
+  dead = tmp_path / ".draft.old-999999999"  # a backup of a writer that no longer runs
+  os.rename(out, dead)
+  (tmp_path / ".draft.tmp-999999999").mkdir()  # and its half-written new version
+  with pytest.warns(UserWarning, match="interrupted write"):
+    jax.tree.map(np.testing.assert_array_equal, load_eagle3(out, TARGET)[1], old)
+  save_eagle3(out, new, config, _d2t())
+  jax.tree.map(np.testing.assert_array_equal, load_eagle3(out, TARGET)[1], new)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]

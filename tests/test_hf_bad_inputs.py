@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from specjax.models import (CheckpointError, ConfigError, ModelConfig, forward, init_params,
                             load_hf, save_hf)
 from specjax.models import hf as hf_io
+from support import edit_config, edit_tensors
 
 VOCAB = 64
 REPO = Path(__file__).resolve().parents[1]
@@ -42,18 +43,6 @@ def _assert_trees_bitwise_equal(a, b) -> None:
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert x.dtype == y.dtype and x.shape == y.shape
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-
-
-def _edit_config(path: Path, **changes) -> None:
-  file = path / "config.json"
-  file.write_text(json.dumps(json.loads(file.read_text()) | changes))
-
-
-def _edit_tensors(path: Path, edit) -> None:
-  file = path / "model.safetensors"
-  tensors = load_file(file)
-  edit(tensors)
-  save_file(tensors, file, metadata={"format": "pt"})
 
 
 def _siblings(path: Path) -> list[str]:
@@ -201,7 +190,7 @@ def _transformers_layer_types(path: Path) -> list[str]:
 
 
 def test_active_qwen3_sliding_window_is_refused(saved_qwen3):
-  _edit_config(saved_qwen3, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+  edit_config(saved_qwen3, use_sliding_window=True, sliding_window=16, max_window_layers=1)
   assert "sliding_attention" in _transformers_layer_types(saved_qwen3)
   with pytest.raises(ConfigError, match=r"use_sliding_window=True with sliding_window=16 on "
                                         r"layers 1\.\.1.*allowed"):
@@ -214,7 +203,7 @@ def test_active_qwen3_sliding_window_is_refused(saved_qwen3):
     {"use_sliding_window": False, "sliding_window": 16, "max_window_layers": 0},
 ], ids=["window_covers_max_position", "no_layer_past_max_window_layers", "disabled"])
 def test_inactive_sliding_window_loads_negative_control(saved_qwen3, changes):
-  _edit_config(saved_qwen3, **changes)
+  edit_config(saved_qwen3, **changes)
   # transformers agrees the window never masks: either no sliding layer, or one whose window
   # covers every position up to max_position_embeddings.
   types = _transformers_layer_types(saved_qwen3)
@@ -228,17 +217,17 @@ def test_inactive_sliding_window_loads_negative_control(saved_qwen3, changes):
 ])
 def test_model_type_other_than_the_llama_architecture_is_refused(saved, model_type, match):
   path, _, _ = saved
-  _edit_config(path, model_type=model_type)
+  edit_config(path, model_type=model_type)
   with pytest.raises(ConfigError, match=match):
     load_hf(path)
 
 
 def test_non_integral_float_int_field_is_refused_integral_float_is_accepted(saved):
   path, params, config = saved
-  _edit_config(path, hidden_size=32.0, num_hidden_layers=2.0)
+  edit_config(path, hidden_size=32.0, num_hidden_layers=2.0)
   loaded, loaded_config = load_hf(path)
   assert loaded_config == config
-  _edit_config(path, hidden_size=32.5)
+  edit_config(path, hidden_size=32.5)
   with pytest.raises(ConfigError, match=r"hidden_size=32\.5 is invalid: allowed an integer"):
     load_hf(path)
 
@@ -248,7 +237,7 @@ def test_integer_or_bool_weight_is_refused(tmp_path, dtype):
   config = _config(n_layers=1)
   save_hf(init_params(config, jax.random.key(5)), config, tmp_path)
   name = "model.layers.0.mlp.up_proj.weight"
-  _edit_tensors(tmp_path, lambda t: t.update({name: t[name].astype(dtype)}))
+  edit_tensors(tmp_path, lambda t: t.update({name: t[name].astype(dtype)}))
   with pytest.raises(CheckpointError,
                      match=rf"{re.escape(name)}.*dtype (I32|BOOL): allowed a float"):
     load_hf(tmp_path)
@@ -295,7 +284,7 @@ def test_tied_config_with_stored_lm_head_matches_transformers_logits(tmp_path, s
     t["lm_head.weight"] = rng.normal(0, 0.2, (VOCAB, 32)).astype(np.float32)
     if stored == "only_lm_head":
       del t["model.embed_tokens.weight"]
-  _edit_tensors(tmp_path, edit)
+  edit_tensors(tmp_path, edit)
 
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
   tokens = rng.integers(0, VOCAB, (1, 7))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from conftest import CyclingPolicy
+from support import CyclingPolicy
 from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, MedusaDrafter,
                               SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights

@@ -9,19 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import child_env
-from specjax.models import ModelConfig
-
-CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
-                     head_dim=16, mlp_dim=64, num_mtp_modules=1)
-
-
-def global_batch():
-  """`[4, 12]` tokens and loss mask, the same in every process."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, CONFIG.vocab_size, (4, 12)).astype(np.int32)
-  return tokens, np.ones_like(tokens)
-
+from support import SUPERVISED_MODEL as CONFIG
+from support import child_env
+from support import supervised_global_batch as global_batch
 
 def _free_port() -> int:
   with socket.socket() as s:

@@ -9,81 +9,30 @@ import json
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import child_env, shared_dir
+from support import (MODEL, PROMPTS, STEPS, TOK, child_env, config, flat,
+                     initial_state, optimizer, reader, reward, shared_dir)
 from specjax import cli
 from specjax.checkpoint import Checkpointer
-from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig
+from specjax.decoding import DraftTree
 from specjax.errors import ConfigError
-from specjax.models import ModelConfig, init_params
-from specjax.rl import (ArithmeticTask, GRPOConfig, PromptReader, encode_prompt,
-                        train_state_shardings)
+from specjax.models import init_params
+from specjax.rl import (GRPOConfig, train_state_shardings)
 from specjax.rl.distributed import join_cluster, process_prompts, process_rows
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step)
 from specjax.sharding import MeshConfig
 
-TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
-TOK = TASK.tokenizer
-# One MTP module drafting one token: the smallest speculative step (it compiles fastest).
-MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
-                    head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)
-PROMPTS = 4  # per step, global: 2 per process
-STEPS = 2
-# fsdp spans the two processes (each holds half of every "embed" dimension and half of the
-# prompts), tensor the two devices of one process.
-MESH = MeshConfig(data=1, fsdp=2, tensor=2)
 METRICS = ("reward_mean", "loss", "kl", "mtp_ce", "entropy", "grad_norm",
            "response_length_mean", "acceptance_length")
-
-
-def config(async_mode: bool) -> TrainConfig:
-  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
-                          sampling=SamplingConfig(1.0), drafter=MTPDrafter(),
-                          tree=DraftTree.chain(1))
-  return TrainConfig(model=MODEL, grpo=GRPOConfig(group_size=4, beta=0.05, num_minibatches=2,
-                                                  tis_cap=2.0),
-                     rollout=rollout, async_mode=async_mode)
-
-
-def optimizer():
-  # Adam's first step is lr * g / (|g| + eps): with the default eps=1e-8 it is lr * sign(g),
-  # so a gradient element that is float noise on both sides (~1e-9, e.g. the KL's gradient
-  # while the policy still equals the reference) would move by +-lr with a random sign. A
-  # larger eps keeps such noise at noise level; real gradients (~1e-3) still take full steps.
-  return optax.adam(1e-3, eps=1e-4)
-
-
-def reward(tokens, lengths, answers):
-  """Parity of the first response token: random responses differ within a group, so the
-  advantages, and the policy gradient, are not zero (the task's reward is 0 for an untrained
-  policy)."""
-  del lengths, answers
-  return (tokens[:, 0] % 2).astype(jnp.float32)
-
-
-def initial_state(cfg: TrainConfig):
-  return init_train_state(cfg, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
-
-
-def reader() -> PromptReader:
-  records = [{"prompt": encode_prompt(TOK, e.prompt), "reference": e.reference,
-              "answer": e.answer} for e in TASK.examples("train")]
-  return PromptReader(records, batch_size=PROMPTS, pad_id=TOK.pad_id)
-
-
-def flat(tree) -> dict:
-  """Leaves by their path, e.g. ".params['embed']"."""
-  return {jax.tree_util.keystr(path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _free_port() -> int:
@@ -345,6 +294,50 @@ def test_no_cluster_specification_or_a_cluster_of_one_is_a_single_process():
                                "JAX_PROCESS_ID": "0"}, detect=False)
   with pytest.raises(ConfigError, match=r"JAX_PROCESS_ID='one' is invalid: must be an int"):
     join_cluster(env={"JAX_PROCESS_ID": "one"}, detect=False)
+
+
+def test_a_process_that_finds_nobody_at_the_coordinator_fails_fast_naming_the_address():
+  """Was: a C++ abort after 5 minutes that named no cause. Now: a few seconds, the address."""
+  port = _free_port()
+  with pytest.raises(ConfigError, match=rf"nobody answers at the coordinator address "
+                                        rf"localhost:{port} after 1s"):
+    join_cluster(f"localhost:{port}", 2, 1, env={}, detect=False, timeout_s=1,
+                 log=lambda _: None)
+  with pytest.raises(ConfigError, match=r"cluster timeout=0 is invalid"):
+    join_cluster(f"localhost:{port}", 2, 1, env={}, detect=False, timeout_s=0)
+
+
+_MISMATCH = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 1)
+    from specjax.errors import ConfigError
+    from specjax.rl.distributed import check_same_config, join_cluster
+    port, pid, lr = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    join_cluster(f"localhost:{port}", 2, pid, env={}, timeout_s=60, log=lambda _: None)
+    try:
+      check_same_config({"learning_rate": lr, "steps": 10})
+      print("same")
+    except ConfigError as err:
+      print("refused:", err)
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rates, expect", [((1e-3, 1e-3), "same"),
+                                           ((1e-3, 1e-4), "refused: processes [1] run a "
+                                                          "different config")])
+def test_processes_with_different_configs_all_stop_before_the_first_collective(rates, expect):
+  """Two local processes compare their resolved configs first; with different ones every
+  process stops naming which differ, instead of stalling in a collective (the negative
+  control: equal configs pass)."""
+  port = str(_free_port())
+  procs = [subprocess.Popen([sys.executable, "-c", _MISMATCH, port, str(i), str(rate)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env()) for i, rate in enumerate(rates)]
+  outs = [proc.communicate(timeout=240)[0] for proc in procs]
+  for out in outs:
+    assert expect in out, out
 
 
 def test_local_copy_is_a_copy_that_a_donating_step_leaves_intact():

@@ -16,7 +16,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from conftest import DEVICE_COUNT_FLAG, child_env
+from support import DEVICE_COUNT_FLAG, child_env
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env
+from support import child_env
 from specjax.errors import ConfigError
 from specjax.models import ModelConfig
-from specjax.plan import GIB, plan, plan_main
-from specjax.rl.experiment import ExperimentConfig
+from specjax.cli import plan_command
+from specjax.experiments.plan import GIB, plan
+from specjax.experiments.grpo import ExperimentConfig
 from specjax.sharding import MeshConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = """
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.rl.experiment import ExperimentConfig
+from specjax.experiments.grpo import ExperimentConfig
 from specjax.sharding import MeshConfig
 
 
@@ -87,7 +88,7 @@ def test_plan_rejects_a_config_that_is_not_an_experiment():
 
 def test_plan_command_names_an_unknown_config_file():
   with pytest.raises(SystemExit, match="no-such-config.py: no such file"):
-    plan_main(["--config", "configs/no-such-config.py", "--devices", "8"])
+    plan_command(["--config", "configs/no-such-config.py", "--devices", "8"])
 
 
 def test_plan_command_sets_the_fake_device_count_itself(tmp_path):

@@ -198,8 +198,15 @@ def test_worked_solutions_and_their_reward():
     ("#### .75", 0.75),
     ("a 10% rise", 10.0),
     ("nothing here", None),
+    # Read whole, not by a prefix ("#### 3/4" once read as 3, "#### 1e3" as 1).
+    ("#### 3/4", 0.75),
+    ("It is 3/4.", 0.75),
+    ("#### -1/2", -0.5),
+    ("#### 1e3", 1000.0),
+    ("2.5e-1 of it", 0.25),
+    ("on 12/25/2020", 12.0),
 ])
-def test_parse_number_handles_commas_dollars_signs_decimals(text, value):
+def test_parse_number_handles_commas_dollars_signs_decimals_exponents_fractions(text, value):
   assert parse_number(text) == value
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import child_env
+from support import child_env
 from specjax import sharding
 from specjax.checkpoint import DIGEST_FILE, Checkpointer, CheckpointError
 from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig
@@ -114,6 +114,7 @@ def test_train_step_compiles_once_and_updates_the_policy_and_drafter(fused_run):
     assert np.all(np.isfinite(history[-1][key])), key
 
 
+@pytest.mark.slow
 def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
   # Chains of 1 and 2 pay at the prior (0.9) at 16 rows: without evidence the policy drafts.
   menu = Adaptive((DraftTree.chain(1), DraftTree.chain(2)),
@@ -153,7 +154,7 @@ def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
 
 
 def test_experiments_carry_acceptance_by_default_only_where_the_adaptive_policy_keeps_it():
-  from specjax.rl.experiment_config import DEFAULT_ACCEPTANCE_CARRY, ExperimentConfig
+  from specjax.experiments.grpo_config import DEFAULT_ACCEPTANCE_CARRY, ExperimentConfig
   adaptive = ExperimentConfig(speculation="adaptive")
   assert adaptive.carry == DEFAULT_ACCEPTANCE_CARRY == 0.5
   counts = adaptive.initial_acceptance()
@@ -179,7 +180,7 @@ def test_the_fused_step_runs_no_host_callback_while_generate_under_jit_checks_it
 
 
 def test_experiment_passes_its_eagle3_ttt_steps_to_the_train_step():
-  from specjax.rl.experiment_config import ExperimentConfig
+  from specjax.experiments.grpo_config import ExperimentConfig
   config = ExperimentConfig(drafter="eagle3", tree_widths=(1, 1, 1, 1), eagle3_ttt_steps=4)
   assert config.train_config().drafter_ttt_steps == 4
   assert ExperimentConfig(drafter="eagle3").train_config().drafter_ttt_steps == 3
@@ -527,7 +528,7 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
 @pytest.mark.slow
 def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
   from specjax.models import load_eagle3
-  from specjax.rl.experiment import run
+  from specjax.experiments.grpo import run
   base = runpy.run_path(str(ROOT / "configs" / "arithmetic_eagle3.py"))["get_config"]()
   config = dataclasses.replace(base, run_dir=str(tmp_path), steps=2, sft_steps=20,
                                eagle3_steps=5, eval_prompts=8, speedup_repeats=1,
@@ -545,3 +546,31 @@ def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
   assert not any("distilled" in line for line in resumed_logs)
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+
+def test_the_step_trains_the_objective_its_config_names(monkeypatch):
+  """`GRPOConfig(objective=name)` routes the update through the loss registered as `name`
+  (traced only: the routing, not the numbers, is under test)."""
+  from specjax.rl import losses, register_objective
+  from support import config as shared_config
+  from support import initial_state, optimizer, reader, reward
+  from support import TOK as SHARED_TOK
+
+  monkeypatch.setattr(losses, "_OBJECTIVES", dict(losses._OBJECTIVES))
+  calls = []
+
+  def spy(config, logprobs, *args, **kwargs):
+    calls.append(logprobs.shape)
+    return losses.grpo_loss(config, logprobs, *args, **kwargs)
+
+  register_objective("spy", spy)
+  base = shared_config(async_mode=False)
+  cfg = dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, objective="spy"))
+  step = make_train_step(cfg, reward, optimizer(), pad_id=SHARED_TOK.pad_id)
+  jax.eval_shape(step, initial_state(cfg), reader().batch_at(0))
+  rows = reader().batch_at(0).tokens.shape[0] * cfg.grpo.group_size
+  assert calls and calls[0][0] == rows // cfg.grpo.num_minibatches, calls  # one minibatch
+  with pytest.raises(ConfigError, match="objective='nope' is invalid: allowed one of grpo, spy"):
+    GRPOConfig(objective="nope")
+  with pytest.raises(ConfigError, match="'grpo' is registered already"):
+    register_objective("grpo", spy)

@@ -8,6 +8,7 @@ import pytest
 
 from specjax import sim
 from specjax.errors import ConfigError
+from specjax.experiments.device_profile import calibrate_profile
 from specjax.sim.cli import simulate_main
 
 SMALL = sim.ModelSpec("small", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -280,7 +281,7 @@ def test_calibration_takes_the_repeats_of_its_shapes_in_turn():
   # Round robin after one warm-up pass: a burst of load from other work then slows every
   # shape alike instead of bending the efficiency curve (sequential repeats would give
   # [0, 0, 0, 1, 1, 1, 2, 2, 2] after the warm-ups).
-  from specjax.sim.calibrate import _interleaved_medians
+  from specjax.experiments.device_profile import _interleaved_medians
   order = []
   seconds = _interleaved_medians([lambda i=i: order.append(i) for i in range(3)], repeats=2)
   assert order == [0, 1, 2] + [0, 1, 2] * 2
@@ -288,8 +289,8 @@ def test_calibration_takes_the_repeats_of_its_shapes_in_turn():
 
 
 def test_calibrate_profile_measures_this_machine_and_the_cli_simulates_on_it(tmp_path, capsys):
-  profile = sim.calibrate_profile(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
-                                  decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)
+  profile = calibrate_profile(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
+                              decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)
   assert profile.peak_flops > 1e8 and profile.hbm_bw > 1e8
   assert 0 < profile.mem_eff <= 1.5 and profile.layer_overhead_s >= 0
   path = tmp_path / "profile.json"
@@ -359,6 +360,15 @@ def test_cli_rejects_an_unknown_model_naming_the_allowed_ones(capsys):
   with pytest.raises(SystemExit):
     simulate_main(["--model", "gpt-9", "--acceptance", "2"])
   assert "qwen3-235b-a22b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("length", ["0", "-2"])
+def test_cli_refuses_a_draft_length_below_one_instead_of_simulating_the_default(capsys, length):
+  with pytest.raises(SystemExit) as exit_info:
+    simulate_main(["--model", "tiny", "--devices", "1xH100", "--draft-length", length,
+                   "--acceptance", "2"])
+  assert exit_info.value.code == 2
+  assert f"--draft-length {length} is invalid: must be an int >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sweep", ["draft-length-x-acceptance", "devices-x-model"])

@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from conftest import load_benchmark
+from support import load_benchmark
 
 
 def test_summary_counts_only_held_out_rows_against_the_issue_target():

@@ -17,28 +17,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import child_env
+from support import Killed, child_env, kill_after_first_checkpoint, tiny_experiment
 from specjax.errors import CheckpointError, ConfigError
-from specjax.models import ModelConfig
-from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.rl.experiment import ExperimentConfig, run
+from specjax.rl import ArithmeticTask
+from specjax.experiments.grpo import run
 
 ROOT = Path(__file__).resolve().parents[1]
-TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
-MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                    n_kv_heads=2, head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)
-
-
-def _config(run_dir, **kwargs) -> ExperimentConfig:
-  """A run of seconds: a tiny random policy (no warm start), one-draft MTP rollouts, a
-  checkpoint every step."""
-  fields = dict(run_dir=str(run_dir), task=TASK, model=MODEL, grpo=GRPOConfig(group_size=4),
-                max_new_tokens=TASK.max_answer_tokens, drafter="mtp", tree_widths=(1,),
-                steps=2, prompts_per_step=4, warmup_steps=0, sft_steps=0, checkpoint_every=1,
-                eval_prompts=8, speedup_repeats=1, speedup_seconds=0)
-  return ExperimentConfig(**(fields | kwargs))
-
-
 def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
   """Every float array of every checkpointed state, read back from disk as saved."""
   directory = Path(run_dir) / "checkpoints"
@@ -64,7 +48,7 @@ def test_invalid_numbers_are_rejected_at_config_time_naming_field_value_and_rule
     tmp_path, field, value, allowed):
   with pytest.raises(ConfigError, match=rf"^{field}={value!r} is invalid: must be an? "
                                         rf"{allowed}"):
-    _config(tmp_path, **{field: value})
+    tiny_experiment(tmp_path, **{field: value})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +59,7 @@ class _NaNRewardTask(ArithmeticTask):
     return jnp.full(tokens.shape[:1], jnp.nan, jnp.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, kwargs, first_bad", [
     ("nan_reward", dict(task=_NaNRewardTask(max_digits=1, num_train=64, num_test=16)), 1),
     # The first update has learning rate 0 (warmup); the second moves every weight by
@@ -84,7 +69,7 @@ class _NaNRewardTask(ArithmeticTask):
 def test_diverging_run_stops_naming_the_step_and_checkpoints_only_finite_weights(
     tmp_path, case, kwargs, first_bad):
   with pytest.raises(FloatingPointError, match=r"diverged at GRPO step (\d+): non-finite") as err:
-    run(_config(tmp_path, steps=6, **kwargs), log=lambda _: None)
+    run(tiny_experiment(tmp_path, steps=6, **kwargs), log=lambda _: None)
   step = int(err.value.args[0].split("GRPO step ")[1].split(":")[0])
   assert first_bad <= step <= 4, err.value
   saved = _saved_float_leaves(tmp_path)
@@ -96,20 +81,12 @@ def test_diverging_run_stops_naming_the_step_and_checkpoints_only_finite_weights
   assert logged == list(range(1, step)), logged
 
 
-class _Killed(Exception):
-  pass
-
-
-def _kill_after_first_checkpoint(line):
-  if line.startswith("held-out accuracy before RL"):  # step 0 is saved, metrics.jsonl exists
-    raise _Killed
-
-
+@pytest.mark.slow
 def test_truncated_last_metrics_line_is_dropped_on_resume_and_a_malformed_middle_line_is_named(
     tmp_path):
-  config = _config(tmp_path, steps=1)
-  with pytest.raises(_Killed):
-    run(config, log=_kill_after_first_checkpoint)
+  config = tiny_experiment(tmp_path, steps=1)
+  with pytest.raises(Killed):
+    run(config, log=kill_after_first_checkpoint)
   metrics = tmp_path / "metrics.jsonl"
   assert metrics.read_text() == ""
   metrics.write_text('{"step": 1, "position": 4, "rew')  # a kill in the middle of an append
@@ -138,9 +115,9 @@ _READ_ONLY_RUN = textwrap.dedent("""
         return mkdir(path, *args, **kwargs)
       os.mkdir = refuse
     sys.path.insert(0, sys.argv[4])
-    from test_train_guards import _config
-    from specjax.rl.experiment import run
-    run(_config(sys.argv[1]))
+    from support import tiny_experiment
+    from specjax.experiments.grpo import run
+    run(tiny_experiment(sys.argv[1]))
     """)
 
 
@@ -161,3 +138,121 @@ def test_unwritable_checkpoint_directory_exits_nonzero_with_the_directory_named(
   assert f"CheckpointError: checkpoint step 0 cannot be written to {read_only}" in proc.stderr, (
       proc.stderr[-3000:])
   assert not any(read_only.iterdir())
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_library_step_does_not_apply_an_update_from_non_finite_rewards(poison):
+  """`make_train_step` (the library path, without the CLI's checks) keeps the weights and
+  optimizer moments when a reward is not finite and flags the step; with finite rewards
+  (the negative control) the same step applies its update."""
+  from support import config, initial_state, optimizer, reader, reward
+  from support import TOK as SHARED_TOK
+  from specjax.rl.trainer import make_train_step
+
+  cfg = config(async_mode=False)
+  poisoned = lambda tokens, lengths, answers: reward(tokens, lengths, answers).at[0].set(poison)
+  batch = reader().batch_at(0)
+  for fn, skipped in ((poisoned, 1.0), (reward, 0.0)):
+    state = initial_state(cfg)
+    before = jax.device_get((state.params, state.opt_state))
+    step = make_train_step(cfg, fn, optimizer(), pad_id=SHARED_TOK.pad_id)
+    state, metrics = step(state, batch)
+    assert float(metrics["update_skipped"]) == skipped
+    after = jax.device_get((state.params, state.opt_state))
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                    jax.tree.leaves(after)))
+    assert same == bool(skipped)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(after)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def test_a_kept_cost_table_is_reused_only_when_intact_and_measured_at_this_runs_shapes(
+    tmp_path):
+  """Resuming reads `speculation_costs.json`; a damaged one, or one measured for another menu
+  or batch, is named and measured again rather than rescaled or crashing the resume."""
+  import dataclasses as dc
+
+  from specjax.decoding import CostTable
+  from specjax.experiments.measure import _kept_costs
+  path = tmp_path / "speculation_costs.json"
+  table = CostTable(batches=(16,), seconds=((1e-3,), (2e-3,)), alone=(9e-4,), setup=(0.0,),
+                    switch=(0.0,))
+  path.write_text(json.dumps(dc.asdict(table)))
+  assert _kept_costs(path, entries=2, rows=16) == (table, "")
+  costs, why = _kept_costs(path, entries=2, rows=32)
+  assert costs is None and "at batch (16,), this run has 2 at (32,)" in why
+  costs, why = _kept_costs(path, entries=3, rows=16)
+  assert costs is None and "for 2 menu entries" in why
+  path.write_text('{"batches": [16], "seconds": [[0.001]')  # cut short by a kill
+  costs, why = _kept_costs(path, entries=2, rows=16)
+  assert costs is None and "damaged (JSONDecodeError" in why
+
+
+def test_a_run_directory_has_one_owner_and_a_dead_owners_lock_is_taken_over(tmp_path):
+  """A second run on a run directory in use is refused naming the owner, before it writes
+  anything; a lock left by a process that died is taken over, naming it; the negative
+  control: once the owner releases it, the directory is free again."""
+  from specjax.errors import RunDirectoryInUse
+  from specjax.experiments.drafter import run_drafter_training
+  from specjax.experiments.drafter_config import DrafterTrainConfig
+  from specjax.files import LOCK_FILE, DirectoryLock
+  run_dir = tmp_path / "run"
+  with DirectoryLock(run_dir):
+    holder = (run_dir / LOCK_FILE).read_text()
+    assert f"pid {os.getpid()}" in holder
+    with pytest.raises(RunDirectoryInUse, match=rf"{run_dir} is in use by a run of host "):
+      run(tiny_experiment(run_dir))
+    with pytest.raises(RunDirectoryInUse, match="give this drafter training run another"):
+      run_drafter_training(DrafterTrainConfig(run_dir=str(run_dir)))
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written
+  with DirectoryLock(run_dir) as lock:  # released: free again
+    assert lock.previous is None
+  (run_dir / LOCK_FILE).write_text("host gone pid 999999999 since 2026-01-01 00:00:00")
+  with DirectoryLock(run_dir) as lock:  # unlocked file of a dead process: taken over
+    assert lock.previous == "host gone pid 999999999 since 2026-01-01 00:00:00"
+
+
+def test_a_second_process_is_refused_while_the_first_holds_the_run_directory(tmp_path):
+  """The lock holds across processes (the case that lost data: two `specjax train` on one
+  --run-dir), and is free again once the holder exits."""
+  from specjax.files import DirectoryLock
+  hold = ("import sys, time; from specjax.files import DirectoryLock\n"
+          "with DirectoryLock(sys.argv[1]):\n  print('held', flush=True); time.sleep(60)\n")
+  holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, env=child_env())
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    from specjax.errors import RunDirectoryInUse
+    with pytest.raises(RunDirectoryInUse, match=rf"pid {holder.pid}"):
+      DirectoryLock(tmp_path).__enter__()
+  finally:
+    holder.kill()
+    holder.wait()
+  with DirectoryLock(tmp_path) as lock:  # the OS released the killed holder's lock
+    assert f"pid {holder.pid}" in lock.previous
+
+
+def test_a_resume_that_would_silently_change_the_run_is_refused_naming_the_fields(tmp_path):
+  """A resumed `specjax train` compares its config with the run's `config.json`: a changed
+  model field that keeps every shape (rope_theta: the old weights would go on under the new
+  setting) is refused, naming it and the fields that may change; those (steps) are taken;
+  and a directory with no checkpoint yet takes any config (the negative control)."""
+  from specjax.experiments.run_record import record_config
+  started = tiny_experiment(tmp_path)
+  record_config(tmp_path, started)
+  (tmp_path / "checkpoints" / "0").mkdir(parents=True)  # what a started run leaves
+  changed = dataclasses.replace(started, model=started.model.replace(rope_theta=5e5))
+  with pytest.raises(ConfigError, match=r"model.rope_theta changed since .* \(model.rope_theta: "
+                                        r"10000.0 -> 500000.0\).* may change: .*steps"):
+    run(changed, log=lambda _: None)
+  from specjax.experiments.grpo_config import RESUMABLE_FIELDS
+  from specjax.experiments.run_record import check_resume
+  logs = []
+  check_resume(tmp_path, dataclasses.replace(started, steps=9), RESUMABLE_FIELDS, started=True,
+               defines="", log=logs.append)
+  assert logs == ["resuming with changed steps"]
+  check_resume(tmp_path, changed, RESUMABLE_FIELDS, started=False, defines="", log=logs.append)
+  (tmp_path / "config.json").write_text("[1, 2")
+  with pytest.raises(CheckpointError, match="config.json: the config this run started with "
+                                            "cannot be read"):
+    check_resume(tmp_path, started, RESUMABLE_FIELDS, started=True, defines="", log=print)

@@ -2,12 +2,15 @@
 
 from specjax.decoding import verify
 from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, DraftModelDrafter,
-                                       DraftModelState, Eagle3Drafter, Eagle3State,
+                                       DraftModelState, DraftSource, Eagle3Drafter, Eagle3State,
                                        Eagle3Weights, MedusaDrafter, MTPDrafter, MTPState,
                                        NGramDrafter, NoState, Proposal, RoundResult,
-                                       TargetFeatures, draft_level_by_level)
+                                       TargetFeatures, build_drafter, check_draft_source,
+                                       check_drafter_name, draft_level_by_level, drafter_names,
+                                       needs_checkpoint, register_drafter)
 from specjax.decoding.calibrate import calibrate
-from specjax.decoding.engine import DecodeLoop, DecodeState, generate
+from specjax.decoding.engine import DecodeLoop, DecodeState
+from specjax.decoding.generation import generate
 from specjax.decoding.policy import AcceptanceCounts, Adaptive, CostTable
 from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, reported_logprobs
@@ -16,10 +19,12 @@ from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, v
                                      verify_sampled)
 
 __all__ = [
-    "AcceptanceCounts", "AcceptedWindow", "Adaptive", "CostTable", "calibrate", "DecodeLoop", "DecodeState", "DraftContext", "DraftModelDrafter",
-    "DraftModelState", "DraftTree", "Drafter", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
-    "GenerationResult", "GenerationStats", "LosslessVerifier", "MTPDrafter", "MTPState",
-    "MedusaDrafter", "NGramDrafter", "NoState", "Proposal", "RoundResult", "SamplingConfig",
-    "TargetFeatures", "Verifier", "VerifyResult", "draft_level_by_level", "generate",
-    "processed_logprobs", "reported_logprobs", "verify", "verify_matching", "verify_sampled",
+    "AcceptanceCounts", "AcceptedWindow", "Adaptive", "build_drafter", "calibrate",
+    "check_draft_source", "check_drafter_name", "CostTable", "DecodeLoop", "DecodeState",
+    "draft_level_by_level", "DraftContext", "Drafter", "drafter_names", "DraftModelDrafter",
+    "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
+    "generate", "GenerationResult", "GenerationStats", "LosslessVerifier", "MedusaDrafter",
+    "MTPDrafter", "MTPState", "needs_checkpoint", "NGramDrafter", "NoState", "processed_logprobs",
+    "Proposal", "register_drafter", "reported_logprobs", "RoundResult", "SamplingConfig",
+    "TargetFeatures", "Verifier", "verify", "verify_matching", "verify_sampled", "VerifyResult",
 ]

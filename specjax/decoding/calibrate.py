@@ -42,6 +42,7 @@ import os
 import pathlib
 import statistics
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -56,8 +57,8 @@ from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+from specjax.models.params import Params
 
-Params = dict[str, Any]
 DEFAULT = "default"
 MIN_SECONDS = 0.25  # the least time one measurement of an entry runs for
 
@@ -96,6 +97,19 @@ def _cache_key(loop: DecodeLoop, batches: Sequence[int], prompt_len: int, params
   return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 
 
+_warned_dirs: set[str] = set()
+
+
+def _warn_unwritable(directory: pathlib.Path, err: OSError) -> None:
+  """Warn once per directory that the cache cannot be written: the cache is an
+  optimisation, so the call goes on with the table it measured."""
+  if str(directory) not in _warned_dirs:
+    _warned_dirs.add(str(directory))
+    warnings.warn(f"calibration cache {directory} cannot be written ({err.strerror or err}); "
+                  "tables are measured in memory and not kept (set SPECJAX_CACHE_DIR to a "
+                  "writable directory, or pass cache_dir=None)", stacklevel=3)
+
+
 def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
   """Store `table` at `path` unless a table is there already, and return the stored one.
 
@@ -105,8 +119,8 @@ def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
   """
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(f".tmp{os.getpid()}")
-  tmp.write_text(json.dumps(dataclasses.asdict(table)))
   try:
+    tmp.write_text(json.dumps(dataclasses.asdict(table)))
     os.link(tmp, path)  # atomic, and fails if the file exists
   except FileExistsError:
     try:
@@ -272,8 +286,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
           if verbose:
             print(f"calibration read from {path}\n{table.format(menu)}")
           return table
-      except (ValueError, TypeError, ConfigError):
-        pass  # a damaged or stale file: measure again and overwrite it
+      except (ValueError, TypeError, ConfigError, OSError):
+        pass  # a damaged, stale or unreadable file: measure again and overwrite it
 
   key = jax.random.key(0)
   alone_loop = loop.drafter_free(prompt_len)
@@ -331,7 +345,10 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   table = CostTable(batches=batches, seconds=tuple(tuple(row) for row in seconds[:-1]),
                     alone=tuple(seconds[-1]), setup=tuple(setup), switch=tuple(switch))
   if path is not None:
-    table = _keep_first(path, table)
+    try:
+      table = _keep_first(path, table)
+    except OSError as err:  # a read-only or full home (clusters, containers): measure anyway
+      _warn_unwritable(path.parent, err)
   if verbose:
     print(f"calibration (seconds per round, median of {repeats})\n{table.format(menu)}")
   return table

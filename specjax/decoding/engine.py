@@ -13,7 +13,7 @@ drafter sees what was accepted. Rows accept different numbers of tokens; EOS and
 
 `DecodeLoop` holds everything static about a call (model and sampling configuration,
 drafter, tree, stopping rules, verifier) and is itself the static argument of the compiled
-loop, as gemma's sampler is; `generate` is the function most callers want.
+loop, as gemma's sampler is; `specjax.decoding.generate` is the function most callers want.
 
 Shape letters: see `specjax` (B batch, P prompt buffer, L = P + max_new sequence buffer,
 N draft nodes, D depth, V vocab, E d_model).
@@ -30,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.checks import is_int
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures, take_rows)
-from specjax.decoding.inputs import as_ids, check_key, check_prompt_values
+from specjax.decoding.inputs import check_prompt_values
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
-from specjax.decoding.results import (GenerationResult, GenerationStats, RowOutputs,
-                                       compaction_buckets)
+from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
                                        sample_tokens)
 from specjax.decoding.tree import DraftTree
@@ -43,10 +43,8 @@ from specjax.decoding.verify import LosslessVerifier, Verifier, VerifyResult
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.params import check_params
+from specjax.models.params import Params
 from specjax.models.transformer import ForwardOutput, forward, unembed
-
-Params = dict[str, Any]
 
 
 @struct.dataclass
@@ -136,6 +134,39 @@ def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
+@struct.dataclass
+class RowOutputs:
+  """What the result needs of every row, kept at the full batch while the loop compacts.
+
+  Attributes:
+    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
+  """
+
+  seq: jax.Array
+  logp: jax.Array
+  generated: jax.Array
+  done: jax.Array
+  row_rounds: jax.Array
+
+  @classmethod
+  def of(cls, s: DecodeState) -> RowOutputs:
+    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
+               row_rounds=s.row_rounds)
+
+  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
+    """These outputs with rows `rows` replaced by `part`'s."""
+    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
+
+
+def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
+  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
+  sizes = [batch]
+  for _ in range(halvings):
+    if sizes[-1] > 1:
+      sizes.append(-(-sizes[-1] // 2))
+  return tuple(sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
   """Everything static about a generation call; calling it runs the compiled loop.
@@ -215,8 +246,7 @@ class DecodeLoop:
     if self.eos_id is not None:
       many = isinstance(self.eos_id, (list, tuple, np.ndarray))
       ids = tuple(self.eos_id) if many else (self.eos_id,)
-      bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))
-             or not 0 <= i < vocab]
+      bad = [i for i in ids if not is_int(i) or not 0 <= i < vocab]
       if bad or not ids:
         raise ConfigError(f"eos_id={self.eos_id!r} is invalid"
                           + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
@@ -224,7 +254,7 @@ class DecodeLoop:
                           "sequence of them")
       if many:  # a tuple of ints: the loop is jit's static argument, so it must hash
         object.__setattr__(self, "eos_id", tuple(int(i) for i in ids))
-    if not isinstance(self.pad_id, (int, np.integer)):
+    if not is_int(self.pad_id):
       raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int")
 
   @property
@@ -582,73 +612,3 @@ class DecodeLoop:
         lengths=out.generated,
         logprobs=jnp.where(valid, jnp.take_along_axis(out.logp, idx, 1), 0.0),
         done=out.done, stats=stats)
-
-
-def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
-             prompt_lengths: jax.Array, key: jax.Array, *, max_new_tokens: int,
-             sampling: SamplingConfig = SamplingConfig(), drafter: Drafter | None = None,
-             tree: DraftTree | None = None, speculation: Adaptive | None = None,
-             eos_id: int | tuple[int, ...] | list[int] | None = None,
-             drafter_params: Any = None, max_len: int | None = None,
-             pad_id: int = 0, verifier: Verifier = LosslessVerifier(),
-             acceptance: AcceptanceCounts | None = None,
-             compaction: int = 0, check_values: bool = True) -> GenerationResult:
-  """Generate up to `max_new_tokens` per row, speculatively when a drafter is given.
-
-  Args:
-    params: target parameters (including its MTP / Medusa heads when those draft).
-    config: target configuration.
-    prompt_tokens: `[B, P]` right-padded prompts.
-    prompt_lengths: `[B]` prompt lengths (1..P).
-    key: one PRNG key (`jax.random.key(seed)`, or the raw data of `jax.random.PRNGKey(seed)`).
-    max_new_tokens: exact upper bound of generated tokens per row.
-    sampling: temperature / top-k / top-p (temperature 0 = greedy).
-    drafter: a drafter (`specjax.decoding.drafters`), or None for plain decoding.
-    tree: one draft tree for every round (default: empty, i.e. plain decoding).
-    speculation: `Adaptive(menu=...)`: each round runs the menu's tree (plain decoding
-      included) with the most expected tokens per second. Without `costs`, they are measured
-      first with `calibrate` (cached on disk), which needs concrete arguments (not under jit).
-    eos_id: stop a row after it emits this token, or any of these tokens (a list or tuple).
-    drafter_params: parameters owned by the drafter (a draft model's, an EAGLE-3 head's).
-    max_len: cache slots (default: just enough: P + max_new_tokens + N + 1).
-    pad_id: filler of `tokens` after each row's end.
-    verifier: the verification rule (default lossless; tests inject others).
-    acceptance: the policy's counts from an earlier call (`result.stats.acceptance`).
-    compaction: halve the batch this many times as rows finish (`DecodeLoop.compaction`).
-    check_values: check the prompts' ids and lengths (shapes are always checked); under a
-      caller's `jit` that takes a host callback per call, which gathers the prompts to one
-      device. False for prompts checked where they were made: the GRPO train step's batches,
-      encoded by the task's tokenizer (`ExperimentConfig` checks that the model embeds it).
-
-  Returns:
-    A `GenerationResult`. One compiled program per (shapes, `DecodeLoop`).
-  """
-  tree = DraftTree.empty() if tree is None else tree
-  if not isinstance(tree, DraftTree):
-    raise ConfigError(f"tree={tree!r} is invalid: must be a specjax.decoding.DraftTree (e.g. "
-                      "DraftTree.chain(3), DraftTree.from_widths((2, 1))) or None")
-  check_key(key)
-  prompt_tokens = as_ids(prompt_tokens, "prompt_tokens", 2)
-  prompt_lengths = as_ids(prompt_lengths, "prompt_lengths", 1)
-  if max_len is None and isinstance(config, ModelConfig):  # just enough; DecodeLoop reports
-    new = max_new_tokens if isinstance(max_new_tokens, int) else 0  # a bad config or length
-    nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)
-                                      else (tree,)))
-    max_len = min(prompt_tokens.shape[1] + new + nodes + 1, config.max_position)
-  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
-                    sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
-                    compaction=compaction, eos_id=eos_id, pad_id=pad_id, verifier=verifier)
-  loop.check_prompts(prompt_tokens, prompt_lengths, values=check_values)
-  check_params(params, config)
-  if speculation is not None and speculation.costs is None:
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):
-      raise ConfigError("speculation=Adaptive(menu) without costs cannot be calibrated under "
-                        "jit: measure them first, Adaptive(menu, costs=calibrate(...))")
-    from specjax.decoding.calibrate import calibrate  # it imports this module
-    costs = calibrate(params, config, drafter, speculation,
-                      batch_sizes=loop.buckets(prompt_tokens.shape[0]),
-                      prompt_len=prompt_tokens.shape[1],
-                      max_new_tokens=max_new_tokens, drafter_params=drafter_params,
-                      sampling=sampling, max_len=max_len)
-    loop = dataclasses.replace(loop, speculation=speculation.with_costs(costs))
-  return loop(params, prompt_tokens, prompt_lengths, key, drafter_params, acceptance)

@@ -50,8 +50,6 @@ Shape letters: see `specjax` (B batch, D depth); I is the number of menu entries
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Sequence
 
 import jax
@@ -62,6 +60,7 @@ from flax import struct
 from specjax.checks import is_number
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
+from specjax.stragglers import straggler_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,33 +178,6 @@ def describe(tree: DraftTree) -> str:
   return f"tree(N={tree.num_nodes},D={tree.depth})"
 
 
-@functools.lru_cache(maxsize=None)
-def expected_normal_max(rows: int) -> np.ndarray:
-  """`[rows + 1]` (read-only): the expected maximum of L independent standard normals, for
-  L = 0..rows (0 for L <= 1), integrated numerically: E max = int x L phi(x) Phi(x)^(L-1) dx.
-  """
-  x = np.linspace(-12.0, 12.0, 24001)
-  cdf = 0.5 * np.array([math.erfc(-v / math.sqrt(2.0)) for v in x])
-  density = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-  dx = x[1] - x[0]
-  out = np.zeros(rows + 1)
-  for n in range(2, rows + 1):
-    out[n] = float((x * n * density * cdf ** (n - 1)).sum() * dx)
-  out.flags.writeable = False
-  return out
-
-
-def straggler_factor(mean, variance, live, remaining, rows: int, xp=jnp):
-  """The fraction of its rows' mean progress per round at which a batch of `live` rows (of
-  at most `rows`), each needing `remaining` more tokens, advances its slowest row, for rounds
-  emitting `mean` tokens of `variance` per row (see the module docstring):
-  1 / (1 + z_live sqrt(V / (n E))); 1 for plain decoding (V = 0). Broadcasts; `xp` = jnp or
-  numpy."""
-  z = xp.asarray(expected_normal_max(rows), xp.float32)[xp.clip(live, 0, rows)]
-  n = xp.maximum(remaining, 1.0)
-  return 1.0 / (1.0 + z * xp.sqrt(variance / (n * mean)))
-
-
 @struct.dataclass
 class AcceptanceCounts:
   """Decayed row-round counts from which per-depth acceptance is estimated.
@@ -267,22 +239,13 @@ class Adaptive:
       noisy, and a switch driven by noise costs a worse round. (What the change itself
       costs, a pass over the caches, is weighed apart: `CostTable.switch`.)
     cost_margin: every drafting entry's measured cost is taken as this fraction higher, so
-      that a tree must beat plain decoding by that much on paper before it runs. A measured
-      table errs: repeated calibrations of one entry agree within 5-10% on a busy 2-core
-      CPU (`calibrate` times each entry as a ratio to plain rounds beside it), and inside
-      `generate` a round costs a few percent more than its timer reads. At batch 16 in
-      `benchmarks/spec_decode.py`'s setting, where the best fixed chains run 1.04-1.13x
-      plain decoding, 25% kept every drafter plain (0.92-0.97x the best fixed chain, in
-      probes of 7-9 runs each); 10% ran EAGLE-3 at 1.08x (its chain3: 1.08x) and the
-      draft model at 1.00x (chain3: 1.04x). 5% did as well there, but is less than two
-      calibrations of one entry differ by. 0: trust the table.
+      that a tree must beat plain decoding by that much on paper before it runs: a measured
+      table errs low on a busy machine (how 10% was chosen: docs/decoding.md). 0: trust
+      the table.
     off_evidence: row-rounds that tried a first draft (decayed like the counts) before the
       policy may switch the drafter off. Off is for the rest of the call, so a few poor
-      rounds must not decide it: at batch 1, three (drafts accepted 0, 1, 0) once did, where
-      the drafter-free round was 1% cheaper than a plain one with the drafter, and two calls
-      in ten ran 91 plain rounds where the rest averaged 4-8 tokens a round. A plain round
-      with the drafter lets the evidence decay and the tree be tried again. At batch 64 one
-      round is enough evidence; at batch 1 it takes ~19.
+      rounds must not decide it (docs/decoding.md); a plain round with the drafter lets the
+      evidence decay and the tree be tried again.
   """
 
   menu: tuple[DraftTree, ...]
@@ -413,7 +376,7 @@ class Adaptive:
     seconds = self._seconds(batch)
     mean, variance = self._moments(self.acceptance(counts), jnp)
     if live is not None and remaining is not None:
-      mean = mean * straggler_factor(mean, variance, live, remaining, batch)
+      mean = mean * straggler_factor(mean, variance, live, remaining, batch, jnp)
     off = jnp.where(counts.reached[:, 0].sum() >= self.off_evidence, 1.0, 0.0)
     return (jnp.append(mean, off)
             / jnp.asarray(seconds, jnp.float32))  # off ties plain exactly without `alone`

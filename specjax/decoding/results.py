@@ -1,25 +1,17 @@
-"""What a generation call returns: `GenerationResult` and its `GenerationStats`, plus the
-per-row outputs (`RowOutputs`) and batch sizes (`compaction_buckets`) a compacting loop builds
-the result from.
+"""What a generation call returns: `GenerationResult` and its `GenerationStats`.
 
-These describe the output of `generate` / `DecodeLoop`, independent of how the loop runs
-(drafting, verification, cache commits), so they live apart from `engine`; callers that only
-read results or plan batch sizes (e.g. `benchmarks/spec_decode.py`) need not know the loop.
+They describe the output of `generate` / `DecodeLoop`, independent of how the loop runs, so
+callers that only read results need not import the loop.
 
 Shape letters: see `specjax` (B batch, L = P + max_new sequence buffer, D depth).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 from flax import struct
 
 from specjax.decoding.policy import AcceptanceCounts
-
-if TYPE_CHECKING:  # only for annotations: engine imports this module
-  from specjax.decoding.engine import DecodeState
 
 
 @struct.dataclass
@@ -70,36 +62,3 @@ class GenerationResult:
   logprobs: jax.Array
   done: jax.Array
   stats: GenerationStats
-
-
-@struct.dataclass
-class RowOutputs:
-  """What the result needs of every row, kept at the full batch while the loop compacts.
-
-  Attributes:
-    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
-  """
-
-  seq: jax.Array
-  logp: jax.Array
-  generated: jax.Array
-  done: jax.Array
-  row_rounds: jax.Array
-
-  @classmethod
-  def of(cls, s: DecodeState) -> RowOutputs:
-    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
-               row_rounds=s.row_rounds)
-
-  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
-    """These outputs with rows `rows` replaced by `part`'s."""
-    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
-
-
-def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
-  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
-  sizes = [batch]
-  for _ in range(halvings):
-    if sizes[-1] > 1:
-      sizes.append(-(-sizes[-1] // 2))
-  return tuple(sizes)

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 
 
@@ -37,8 +38,7 @@ class DraftTree:
     parents = tuple(self.parents)
     for i, p in enumerate(parents, start=1):
       # bool is an int to Python, and a float parent would be truncated to a different tree.
-      if (isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
-          or not 0 <= p < i):
+      if not is_int(p) or not 0 <= p < i:
         raise ConfigError(
             f"DraftTree.parents[{i - 1}]={p!r} is invalid: node {i}'s parent must be an int "
             f"in [0, {i - 1}] (0 is the root; parents precede children)")

@@ -16,6 +16,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from specjax.checks import is_plain_int
 from specjax.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -28,11 +29,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 def _require(ok: bool, field: str, value, allowed: str) -> None:
   if not ok:
     raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
-
-
-def _is_int(value) -> bool:
-  """A Python int, not a bool (True would pass as 1 layer, a head count or a size)."""
-  return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value) -> bool:
@@ -62,7 +58,7 @@ class Llama3RopeScaling:
         "must be > 0 and < high_freq_factor",
     )
     _require(
-        _is_int(self.original_max_position) and self.original_max_position > 0,
+        is_plain_int(self.original_max_position) and self.original_max_position > 0,
         "rope_scaling.original_max_position",
         self.original_max_position,
         "must be a positive int",
@@ -130,10 +126,10 @@ class ModelConfig:
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "mlp_dim", "max_position", "medusa_layers", "attention_block"):
       value = getattr(self, name)
-      _require(_is_int(value) and value > 0, name, value, "must be a positive int")
+      _require(is_plain_int(value) and value > 0, name, value, "must be a positive int")
     for name in ("num_mtp_modules", "num_medusa_heads"):
       value = getattr(self, name)
-      _require(_is_int(value) and value >= 0, name, value, "must be an int >= 0")
+      _require(is_plain_int(value) and value >= 0, name, value, "must be an int >= 0")
     _require(
         self.n_heads % self.n_kv_heads == 0,
         "n_kv_heads",

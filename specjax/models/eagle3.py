@@ -33,19 +33,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import DTYPES, Llama3RopeScaling, ModelConfig, _require
+from specjax.models.params import Params
 from specjax.models.transformer import _write, apply_rope, rms_norm, rope_frequencies
-
-Params = dict[str, Any]
 
 _INIT_STD = 0.02
 # Logit of target ids outside the draft vocabulary: finite (no inf - inf = nan downstream)
@@ -306,7 +306,7 @@ def build_draft_vocab(token_counts: np.ndarray, draft_vocab_size: int) -> np.nda
   if np.any(counts < 0):
     raise ConfigError("token_counts has negative entries: counts must be >= 0")
   v = counts.size
-  if not isinstance(draft_vocab_size, (int, np.integer)) or not 1 <= draft_vocab_size <= v:
+  if not is_int(draft_vocab_size) or not 1 <= draft_vocab_size <= v:
     raise ConfigError(f"draft_vocab_size={draft_vocab_size!r} is invalid: must be in 1..{v} "
                       "(the length of token_counts)")
   ids = np.arange(v)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,11 +41,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from specjax.errors import CheckpointError, ConfigError
+from specjax.files import existing, fsync, recover, swap_into_place
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
-from specjax.models.hf_config import _param_dtype, _rope_from_hf, _rope_to_hf
-
-Params = dict[str, Any]
+from specjax.models.hf import FLOAT_DTYPES, check_finite
+from specjax.models.hf_config import (_float_field, _int_field, _param_dtype, _rope_from_hf,
+                                      _rope_to_hf)
+from specjax.models.params import Params
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -142,7 +143,7 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
                          "num_attention_heads") if f not in hf]
   if missing:
     raise ConfigError(f"config.json: missing required fields {missing} for an EAGLE-3 draft")
-  layers = int(hf.get("num_hidden_layers", 1))
+  layers = _int_field(hf, "num_hidden_layers", 1)
   if layers != 1:
     raise ConfigError(f"config.json: num_hidden_layers={layers} is unsupported: allowed 1 "
                       "(one midlayer)")
@@ -152,7 +153,7 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
   for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
     if hf.get(flag, False):
       raise ConfigError(f"config.json: {flag}=True is unsupported: allowed False")
-  d = int(hf["hidden_size"])
+  d = _int_field(hf, "hidden_size")
   if hf.get("target_hidden_size") not in (None, d):
     raise ConfigError(f"config.json: target_hidden_size={hf['target_hidden_size']} is "
                       f"unsupported: allowed equal to hidden_size={d}")
@@ -166,22 +167,26 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
     aux = default_aux_layers(target.n_layers)
   if not (isinstance(aux, (list, tuple)) and len(aux) == 3):
     raise ConfigError(f"config.json: {AUX_KEY}={aux!r} is unsupported: allowed 3 layer ids")
-  vocab = int(hf["vocab_size"])
-  n_heads = int(hf["num_attention_heads"])
+  vocab = _int_field(hf, "vocab_size")
+  n_heads = _int_field(hf, "num_attention_heads")
+  if n_heads < 1:
+    raise ConfigError(f"config.json: num_attention_heads={n_heads} is invalid: allowed >= 1")
+  optional_int = lambda name, default: (default if hf.get(name) is None  # null: the default
+                                        else _int_field(hf, name))
   theta, scaling = _rope_from_hf(hf)
   config = Eagle3Config(
       d_model=d,
       n_heads=n_heads,
-      n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-      head_dim=int(hf.get("head_dim") or d // n_heads),
-      mlp_dim=int(hf["intermediate_size"]),
+      n_kv_heads=optional_int("num_key_value_heads", n_heads),
+      head_dim=optional_int("head_dim", d // n_heads),
+      mlp_dim=_int_field(hf, "intermediate_size"),
       vocab_size=vocab,
-      draft_vocab_size=int(hf.get("draft_vocab_size") or vocab),
+      draft_vocab_size=optional_int("draft_vocab_size", vocab),
       aux_layers=tuple(int(i) for i in aux),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=_float_field(hf, "rms_norm_eps", 1e-6),
       rope_theta=theta,
       rope_scaling=scaling,
-      max_position=int(hf.get("max_position_embeddings", 2048)),
+      max_position=_int_field(hf, "max_position_embeddings", 2048),
       dtype=dtype or param_dtype,
       param_dtype=param_dtype,
   )
@@ -194,35 +199,34 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
 # Saving
 
 
-def _atomic_write_dir(directory: Path, files: Mapping[str, Any]) -> None:
-  """Write `files` (name -> writer(path)) as `directory`, never leaving a partial export.
+def _atomic_write_dir(directory: Path, writers: Mapping[str, Any]) -> None:
+  """Write `writers` (name -> writer(path)) as `directory`, never leaving a partial export.
 
-  Everything is written to a fresh sibling directory first. A new `directory` is then one
-  rename; an existing one gets its other entries copied over, is renamed aside, and the new
-  one renamed into place, so at every instant each path holds either a complete old or a
-  complete new export.
+  The new version is built in a temporary sibling (the old one's other entries copied over)
+  and swapped in (`specjax.files.swap_into_place`); what an interrupted earlier write left
+  beside `directory` is undone first (`specjax.files.recover`: a hidden old version is put
+  back, temporaries deleted).
   """
+  directory = Path(os.path.abspath(directory))
   directory.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+  recover(directory)
+  if directory.exists() and not directory.is_dir():
+    raise CheckpointError(f"{directory}: exists and is not a directory")
+  tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
   try:
-    for name, write in files.items():
+    for name, write in writers.items():
       write(tmp / name)
-    if not directory.exists():
-      os.rename(tmp, directory)
-      return
-    if not directory.is_dir():
-      raise CheckpointError(f"{directory}: exists and is not a directory")
-    for entry in directory.iterdir():
-      if entry.name not in files:
-        copy = shutil.copytree if entry.is_dir() else shutil.copy2
-        copy(entry, tmp / entry.name)
-    old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
-    os.rename(directory, old / "export")
-    os.rename(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    if directory.is_dir():
+      for entry in directory.iterdir():
+        if entry.name not in writers:
+          copy = shutil.copytree if entry.is_dir() else shutil.copy2
+          copy(entry, tmp / entry.name)
+    fsync(tmp)
+    swap_into_place(tmp, directory)
   finally:
-    if tmp.exists():
-      shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_eagle3(directory: str | os.PathLike, params: Params, config: Eagle3Config,
@@ -328,7 +332,7 @@ def load_eagle3(directory: str | os.PathLike, target: ModelConfig | None = None,
       is out of range or not injective, or a `t2d` that disagrees with it.
     ConfigError: unsupported options, or a draft that does not fit `target`.
   """
-  path = Path(directory)
+  path = existing(Path(directory), CONFIG_FILE)  # or the version a killed save moved aside
   if not path.is_dir():
     raise CheckpointError(f"{path}: not a directory; expected an EAGLE-3 checkpoint directory")
   config_file = path / CONFIG_FILE
@@ -357,10 +361,16 @@ def load_eagle3(directory: str | os.PathLike, target: ModelConfig | None = None,
     for name, key, shape, stored, transposed in layout:
       if name not in names:
         raise CheckpointError(f"{path}: missing tensor {name!r} (expected shape {stored})")
-      got = tuple(handle.get_slice(name).get_shape())
+      tensor = handle.get_slice(name)
+      got = tuple(tensor.get_shape())
       if got != stored:
         raise CheckpointError(f"{path}: tensor {name!r} has shape {got}, expected {stored}")
+      if tensor.get_dtype() not in FLOAT_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.get_dtype()}: "
+                              f"allowed a float dtype, one of {FLOAT_DTYPES}")
       array = handle.get_tensor(name)
+      check_finite(array, f"{path}: tensor {name!r}", "the head is damaged or was saved from "
+                   "a diverged run; export it again from a healthy one")
       array = array.T.reshape(shape) if transposed else array.reshape(shape)
       value = jnp.asarray(array.astype(weight_dtype))
       if len(key) == 1:

@@ -13,7 +13,6 @@ Shape letters: see `specjax` (B batch, T tokens, E d_model, V vocab).
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +20,8 @@ from flax import struct
 
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.params import Params
 from specjax.models.transformer import embed, rms_norm, run_blocks, unembed
-
-Params = dict[str, Any]
 
 DRAFT_HEAD_KEYS = ("mtp", "medusa")
 """Top-level parameter keys of the draft heads (present only when the config has them).

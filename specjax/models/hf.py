@@ -48,19 +48,19 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from specjax import atomic
+from specjax.checks import is_int
 from specjax.errors import CheckpointError, ConfigError
-from specjax.jsonfile import read_object
+from specjax.files import existing, fsync, link_or_copy, read_object, recover, swap_into_place
 from specjax.models.config import ModelConfig
 # config.json translation lives in hf_config; its public names are re-exported from here,
 # where callers have always imported them.
 from specjax.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from specjax.models.params import Params
 
 __all__ = ["ARCHITECTURES", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES",
            "GENERATION_CONFIG_FILE", "HEADS_FILE", "INDEX_FILE", "WEIGHTS_FILE",
            "config_from_hf", "config_to_hf", "eos_token_ids", "load_hf", "save_hf"]
 
-Params = dict[str, Any]
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -73,7 +73,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # Tensors some checkpoints carry that the model recomputes rather than reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors dtype codes that load exactly into a float parameter.
-_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,20 +264,20 @@ def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
         raise CheckpointError(f"{file}: tensor {t.name!r} listed in the index is absent "
                               f"({err}); re-download or re-export the checkpoint") from None
       stored_dtype = tensor_slice.get_dtype()
-      if stored_dtype not in _FLOAT_DTYPES:
+      if stored_dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {t.name!r} in {file.name} has dtype {stored_dtype}: "
-                              f"allowed a float dtype, one of {_FLOAT_DTYPES}")
+                              f"allowed a float dtype, one of {FLOAT_DTYPES}")
       shape = tuple(tensor_slice.get_shape())
       if shape != t.stored_shape:
         raise CheckpointError(f"tensor {t.name!r} in {file.name} has shape {shape}, expected "
                               f"{t.stored_shape}")
       stored = handle.get_tensor(t.name)
-      _check_finite(stored, f"tensor {t.name!r} in {file}", "the checkpoint is damaged or was "
+      check_finite(stored, f"tensor {t.name!r} in {file}", "the checkpoint is damaged or was "
                     "saved from a diverged run; re-export it from a healthy state")
       _set(tree, t.key, jnp.asarray(t.to_param(stored).astype(dtype)))
 
 
-def _check_finite(array: np.ndarray, what: str, remedy: str) -> None:
+def check_finite(array: np.ndarray, what: str, remedy: str) -> None:
   """Refuse NaN / inf weights: they would load (or save) as a model that emits garbage."""
   bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
   if bad:
@@ -354,7 +354,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
       unexpected tensor, or one holding NaN / inf.
     ConfigError: an unsupported architecture or option in `config.json`.
   """
-  path = atomic.existing(Path(path), CONFIG_FILE)
+  path = existing(Path(path), CONFIG_FILE)
   config_file = path / CONFIG_FILE
   if not config_file.is_file():
     raise CheckpointError(f"{path}: missing {CONFIG_FILE}; expected an HF checkpoint directory")
@@ -424,7 +424,7 @@ def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
       raise ConfigError(f"params {'/'.join(map(str, t.key))} has dtype {value.dtype}: allowed "
                         "a float dtype (float16, bfloat16, float32 or float64)")
     value = np.asarray(value)
-    _check_finite(value, f"params {'/'.join(map(str, t.key))}", "refusing to save it; train "
+    check_finite(value, f"params {'/'.join(map(str, t.key))}", "refusing to save it; train "
                   "from the last good checkpoint (a NaN learning rate or reward, say)")
     out[t.name] = t.to_stored(value)
   return out
@@ -467,7 +467,7 @@ def _is_export_file(name: str) -> bool:
 def _write_safetensors(arrays: dict[str, np.ndarray], file: Path,
                        metadata: dict[str, str]) -> None:
   save_file(arrays, file, metadata=metadata)
-  atomic.fsync(file)
+  fsync(file)
 
 
 def _write_json(value: Any, file: Path, **kwargs: Any) -> None:
@@ -507,16 +507,16 @@ def _carry_over(old: Path, new: Path) -> None:
     if entry.is_symlink():
       os.symlink(os.readlink(entry), target)
     elif entry.is_dir():
-      shutil.copytree(entry, target, symlinks=True, copy_function=atomic.link_or_copy)
+      shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
     else:
-      atomic.link_or_copy(entry, target)
+      link_or_copy(entry, target)
 
 
 def _token_id(name: str, value: Any, vocab_size: int) -> int | list[int]:
   """A validated special-token id (`eos_token_id` may also be a non-empty list of ids)."""
   is_list = name == "eos_token_id" and isinstance(value, (list, tuple)) and len(value) > 0
   for i in value if is_list else [value]:
-    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < vocab_size:
+    if not is_int(i) or not 0 <= i < vocab_size:
       raise ConfigError(f"{name}={value!r} is invalid: allowed an int in [0, {vocab_size})"
                         + (" or a non-empty list of them" if name == "eos_token_id" else ""))
   return [int(i) for i in value] if is_list else int(value)
@@ -574,7 +574,7 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
 
   path = Path(os.path.abspath(Path(path).resolve() if Path(path).is_symlink() else path))
   path.parent.mkdir(parents=True, exist_ok=True)
-  atomic.recover(path)
+  recover(path)
   if path.exists() and not path.is_dir():
     raise CheckpointError(f"{path} exists and is not a directory: allowed a directory or a "
                           "new path")
@@ -587,10 +587,10 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
       if path.is_dir():
         _carry_over(path, tmp)
         shutil.copymode(path, tmp)
-      atomic.fsync(tmp)
+      fsync(tmp)
     except OSError as err:
       err.add_note(f"save_hf: writing the new export in {tmp} failed; {path} is unchanged")
       raise
-    atomic.swap_into_place(tmp, path)
+    swap_into_place(tmp, path)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)

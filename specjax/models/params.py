@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 
-Params = dict[str, Any]
+Params = dict[str, Any]  # a parameter pytree: nested dicts of arrays (the one definition)
 
 _INIT_STD = 0.02
 

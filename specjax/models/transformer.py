@@ -12,7 +12,6 @@ V vocab, Q query heads, K kv heads, R = Q / K, H head_dim, U = R x T query rows 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +21,7 @@ from specjax.models.attention import Visibility, attend
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.layout import constrain_rows
-
-Params = dict[str, Any]
+from specjax.models.params import Params
 
 
 @struct.dataclass

@@ -34,9 +34,10 @@ import tensorflow_datasets as tfds
 from etils import epath
 from flax import struct
 
-from specjax.errors import ConfigError
+from specjax.checks import is_int
+from specjax.errors import ConfigError, TaskError
 from specjax.rl.gsm8k import GSM8KTask
-from specjax.rl.tasks import SPLITS, ArithmeticTask, Task, TaskError, encode_prompt
+from specjax.rl.tasks import SPLITS, ArithmeticTask, Task, encode_prompt
 
 _RECORD_FORMAT = "1"  # bump when the record layout changes, so old datasets are not reused
 
@@ -231,9 +232,6 @@ class PromptReader:
     def require(ok: bool, field: str, allowed: str):
       if not ok:
         raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
-
-    def is_int(value) -> bool:  # True would pass as a batch of one
-      return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
     require(len(self.source) > 0, "source", "has no records")
     require(is_int(self.batch_size) and self.batch_size >= 1, "batch_size",

@@ -37,16 +37,17 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from typing import Any
 
 import jax
 import optax
 from flax import struct
 from jax.sharding import Mesh
 
+from specjax.checks import is_int
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
+from specjax.models.params import Params
 from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
 from specjax.rl.trainer import (RewardFn, Rollout, TrainConfig, TrainState, prime_keys,
@@ -55,7 +56,6 @@ from specjax.sharding import DEFAULT_RULES, Rules, replicated, transfer
 
 __all__ = ["DisaggregatedAsync", "PolicyWeights"]
 
-Params = dict[str, Any]
 
 
 @struct.dataclass
@@ -102,7 +102,7 @@ class DisaggregatedAsync:
     if not config.async_mode:
       raise ConfigError("DisaggregatedAsync needs TrainConfig(async_mode=True): updates "
                         "train on the rollout of the step before, with grpo.tis_cap set")
-    if isinstance(policy_lag, bool) or not isinstance(policy_lag, int) or policy_lag < 1:
+    if not is_int(policy_lag) or policy_lag < 1:
       raise ConfigError(f"policy_lag={policy_lag!r} is invalid: must be an int >= 1 (1 = "
                         "one-step off-policy)")
     shared = set(rollout_mesh.devices.flat) & set(train_mesh.devices.flat)

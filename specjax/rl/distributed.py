@@ -23,8 +23,11 @@ D tree depth).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import socket
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,23 +36,23 @@ import jax
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.models.eagle3 import eagle3_param_axes
-from specjax.models.params import param_axes
+from specjax.models.params import Params, param_axes
 from specjax.rl.data import PromptBatch, PromptReader
 from specjax.rl.trainer import (DrafterTrainState, RewardFn, Rollout, TrainConfig, TrainState,
                                 make_prime_fn, make_train_step)
-from specjax.sharding import (DEFAULT_RULES, Rules, logical_sharding, opt_state_shardings,
-                              replicated)
+from specjax.sharding import DEFAULT_RULES, Rules, logical_sharding, opt_state_shardings, replicated
 
 __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "join_cluster",
            "local_copy", "process_prompts", "process_rows", "prompt_batch_shardings",
            "rollout_shardings", "sharded_prime_fn", "sharded_train_step",
            "train_state_shardings"]
 
-Params = dict[str, Any]
 
 # The environment variables `join_cluster` reads (JAX reads the first one itself, too).
 COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -248,6 +251,40 @@ def broadcast_json(value: Any) -> Any:
   return json.loads(bytes(multihost_utils.broadcast_one_to_all(buffer)).decode())
 
 
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Return once `address` accepts TCP connections; ConfigError after `timeout_s` without."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+        return
+    except (OSError, ValueError) as err:
+      if time.monotonic() >= deadline:
+        raise ConfigError(
+            f"nobody answers at the coordinator address {address} after {timeout_s}s "
+            f"({err}): start process 0 of the run there, or pass the address process 0 "
+            "listens on (--coordinator-address / JAX_COORDINATOR_ADDRESS)") from None
+      time.sleep(0.5)
+
+
+def check_same_config(record: Any) -> None:
+  """ConfigError on every process unless all processes of the run hold the same `record`
+  (a JSON value, e.g. the resolved config): processes that would compile different programs
+  otherwise stall in their first collective. Compared by a sha256 of each process's JSON,
+  gathered to all before anything else crosses processes."""
+  if jax.process_count() == 1:
+    return
+  text = json.dumps(record, sort_keys=True, default=str).encode()
+  digest = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+  digests = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 32]
+  differ = [i for i in range(len(digests)) if not np.array_equal(digests[i], digests[0])]
+  if differ:
+    raise ConfigError(f"processes {differ} run a different config from process 0's (by "
+                      "sha256 of the resolved config): give every process the same config "
+                      "file and flags (only --process-id differs)")
+
+
 def _resolved(flag: Any, env: Mapping[str, str], name: str, kind: type) -> Any:
   if flag is not None:
     return flag
@@ -262,9 +299,13 @@ def _resolved(flag: Any, env: Mapping[str, str], name: str, kind: type) -> Any:
   return raw
 
 
+DEFAULT_CLUSTER_TIMEOUT_S = 120
+
+
 def join_cluster(coordinator_address: str | None = None, num_processes: int | None = None,
                  process_id: int | None = None, *, env: Mapping[str, str] | None = None,
-                 detect: bool = True) -> bool:
+                 detect: bool = True, timeout_s: int = DEFAULT_CLUSTER_TIMEOUT_S,
+                 log: Callable[[str], None] = print) -> bool:
   """Initialise `jax.distributed` when this is one process of several; returns whether it did.
 
   Call it before anything touches a device. The coordinator's `HOST:PORT`, the process
@@ -275,8 +316,14 @@ def join_cluster(coordinator_address: str | None = None, num_processes: int | No
   Kubernetes JobSet) is joined with no arguments; otherwise this is a single process. CPU
   processes communicate over gloo (JAX's default CPU collectives).
 
+  A process other than 0 first waits up to `timeout_s` for the coordinator to accept
+  connections and fails naming the address when nobody does; every process then waits at most
+  `timeout_s` for all N to register (JAX ends a process that waits longer with
+  DEADLINE_EXCEEDED, after the line this logs names the cluster it was joining).
+
   Raises:
-    ConfigError: only some of the three are given, or they are out of range.
+    ConfigError: only some of the three are given, they are out of range, or nobody answers
+      at the coordinator address.
   """
   env = os.environ if env is None else env
   given = {"coordinator address": _resolved(coordinator_address, env, COORDINATOR_ENV[0], str),
@@ -294,9 +341,9 @@ def join_cluster(coordinator_address: str | None = None, num_processes: int | No
                       "a TPU pod slice)")
   if not missing:
     address, count, index = given.values()
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if not is_int(count) or count < 1:
       raise ConfigError(f"number of processes={count!r} is invalid: must be an int >= 1")
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+    if not is_int(index) or not 0 <= index < count:
       raise ConfigError(f"process id={index!r} is invalid: allowed 0..{count - 1} (there are "
                         f"{count} processes)")
     if ":" not in address:
@@ -304,8 +351,16 @@ def join_cluster(coordinator_address: str | None = None, num_processes: int | No
                         "address of process 0 that every process can reach")
     if count == 1:
       return False
+    if not is_int(timeout_s) or timeout_s < 1:
+      raise ConfigError(f"cluster timeout={timeout_s!r} is invalid: must be an int >= 1 "
+                        "(seconds)")
+    if index != 0:
+      _wait_for_coordinator(address, timeout_s)
+    log(f"joining the cluster at {address} as process {index} of {count}; waiting up to "
+        f"{timeout_s}s for all {count} (a process that never arrives, or two with one id, "
+        "ends the wait with DEADLINE_EXCEEDED)")
     jax.distributed.initialize(coordinator_address=address, num_processes=count,
-                               process_id=index)
+                               process_id=index, initialization_timeout=timeout_s)
     return True
   if detect and _detected_process_count() > 1:
     jax.distributed.initialize()

@@ -20,21 +20,26 @@ from pathlib import Path
 import numpy as np
 
 from specjax.errors import ConfigError
-from specjax.rl.tasks import Example, PythonReward, TaskError, _check_split, _in_test_split
+from specjax.errors import TaskError
+from specjax.rl.tasks import Example, PythonReward, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer
 
 # A number: optional sign (not a hyphen inside a word or range such as "3-4"), optional "$",
 # then digits with thousands commas, plain digits, or a bare decimal such as ".5".
+# A number: sign, "$", thousands commas, decimals, an exponent ("1e3"), and a fraction of
+# integers ("3/4"); reading only a prefix of "1e3" or "3/4" would be a silent wrong answer.
 _NUMBER = re.compile(r"(?:(?<![\w)])(?P<sign>-))?\$?(?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?"
-                     r"|\d+(?:\.\d+)?|\.\d+)")
+                     r"|\d+(?:\.\d+)?|\.\d+)(?P<exponent>[eE][-+]?\d+)?"
+                     r"(?:/(?P<denominator>\d+)(?!/|\.?\d))?")
 _UNICODE_MINUS = ("\u2212", "\u2013")
 
 
 def parse_number(text: str) -> float | None:
   """The first number in `text`, or None.
 
-  Handles thousands commas ("1,234"), a "$" ("$-5", "-$5"), signs, decimals, and trailing
-  punctuation ("42."). A hyphen between two numbers ("3-4") is not a sign.
+  Handles thousands commas ("1,234"), a "$" ("$-5", "-$5"), signs, decimals, exponents
+  ("1e3"), fractions of integers ("3/4", "-1/2"), and trailing punctuation ("42."). A hyphen
+  between two numbers ("3-4") is not a sign.
   """
   for minus in _UNICODE_MINUS:
     text = text.replace(minus, "-")
@@ -44,7 +49,10 @@ def parse_number(text: str) -> float | None:
 
 
 def _match_value(match: re.Match) -> float:
-  value = float(match["digits"].replace(",", ""))
+  value = float(match["digits"].replace(",", "") + (match["exponent"] or ""))
+  if match["denominator"] is not None:
+    denominator = float(match["denominator"])
+    value = value / denominator if denominator else math.inf  # never equal to an answer
   return -value if match["sign"] else value
 
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "fixed_length")
@@ -55,6 +57,8 @@ class GRPOConfig:
       None disables the correction.
     num_epochs: passes (mu) over each rollout batch.
     num_minibatches: minibatches each rollout batch is split into per pass.
+    objective: the policy loss by name (`objectives()`; "grpo" is `grpo_loss`, whose settings
+      above also give Dr. GRPO and DAPO); `register_objective` adds one.
   """
 
   group_size: int = 8
@@ -69,6 +73,7 @@ class GRPOConfig:
   tis_cap: float | None = 2.0
   num_epochs: int = 1
   num_minibatches: int = 1
+  objective: str = "grpo"
 
   def __post_init__(self):
     def require(ok: bool, field: str, allowed: str):
@@ -100,13 +105,13 @@ class GRPOConfig:
             "disable truncated importance sampling")
     for field in ("num_epochs", "num_minibatches"):
       value = getattr(self, field)
-      require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, field,
-              "must be an int >= 1")
+      require(is_int(value) and value >= 1, field, "must be an int >= 1")
+    require(self.objective in _OBJECTIVES, "objective",
+            f"allowed one of {', '.join(objectives())} (register_objective adds one)")
 
 
 def _check_group_size(group_size) -> None:
-  if not (isinstance(group_size, int) and not isinstance(group_size, bool)
-          and group_size >= 2):
+  if not is_int(group_size) or group_size < 2:
     raise ConfigError(f"group_size={group_size!r} is invalid: must be an int >= 2 (GRPO's "
                       "baseline is the mean of the other samples of the same prompt)")
 
@@ -353,3 +358,38 @@ def grpo_loss(config: GRPOConfig, logprobs: jax.Array, old_logprobs: jax.Array,
       entropy=None if logits is None else stats(token_mean(token_entropy(logits))),
   )
   return loss, metrics
+
+
+# Policy objectives by name. An objective has `grpo_loss`'s signature and returns its
+# `(loss, GRPOMetrics)`; the train step calls the one `GRPOConfig.objective` names.
+Objective = Callable[..., "tuple[jax.Array, GRPOMetrics]"]
+_OBJECTIVES: dict[str, Objective] = {"grpo": grpo_loss}
+
+
+def register_objective(name: str, loss: Objective, *, replace: bool = False) -> None:
+  """Make `GRPOConfig(objective=name)` train with `loss` (same signature as `grpo_loss`).
+
+  Raises:
+    ConfigError: `name` is not a non-empty string or is taken (unless `replace`), or `loss`
+      is not callable.
+  """
+  if not isinstance(name, str) or not name:
+    raise ConfigError(f"objective name {name!r} is invalid: must be a non-empty string")
+  if not callable(loss):
+    raise ConfigError(f"register_objective({name!r}, {loss!r}): the loss must be callable")
+  if name in _OBJECTIVES and not replace:
+    raise ConfigError(f"objective {name!r} is registered already; pass replace=True to "
+                      "replace it")
+  _OBJECTIVES[name] = loss
+
+
+def objectives() -> tuple[str, ...]:
+  """The registered objective names."""
+  return tuple(sorted(_OBJECTIVES))
+
+
+def objective_loss(name: str) -> Objective:
+  """The loss registered as `name` (`GRPOConfig` checks the name when it is built)."""
+  if name not in _OBJECTIVES:
+    raise ConfigError(f"objective={name!r} is invalid: allowed one of {', '.join(objectives())}")
+  return _OBJECTIVES[name]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import ConfigError
+from specjax.errors import ConfigError, RewardError
 from specjax.tokenizer import CharTokenizer, Tokenizer, with_bos
 
 SPLITS = ("train", "test")
@@ -36,14 +36,6 @@ WORKED_ALPHABET = ARITHMETIC_ALPHABET + ",;"
 ARITHMETIC_OPERATORS = "+-*"
 # The JAX reward parses answers into int32; nine digits always fit, ten may not.
 _MAX_ANSWER_DIGITS = 9
-
-
-class TaskError(ValueError):
-  """Task data that cannot be used (a malformed JSONL line, ...); the message locates it."""
-
-
-class RewardError(RuntimeError):
-  """A Python reward function raised or returned a non-finite value; names task and sample."""
 
 
 @dataclasses.dataclass(frozen=True)

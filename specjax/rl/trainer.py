@@ -35,10 +35,11 @@ import numpy as np
 import optax
 from flax import struct
 
+from specjax.checks import is_int, is_number
 from specjax.decoding import Adaptive, generate
-from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -46,11 +47,11 @@ from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import eagle3_ttt_loss, select_aux
 from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.models.layout import constrain_rows
+from specjax.models.params import Params
 from specjax.models.transformer import ForwardOutput, forward
-from specjax.rl.losses import GRPOConfig, group_advantages, grpo_loss
+from specjax.rl.losses import GRPOConfig, group_advantages, objective_loss
 from specjax.supervised import draft_head_loss
 
-Params = dict[str, Any]
 RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -89,7 +90,7 @@ class RolloutConfig:
                         "int >= 1")
     object.__setattr__(self, "eos_id", _eos_ids(self.eos_id))
     carry = self.acceptance_carry
-    if isinstance(carry, bool) or not isinstance(carry, (int, float)) or not 0 <= carry <= 1:
+    if not is_number(carry) or not 0 <= carry <= 1:
       raise ConfigError(f"acceptance_carry={carry!r} is invalid: must be a number in [0, 1]")
     if carry and self.speculation is None:
       raise ConfigError(f"acceptance_carry={carry!r} needs speculation=Adaptive(...): only "
@@ -116,7 +117,7 @@ def _eos_ids(eos_id: Any) -> int | tuple[int, ...] | None:
     return None
   many = isinstance(eos_id, (list, tuple))
   ids = tuple(eos_id) if many else (eos_id,)
-  bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0]
+  bad = [i for i in ids if not is_int(i) or i < 0]
   if bad or not ids:
     raise ConfigError(f"eos_id={eos_id!r} is invalid"
                       + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
@@ -251,7 +252,7 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
   """A fresh state; the reference is a copy of `params` when the KL penalty is on.
 
   With an EAGLE-3 rollout drafter, `drafter_params` is its head (trained offline, e.g.
-  `specjax.drafter_training.train_eagle3`, or loaded with `load_eagle3`).
+  `specjax.supervised.eagle3.train_eagle3`, or loaded with `load_eagle3`).
   """
   ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
   drafter = None
@@ -349,13 +350,14 @@ def sequence_logprobs(params: Params, model: ModelConfig, tokens: jax.Array,
 
 
 def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
-  """GRPO loss (+ the detached MTP / Medusa loss); aux: metrics and the forward output."""
+  """The policy objective's loss (`GRPOConfig.objective`; + the detached MTP / Medusa loss);
+  aux: metrics and the forward output."""
   temperature = config.rollout.sampling.logprob_temperature
   eagle = config.eagle3
   logp, out = sequence_logprobs(params, config.model, mb["tokens"], temperature,
                                 eagle.config.hidden_layers if eagle is not None else ())
   old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(logp)
-  loss, gm = grpo_loss(
+  loss, gm = objective_loss(config.grpo.objective)(
       config.grpo, logp[:, 1:], old[:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
       ref_logprobs=mb["ref_logprobs"][:, 1:] if "ref_logprobs" in mb else None,
       rollout_logprobs=mb["behaviour_logprobs"][:, 1:],
@@ -395,7 +397,15 @@ def _eagle3_update(drafter: DrafterTrainState, config: TrainConfig, embed_table:
 
 def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTransformation,
            roll: Rollout, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-  """`num_epochs x num_minibatches` GRPO updates on a scored rollout."""
+  """`num_epochs x num_minibatches` GRPO updates on a scored rollout.
+
+  A minibatch whose advantages (so rewards), loss or gradient are not all finite is not
+  applied: the weights and moments stay as they were (the step and key still advance) and
+  `metrics["update_skipped"]` is the fraction of minibatches skipped, so that one bad reward
+  cannot poison a run and a caller can stop on the flag. Decided inside the compiled step,
+  with no host round trip, by an elementwise select that fuses into the optimizer's update
+  (no second copy of the weights or moments is kept).
+  """
   gc = config.grpo
   temperature = config.rollout.sampling.logprob_temperature
   data = {"tokens": roll.tokens, "response_mask": roll.response_mask,
@@ -437,13 +447,20 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
     params, opt_state, drafter = carry
     mb = jax.tree.map(constrain_rows, mb)  # the gather by `perm` drops the rows' split
     grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    ok = all_finite((mb["advantages"], metrics["loss"], grads))
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    # A branch, not a select over both results: the skipped branch allocates nothing.
+    updates, opt_state = jax.lax.cond(
+        ok, lambda: optimizer.update(grads, opt_state, params),
+        lambda: (jax.tree.map(jnp.zeros_like, params), opt_state))
     metrics |= _grad_norms(grads)
     if train_eagle:
-      drafter, drafter_metrics = _eagle3_update(
+      new_drafter, drafter_metrics = _eagle3_update(
           drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
           mb["valid_mask"], out)
+      drafter = keep(new_drafter, drafter)
       metrics |= drafter_metrics
+    metrics["update_skipped"] = 1.0 - ok.astype(jnp.float32)
     return (optax.apply_updates(params, updates), opt_state, drafter), metrics
 
   (params, opt_state, drafter), metrics = jax.lax.scan(
@@ -451,6 +468,14 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   metrics = jax.tree.map(lambda x: x.mean(0), metrics)
   return state.replace(params=params, opt_state=opt_state, drafter=drafter,
                        step=state.step + 1), metrics
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Scalar bool: every float leaf of `tree` is finite (integer leaves are ignored)."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 def _grad_norms(grads: Params) -> dict[str, jax.Array]:

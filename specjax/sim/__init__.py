@@ -1,12 +1,13 @@
 """specjax.sim: a performance simulator of RL steps with plain and speculative rollouts.
 
-Pure Python and NumPy (JAX only for `calibrate_profile`, which measures the machine at hand).
+Pure Python and NumPy: it imports without JAX. Measuring the machine at hand runs JAX and
+lives above it (`specjax.experiments.device_profile.calibrate_profile`).
 A step is rollout + reward + log-prob recompute + update + weight sync (`simulate_step`), on
 a sync or k-step async schedule, colocated or on split device sets. The rollout is a sequence
 of decoding rounds over a live batch that shrinks as responses end (`simulate_rollout`); each
 round is priced by a roofline with efficiency factors per operation class (`hardware`,
 `cost`), for dense and MoE models (`ModelSpec`, presets in `MODELS`) on spec-sheet devices
-(`device_profile`) or measured ones (`calibrate_profile`, `fit_efficiency`).
+(`device_profile`) or measured ones (`fit_efficiency`, `calibrate_profile`).
 
   from specjax import sim
   model, (profile, n) = sim.model_spec("qwen3-8b"), sim.parse_devices("32xGB200")
@@ -40,15 +41,9 @@ from specjax.sim.sweep import (Heatmap, save_heatmap, sweep_devices_models,
 from specjax.sim.workload import Empirical, Fixed, Lognormal, Workload
 
 
-def calibrate_profile(**kwargs) -> DeviceProfile:
-  """Measure this machine's profile (`specjax.sim.calibrate.calibrate_profile`; imports JAX)."""
-  from specjax.sim.calibrate import calibrate_profile as measure
-  return measure(**kwargs)
-
-
 __all__ = [
     "all_gather_seconds", "all_reduce_seconds", "all_to_all_seconds", "attention_seconds",
-    "calibrate_profile", "chain_expected_tokens", "choose_replica", "Cluster", "compare",
+    "chain_expected_tokens", "choose_replica", "Cluster", "compare",
     "Comparison", "Curve", "default_draft_model", "DEVICE_NAMES", "device_profile",
     "DeviceProfile", "DRAFTERS", "Empirical", "fit_efficiency", "FITTABLE", "Fixed",
     "forward_time", "ForwardTime", "ForwardWork", "fsdp_seconds", "Heatmap", "kv_peak_tokens",

@@ -6,7 +6,6 @@
   ... --sweep draft-length-x-acceptance --out sweep.png
   ... --sweep devices-x-model --sweep-devices 8,16,32,64 --sweep-models qwen3-8b,qwen3-32b
   simulate_main(["--reference"])   # the reference system's 8B table reproduced, 235B projected
-  calibrate_main(["--out", "profile.json"])       # measure this machine; --profile-json uses it
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
   a = p.add_argument
   a("--model", default="qwen3-8b", help=f"one of {', '.join(MODELS)}")
   a("--devices", default="8xH200", help=f"COUNTxNAME, NAME one of {', '.join(DEVICE_NAMES)}")
-  a("--profile-json", help="a DeviceProfile JSON (calibrate_main) instead of the spec sheet")
+  a("--profile-json",
+    help="a DeviceProfile JSON (`specjax sim calibrate`) instead of the spec sheet")
   a("--rollout-devices", type=int, help="split sets: devices generating (with --train-devices)")
   a("--train-devices", type=int, help="split sets: devices training")
   a("--rollout-replica", type=int, help="devices per rollout replica (default: smallest fit)")
@@ -120,7 +120,8 @@ def _tree(text: str) -> MenuEntry:
 
 def _speculation_for(args, model: ModelSpec, rates=None) -> Speculation:
   per_depth = rates if rates is not None else args.acceptance_per_depth
-  k = args.draft_length or (len(per_depth) if per_depth else 3)
+  k = args.draft_length if args.draft_length is not None else (
+      len(per_depth) if per_depth else 3)
   if per_depth is None and args.acceptance is None:
     raise ConfigError("pass --acceptance (mean tokens per round) or --acceptance-per-depth")
   if per_depth is not None and args.acceptance is not None and rates is None:
@@ -186,6 +187,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
   """Parse `argv` (default: sys.argv[1:]), simulate, print; returns the exit status."""
   parser = _parser()
   args = parser.parse_args(argv)
+  if args.draft_length is not None and args.draft_length < 1:
+    parser.error(f"--draft-length {args.draft_length} is invalid: must be an int >= 1 (draft "
+                 "tokens per round; plain decoding is always simulated beside it)")
   if args.reference:
     print(reference_report())
     return 0
@@ -204,7 +208,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     print(f"schedule  {schedule.describe(cluster)}")
     if args.sweep:
       if args.acceptance is None and args.acceptance_per_depth is None:
-        args.acceptance_per_depth = [0.8] * (args.draft_length or 3)
+        args.acceptance_per_depth = [0.8] * (3 if args.draft_length is None
+                                             else args.draft_length)
       _run_sweep(args, model, cluster, workload, schedule)
       return 0
     speculation = _speculation_for(args, model)
@@ -234,30 +239,6 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if baseline is not None:
       line += f", {baseline.overall / getattr(result, which).overall:.2f}x vs plain sync colocated"
     print(line)
-  return 0
-
-
-# `specjax sim calibrate --quick`: the smallest shapes that still fit both efficiency curves.
-_QUICK_CALIBRATION = dict(matmul_dim=256, matmul_rows=(1, 64), copy_megabytes=16,
-                          decode_cases=((128, 1, 1), (512, 1, 1)), repeats=2)
-
-
-def calibrate_main(argv: Sequence[str] | None = None) -> int:
-  """Measure this machine (`calibrate_profile`) and write the profile as JSON."""
-  parser = argparse.ArgumentParser(prog="specjax sim calibrate",
-                                   description=calibrate_main.__doc__)
-  parser.add_argument("--out", default="device_profile.json")
-  parser.add_argument("--dtype", default=None, help="float32 / bfloat16 (default by platform)")
-  parser.add_argument("--quick", action="store_true",
-                      help="small shapes, 2 repeats: a rough profile in a few seconds (to try "
-                           "the command; its small matmuls run from the caches on a CPU)")
-  args = parser.parse_args(argv)
-  from specjax.sim.calibrate import calibrate_profile
-  profile = calibrate_profile(dtype=args.dtype, **(_QUICK_CALIBRATION if args.quick else {}))
-  pathlib.Path(args.out).write_text(profile.to_json())
-  print(f"{profile.name}: {profile.peak_flops / 1e9:.1f} GFLOP/s, "
-        f"{profile.hbm_bw / 1e9:.1f} GB/s copy, mem_eff {profile.mem_eff:.2f}, "
-        f"layer overhead {profile.layer_overhead_s * 1e6:.0f} us -> {args.out}")
   return 0
 
 

@@ -19,7 +19,8 @@ that say how much of them each class of operation reaches. The classes and their
   training    FLOP / (peak_flops * train_mfu)
 
 Every factor is a plain number or a `Curve`, so a profile can be fitted from measured
-forwards (`specjax.sim.fit_efficiency`) or measured outright (`specjax.sim.calibrate_profile`).
+forwards (`specjax.sim.fit_efficiency`) or measured outright
+(`specjax.experiments.device_profile.calibrate_profile`).
 Units: seconds, bytes, FLOP; bandwidths in bytes per second.
 """
 

@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from specjax.decoding.policy import straggler_factor
+from specjax.stragglers import straggler_factor
 from specjax.errors import ConfigError
 from specjax.sim.cost import prefill_seconds, round_time
 from specjax.sim.model import ModelSpec

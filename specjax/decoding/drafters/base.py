@@ -37,8 +37,8 @@ from specjax.decoding.sampling import SamplingConfig, processed_logprobs, top_w
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+from specjax.models.params import Params
 
-Params = dict[str, Any]
 State = TypeVar("State")
 Carry = TypeVar("Carry")
 

@@ -35,18 +35,17 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
-                                            check_confidence, commit_if_full,
-                                            commit_if_pending, draft_level_by_level)
+                                            check_confidence, commit_if_full, commit_if_pending,
+                                            draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache, attention_mask
 from specjax.models.config import ModelConfig
-from specjax.models.eagle3 import (Eagle3Config, eagle3_cache, eagle3_draft_logits,
-                                   eagle3_layer, fuse, select_aux, to_target_vocab)
+from specjax.models.eagle3 import (Eagle3Config, eagle3_cache, eagle3_draft_logits, eagle3_layer,
+                                   fuse, select_aux, to_target_vocab)
+from specjax.models.params import Params
 from specjax.models.transformer import embed
-
-Params = dict[str, Any]
 
 
 @struct.dataclass

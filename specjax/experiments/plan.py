@@ -54,29 +54,26 @@ Q query heads, K kv heads, H head_dim, J training-time-test steps).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
-import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from specjax.cli import load_experiment
+from specjax.checks import is_int, is_number
 from specjax.errors import ConfigError
+from specjax.experiments.grpo import (ExperimentConfig, abstract_state, task_records,
+                                      with_shardings)
 from specjax.rl.data import PromptReader
-from specjax.rl.distributed import (prompt_batch_shardings, sharded_train_step,
-                                    train_state_shardings)
-from specjax.rl.experiment import (ExperimentConfig, _abstract_state, _records,
-                                   _with_shardings)
-from specjax.rl.trainer import make_prime_fn
+from specjax.rl.distributed import prompt_batch_shardings, sharded_train_step, train_state_shardings
 from specjax.sharding import MeshConfig, logical_to_mesh
 
-__all__ = ["Compiled", "Estimate", "Plan", "estimate", "fake_devices", "plan", "plan_main"]
+__all__ = ["Compiled", "Estimate", "Plan", "estimate", "fake_devices", "plan"]
 
 GIB = 2**30
 
@@ -89,7 +86,7 @@ def fake_devices(n: int) -> list[jax.Device]:
   Raises:
     ConfigError: `n` is not a positive int, or JAX already started with fewer CPU devices.
   """
-  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+  if not is_int(n) or n < 1:
     raise ConfigError(f"devices={n!r} is invalid: must be an int >= 1")
   try:
     if jax.config.jax_num_cpu_devices < n:
@@ -444,7 +441,7 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   if not isinstance(config, ExperimentConfig):
     raise ConfigError(f"config is a {type(config).__name__}: plan needs an ExperimentConfig "
                       "(see configs/qwen3_1p7b_grpo.py)")
-  if isinstance(hbm_gib, bool) or not isinstance(hbm_gib, (int, float)) or not hbm_gib > 0:
+  if not is_number(hbm_gib) or not hbm_gib > 0:
     raise ConfigError(f"hbm_gib={hbm_gib!r} is invalid: must be a number > 0")
   mesh_config = config.mesh if mesh is None else mesh
   if not isinstance(mesh_config, MeshConfig):
@@ -463,17 +460,14 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   tc = config.fixed_tree().train_config()
   optimizer = config.optimizer()
   tok = config.task.tokenizer
-  reader = PromptReader(_records(config.task, "train"), batch_size=config.prompts_per_step,
-                        pad_id=tok.pad_id, shuffle=False)
+  reader = PromptReader(task_records(config.task, "train"),
+                        batch_size=config.prompts_per_step, pad_id=tok.pad_id, shuffle=False)
   host_batch = reader.batch_at(0)
-  abstract = _abstract_state(config, tc, optimizer)
-  if config.async_mode:
-    abstract = jax.eval_shape(make_prime_fn(tc, config.task.reward, pad_id=tok.pad_id),
-                              abstract, host_batch)
+  abstract = abstract_state(config, tc, optimizer, host_batch)
   shardings = train_state_shardings(abstract, device_mesh, tc)
   batch_shardings = prompt_batch_shardings(host_batch, device_mesh)
-  state = _with_shardings(abstract, shardings)
-  batch = _with_shardings(host_batch, batch_shardings)
+  state = with_shardings(abstract, shardings)
+  batch = with_shardings(host_batch, batch_shardings)
   step = sharded_train_step(tc, config.task.reward, optimizer, shardings, batch_shardings,
                             pad_id=tok.pad_id)
   lowered = step.lower(state, batch)
@@ -512,44 +506,3 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
                         generated_code=memory.generated_code_size_in_bytes),
       compiled_flops=float(cost.get("flops", 0.0)), estimate=est, estimate_here=here,
       largest=_largest_arrays(compiled.as_text()), lower_s=lower_s, compile_s=compile_s)
-
-
-def plan_main(argv: list[str] | None = None) -> int:
-  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]`:
-  print the plan; the mesh flags override the config's mesh axis by axis. Returns the exit
-  status (0 fits, 1 does not fit)."""
-  parser = argparse.ArgumentParser(
-      prog="specjax plan",
-      description="Compile a config's GRPO train step for N fake CPU devices with abstract "
-                  "parameters and print per-device memory (compiled and analytical), FLOPs and "
-                  "whether it fits.")
-  parser.add_argument("--config", required=True, help="a config file, e.g. "
-                      "configs/qwen3_1p7b_grpo.py")
-  parser.add_argument("--devices", type=int, required=True,
-                      help="accelerators to plan for (compiled on as many fake CPU devices)")
-  parser.add_argument("--hbm-gib", type=float, default=80.0,
-                      help="memory per accelerator in GiB (default 80: H100 / A100 80GB)")
-  for axis in ("data", "fsdp", "tensor"):
-    parser.add_argument(f"--mesh.{axis}", type=int, default=None, dest=axis,
-                        help=f"mesh {axis} size (-1: the devices the other axes leave); "
-                             "default the config's")
-  args = parser.parse_args(argv)
-  # Before anything touches a device: the fake device count is fixed when JAX starts.
-  try:
-    jax.config.update("jax_platforms", "cpu")
-    devices = fake_devices(args.devices)
-  except ConfigError as err:
-    raise SystemExit(f"specjax plan: {err}") from None
-  config = load_experiment(args.config)
-  overrides = {a: getattr(args, a) for a in ("data", "fsdp", "tensor")
-               if getattr(args, a) is not None}
-  try:
-    mesh = None
-    if overrides and isinstance(config, ExperimentConfig):
-      mesh = dataclasses.replace(config.mesh, **overrides)
-    result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
-  except ConfigError as err:
-    raise SystemExit(f"specjax plan --config {args.config}: {err}") from None
-  print(result.format())
-  sys.stdout.flush()
-  return 0 if result.fits else 1

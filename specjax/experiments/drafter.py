@@ -2,7 +2,7 @@
 
     specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --ttt-steps 4 ...]
 
-    from specjax.drafter_experiment import DrafterTrainConfig, run_drafter_training
+    from specjax.experiments.drafter import DrafterTrainConfig, run_drafter_training
     summary = run_drafter_training(DrafterTrainConfig(run_dir="runs/qwen3-eagle3",
                                                       target_dir="Qwen3-0.6B",
                                                       gsm8k_file="gsm8k_train.jsonl"))
@@ -11,10 +11,10 @@
 
 1. The target: an HF checkpoint directory (`target_dir`), the latest policy of a `specjax train`
    run (`target_rl_run`), or else the built-in arithmetic policy warm-started with the
-   supervised recipe of `specjax.rl.experiment.warm_start`.
+   supervised recipe of `specjax.experiments.grpo.warm_start`.
 2. Self-distillation data: the target's own responses to training prompts (the arithmetic
    task's train split, or a GSM8K-format JSONL), and the draft vocabulary from their tokens.
-3. Training with the training-time test (`specjax.drafter_training.make_eagle3_step`), one
+3. Training with the training-time test (`specjax.supervised.eagle3.make_eagle3_step`), one
    JSON line of metrics per step, orbax checkpoints of the `Eagle3TrainState`.
 4. Export of the head in the public layout (`save_eagle3`), then evaluation *of the exported
    files* on held-out prompts: acceptance length of `Eagle3Drafter` on a chain, and the
@@ -45,10 +45,9 @@ vocabulary; J training-time-test steps).
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import time
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -56,232 +55,18 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
-from specjax.drafter_data import (Target, check_length, load_target, make_data,
-                                  target_spec, task_prompts)
-from specjax.drafter_training import Eagle3TrainState, init_eagle3_state, make_eagle3_step
-from specjax.errors import ConfigError
-from specjax.models import Eagle3Config, ModelConfig, count_params, load_eagle3, save_eagle3
-from specjax.rl.tasks import ArithmeticTask
-
-Params = dict[str, Any]
-
-# Fields a rerun may change; every other field defines the target, the data or the head.
-RESUMABLE_FIELDS = frozenset({
-    "run_dir", "steps", "batch_size", "learning_rate", "warmup_steps", "final_lr_fraction",
-    "weight_decay", "max_grad_norm", "step_decay", "soft_labels",
-    "checkpoint_every", "max_checkpoints", "eval_prompts", "eval_max_new_tokens",
-    "eval_temperature", "eval_depth", "speedup_repeats"})
-
-_DEFAULT_MODEL = ModelConfig(vocab_size=17, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
-                             head_dim=32, mlp_dim=256, num_mtp_modules=2, max_position=64)
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterTrainConfig:
-  """Everything of one offline EAGLE-3 run; every field can be overridden on the command line.
-
-  Attributes:
-    run_dir: data, checkpoints, metrics, the exported head and the summary go here.
-    seed: seeds the warm start, the data, the head's initialisation and the batch order.
-    target_dir: an HF checkpoint directory (config.json, safetensors, tokenizer.json) to
-      train a head for; None for the built-in arithmetic policy.
-    target_rl_run: a `specjax train` run directory (or its checkpoints/) whose latest policy
-      is the target; `model` must be that run's architecture. None: warm-start a policy.
-    task: the arithmetic task (the built-in policy's training data, and the prompts unless
-      `gsm8k_file` is set).
-    model: the built-in policy's architecture (vocab_size must equal the task tokenizer's).
-    sft_steps: warm-start steps of the built-in policy.
-    sft_batch: warm-start batch size.
-    sft_learning_rate: warm-start learning rate.
-    sft_eos_fraction: share of warm-start answers that end with EOS; the others run on into
-      the next problem (see `ExperimentConfig.sft_eos_fraction`), which gives the policy
-      responses long enough to draft.
-    gsm8k_file: prompts from this GSM8K-format JSONL ("question", "answer") instead of the
-      arithmetic task.
-    gsm8k_test_file: held-out prompts of `gsm8k_file`; None holds out `gsm8k_test_fraction`.
-    gsm8k_test_fraction: share of `gsm8k_file`'s questions held out, in (0, 1).
-    prompt_template: GSM8K prompt, with "{question}" replaced by the question.
-    num_prompts: training prompts the target answers.
-    responses_per_prompt: responses sampled per training prompt.
-    max_new_tokens: response budget of the self-distillation data (L = P + max_new_tokens).
-    temperature: sampling temperature of the data (0: greedy).
-    generation_batch: prompts per `generate` call while making the data.
-    draft_vocab_size: W, the head's vocabulary (the W most frequent response tokens); None
-      for the whole target vocabulary.
-    aux_layers: the target layers the head reads (vLLM ids); None for
-      `Eagle3Config.for_target`'s default.
-    ttt_steps: J, training-time-test steps (draft depths trained).
-    step_decay: weight ratio of consecutive TTT steps in the loss.
-    soft_labels: learn the target's distributions (True) or its sampled tokens (False).
-    steps: optimizer steps in total (a rerun with more steps continues; the cosine decay
-      then stretches to the new total).
-    batch_size: sequences per step.
-    learning_rate: peak AdamW learning rate.
-    warmup_steps: linear warmup from 0, then cosine decay to the end of `steps`.
-    final_lr_fraction: the cosine decay ends at `learning_rate * final_lr_fraction`.
-    weight_decay: AdamW weight decay.
-    max_grad_norm: global gradient clipping.
-    checkpoint_every: steps between checkpoints (the last step is always saved).
-    max_checkpoints: checkpoints kept.
-    eval_prompts: held-out prompts of the evaluation.
-    eval_max_new_tokens: tokens generated per held-out prompt; None for `max_new_tokens`.
-    eval_temperature: temperature of the sampled evaluation; None for `temperature` (the
-      greedy evaluation always runs too).
-    eval_depth: the evaluation drafts a chain of this many tokens per round.
-    speedup_repeats: timed repeats of each throughput measurement (median).
-  """
-
-  run_dir: str = "runs/eagle3"
-  seed: int = 0
-  target_dir: str | None = None
-  target_rl_run: str | None = None
-  task: ArithmeticTask = ArithmeticTask()
-  model: ModelConfig = _DEFAULT_MODEL
-  sft_steps: int = 400
-  sft_batch: int = 64
-  sft_learning_rate: float = 3e-3
-  sft_eos_fraction: float = 0.0
-  gsm8k_file: str | None = None
-  gsm8k_test_file: str | None = None
-  gsm8k_test_fraction: float = 0.05
-  prompt_template: str = "Question: {question}\nAnswer:"
-  num_prompts: int = 1024
-  responses_per_prompt: int = 1
-  max_new_tokens: int = 32
-  temperature: float = 1.0
-  generation_batch: int = 128
-  draft_vocab_size: int | None = None
-  aux_layers: tuple[int, int, int] | None = None
-  ttt_steps: int = 3
-  step_decay: float = 1.0
-  soft_labels: bool = True
-  steps: int = 1000
-  batch_size: int = 32
-  learning_rate: float = 1e-3
-  warmup_steps: int = 50
-  final_lr_fraction: float = 0.1
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  checkpoint_every: int = 100
-  max_checkpoints: int = 2
-  eval_prompts: int = 64
-  eval_max_new_tokens: int | None = None
-  eval_temperature: float | None = None
-  eval_depth: int = 3
-  speedup_repeats: int = 3
-
-  def __post_init__(self):
-    def require(ok: bool, field: str, allowed: str):
-      if not ok:
-        raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
-
-    def is_int(value) -> bool:
-      return isinstance(value, int) and not isinstance(value, bool)
-
-    require(isinstance(self.run_dir, str) and bool(self.run_dir), "run_dir",
-            "must be a non-empty path")
-    require(is_int(self.seed), "seed", "must be an int")
-    for name in ("num_prompts", "responses_per_prompt", "max_new_tokens", "generation_batch",
-                 "ttt_steps", "steps", "batch_size", "checkpoint_every", "max_checkpoints",
-                 "eval_prompts", "eval_depth", "speedup_repeats", "sft_batch"):
-      require(is_int(getattr(self, name)) and getattr(self, name) >= 1, name,
-              "must be an int >= 1")
-    for name in ("sft_steps", "warmup_steps"):
-      require(is_int(getattr(self, name)) and getattr(self, name) >= 0, name,
-              "must be an int >= 0")
-    require(self.warmup_steps < self.steps, "warmup_steps",
-            f"must be below steps={self.steps} (warmup, then cosine decay)")
-    require(self.eval_max_new_tokens is None or (is_int(self.eval_max_new_tokens)
-                                                 and self.eval_max_new_tokens >= 1),
-            "eval_max_new_tokens", "must be None or an int >= 1")
-    require(self.temperature >= 0, "temperature", "must be >= 0 (0: greedy)")
-    require(self.eval_temperature is None or self.eval_temperature >= 0, "eval_temperature",
-            "must be None or >= 0")
-    for name in ("learning_rate", "max_grad_norm", "step_decay", "sft_learning_rate"):
-      require(getattr(self, name) > 0, name, "must be > 0")
-    require(0 <= self.final_lr_fraction <= 1, "final_lr_fraction", "must be in [0, 1]")
-    require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-    require(0 <= self.sft_eos_fraction <= 1, "sft_eos_fraction", "must be in [0, 1]")
-    require(self.target_dir is None or self.target_rl_run is None, "target_rl_run",
-            f"must be None with target_dir={self.target_dir!r}: the target is one or the other")
-    require(self.draft_vocab_size is None or (is_int(self.draft_vocab_size)
-                                              and self.draft_vocab_size >= 1),
-            "draft_vocab_size", "must be None (the whole vocabulary) or an int >= 1")
-    aux = self.aux_layers
-    if isinstance(aux, list):
-      object.__setattr__(self, "aux_layers", tuple(aux))
-    require(self.aux_layers is None or (len(self.aux_layers) == 3
-                                        and all(is_int(i) for i in self.aux_layers)),
-            "aux_layers", "must be None or 3 target layer ids (low, mid, high)")
-    require("{question}" in self.prompt_template, "prompt_template",
-            "must contain '{question}'")
-    if self.gsm8k_file is not None and self.gsm8k_test_file is None:
-      require(0 < self.gsm8k_test_fraction < 1, "gsm8k_test_fraction",
-              "must be in (0, 1) without gsm8k_test_file (held-out prompts are needed)")
-    if self.target_dir is None:  # the built-in policy: its shapes are known now
-      vocab = self.task.tokenizer.vocab_size
-      require(self.model.vocab_size == vocab, "model",
-              f"has vocab_size={self.model.vocab_size}; the task's tokenizer has {vocab} ids")
-      if self.draft_vocab_size is not None:
-        require(self.draft_vocab_size <= vocab, "draft_vocab_size",
-                f"must be at most the target's vocab_size={vocab}")
-      if self.aux_layers is not None:
-        Eagle3Config.for_target(self.model, aux_layers=self.aux_layers)
-
-  @property
-  def eval_sampling_temperature(self) -> float:
-    return self.temperature if self.eval_temperature is None else self.eval_temperature
-
-  def schedule(self) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, cosine decay to `final_lr_fraction` of it."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, self.learning_rate, self.warmup_steps, self.steps,
-        end_value=self.learning_rate * self.final_lr_fraction)
-
-  def optimizer(self) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(self.max_grad_norm),
-                       optax.adamw(self.schedule(), weight_decay=self.weight_decay))
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-  """Write through a temporary file and rename it: a killed run leaves no half file."""
-  tmp = path.with_name(path.name + ".tmp")
-  write(tmp)
-  os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config record
-
-
-def _config_record(config: DrafterTrainConfig) -> dict[str, Any]:
-  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
-
-
-def _check_rerun(run_dir: Path, config: DrafterTrainConfig, log) -> None:
-  """Refuse a rerun that changes the target, the data or the head of what it would reuse."""
-  path = run_dir / "config.json"
-  new = _config_record(config)
-  reused = ((run_dir / "data.npz").is_file()
-            or any(any((run_dir / d).glob("*")) for d in ("target", "checkpoints")))
-  if path.is_file() and reused:
-    old = json.loads(path.read_text())
-    changed = sorted(k for k in new if k in old and old[k] != new[k])
-    frozen = [k for k in changed if k not in RESUMABLE_FIELDS]
-    if frozen:
-      detail = "; ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in frozen)
-      raise ConfigError(
-          f"{', '.join(frozen)} changed since {run_dir} was started ({detail}); these define "
-          "the target, the data or the head, so the run cannot continue with them. Use a new "
-          "run_dir, or the old values.")
-    if changed:
-      log(f"rerun with changed {', '.join(changed)}")
-
+from specjax.errors import CheckpointError
+from specjax.experiments.drafter_config import RESUMABLE_FIELDS, DrafterTrainConfig
+from specjax.experiments.drafter_data import (Target, check_length, load_target, make_data,
+                                              target_spec, task_prompts)
+from specjax.experiments.run_record import check_resume, kept_metrics, record_config
+from specjax.files import DirectoryLock, write_atomic, write_text_atomic
+from specjax.models import Eagle3Config, count_params, load_eagle3, save_eagle3
+from specjax.supervised.eagle3 import Eagle3TrainState, init_eagle3_state, make_eagle3_step
 
 # ---------------------------------------------------------------------------------------------
 # Training
@@ -290,6 +75,23 @@ def _check_rerun(run_dir: Path, config: DrafterTrainConfig, log) -> None:
 @lru_cache(maxsize=4)
 def _epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num)
+
+
+def _read_data(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`(tokens [B, L], loss_mask [B, L], d2t [W])` of a run's `data.npz`, or CheckpointError
+  naming the file when it is truncated, foreign or inconsistent."""
+  try:
+    with np.load(path, allow_pickle=False) as data:
+      tokens, mask, d2t = data["tokens"], data["loss_mask"], data["d2t"]
+  except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+    raise CheckpointError(f"{path} cannot be read as this run's data ({type(err).__name__}: "
+                          f"{err}); delete it to generate the data again") from None
+  ints = all(np.issubdtype(a.dtype, np.integer) for a in (tokens, mask, d2t))
+  if not ints or tokens.ndim != 2 or mask.shape != tokens.shape or d2t.ndim != 1:
+    raise CheckpointError(f"{path} holds tokens {tokens.shape} {tokens.dtype}, loss_mask "
+                          f"{mask.shape} {mask.dtype}, d2t {d2t.shape} {d2t.dtype}: expected "
+                          "integer [B, L], [B, L] and [W]; delete it to generate the data again")
+  return tokens, mask, d2t
 
 
 def batch_indices(num: int, batch_size: int, step: int, seed: int) -> np.ndarray:
@@ -322,9 +124,9 @@ def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Confi
   else:
     state, meta, start = restored
     log(f"resumed from {ckpt.directory} at step {start}")
-    # Steps logged after the checkpoint run again, identically: drop their lines.
-    lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
-    kept = [line for line in lines if line and json.loads(line)["step"] <= start]
+    # Steps logged after the checkpoint run again, identically: drop their lines (and a
+    # line a kill cut short).
+    kept = kept_metrics(metrics_file, start, log)
     metrics_file.write_text("".join(line + "\n" for line in kept))
   step_fn = make_eagle3_step(target.config, eagle_config, optimizer, ttt_steps=config.ttt_steps,
                              soft_labels=config.soft_labels, step_decay=config.step_decay)
@@ -407,11 +209,28 @@ def evaluate_head(target: Target, eagle_config: Eagle3Config, weights: Eagle3Wei
 
 def run_drafter_training(config: DrafterTrainConfig,
                          log: Callable[[str], None] = print) -> dict[str, Any]:
-  """Run (or resume) offline EAGLE-3 training; returns the summary (also in summary.json)."""
+  """Run (or resume) offline EAGLE-3 training; returns the summary (also in summary.json).
+
+  Raises:
+    RunDirectoryInUse: another live run owns `config.run_dir` (a killed run's lock is taken
+      over).
+  """
+  with DirectoryLock(config.run_dir, "drafter training run") as lock:
+    if lock.previous:
+      log(f"{config.run_dir}: taking over the lock of a run that no longer runs "
+          f"({lock.previous})")
+    return _run_drafter_training(config, log)
+
+
+def _run_drafter_training(config: DrafterTrainConfig, log: Callable[[str], None]
+                          ) -> dict[str, Any]:
   begin = time.perf_counter()
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
-  _check_rerun(run_dir, config, log)
+  reused = ((run_dir / "data.npz").is_file()
+            or any(any((run_dir / d).glob("*")) for d in ("target", "checkpoints")))
+  check_resume(run_dir, config, RESUMABLE_FIELDS, started=reused,
+               defines="the target, the data or the head", log=log)
   timings = {}
 
   # Everything that can be checked without the target's weights, before the slow parts.
@@ -433,8 +252,7 @@ def run_drafter_training(config: DrafterTrainConfig,
                 f"chain of eval_depth={config.eval_depth}")
 
   # Recorded once the checks passed, so a config that failed them can be fixed and rerun.
-  _write_atomic(run_dir / "config.json",
-                lambda p: p.write_text(json.dumps(_config_record(config), indent=2) + "\n"))
+  record_config(run_dir, config)
 
   t = time.perf_counter()
   target = load_target(config, log)
@@ -444,8 +262,7 @@ def run_drafter_training(config: DrafterTrainConfig,
 
   t = time.perf_counter()
   if data_file.is_file():
-    with np.load(data_file) as data:
-      tokens, mask, d2t = data["tokens"], data["loss_mask"], data["d2t"]
+    tokens, mask, d2t = _read_data(data_file)
     log(f"data: reusing {data_file}")
   else:
     tokens, mask, d2t = make_data(config, target, train_tokens, train_lengths)
@@ -454,7 +271,7 @@ def run_drafter_training(config: DrafterTrainConfig,
       with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
         np.savez(f, tokens=tokens, loss_mask=mask, d2t=d2t)
 
-    _write_atomic(data_file, write)
+    write_atomic(data_file, write)
   timings["data_s"] = time.perf_counter() - t
   response = mask.astype(bool)
   coverage = float(np.isin(tokens[response], d2t).mean()) if response.any() else 0.0
@@ -492,8 +309,7 @@ def run_drafter_training(config: DrafterTrainConfig,
       "eval_prompts": len(eval_tokens), "eval_depth": config.eval_depth,
       "eval_temperature": config.eval_sampling_temperature,
       **evaluation, **{k: round(v, 2) for k, v in timings.items()}}
-  _write_atomic(run_dir / "summary.json",
-                lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+  write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
   log(f"trained {summary['steps']} steps ({trained} now, {timings['train_s']:.1f}s); last "
       f"{len(last)} steps: loss {summary['final_loss']:.3f}, accuracy per TTT step "

@@ -9,7 +9,7 @@ Shape letters: see `specjax` (B batch, T tokens, E d_model, V vocab).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,8 @@ from flax import struct
 
 from specjax.models.config import ModelConfig
 from specjax.models.heads import medusa_logits, mtp_logits_all
+from specjax.models.params import Params
 from specjax.models.transformer import forward
-
-Params = dict[str, Any]
 
 
 @struct.dataclass

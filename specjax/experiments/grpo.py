@@ -1,6 +1,6 @@
 """A whole GRPO run on a built-in JAX-reward task: warm start, RL, evaluation, resume.
 
-`run(config)` executes an `ExperimentConfig` (`specjax.rl.experiment_config`, re-exported
+`run(config)` executes an `ExperimentConfig` (`specjax.experiments.grpo_config`, re-exported
 here). It does, in order: restore the latest checkpoint of `config.run_dir` or else a
 supervised warm start of the policy and its MTP heads (and, for EAGLE-3 rollouts, a head
 loaded from `eagle3_dir` or distilled from the warm-started policy, kept as a frozen copy);
@@ -41,7 +41,11 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
-from specjax.errors import CheckpointError, ConfigError
+from specjax.errors import ConfigError
+from specjax.experiments.grpo_config import RESUMABLE_FIELDS, ExperimentConfig
+from specjax.experiments.run_record import check_resume, kept_metrics, record_config
+from specjax.files import DirectoryLock
+from specjax.experiments.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
@@ -49,17 +53,17 @@ from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
-from specjax.rl.experiment_config import ExperimentConfig
-from specjax.rl.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
-from specjax.rl.trainer import TrainConfig, TrainState, init_train_state, make_prime_fn
+from specjax.rl.trainer import (TrainConfig, TrainState, all_finite, init_train_state,
+                                make_prime_fn)
 from specjax.sharding import make_mesh
 from specjax.supervised import init_supervised_state, make_supervised_step
 
-__all__ = ["ExperimentConfig", "run", "warm_start", "initial_eagle3_head"]
+__all__ = ["ExperimentConfig", "abstract_state", "initial_eagle3_head", "run", "task_records",
+           "warm_start", "with_shardings"]
 
 
-def _records(task: ArithmeticTask, split: str) -> list[dict]:
+def task_records(task: ArithmeticTask, split: str) -> list[dict]:
   tok = task.tokenizer
   return [{"prompt": encode_prompt(tok, e.prompt), "reference": e.reference,
            "answer": e.answer} for e in task.examples(split)]
@@ -104,15 +108,14 @@ def warm_start(config: ExperimentConfig, log=print):
 def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
   """The EAGLE-3 head RL starts from: `config.eagle3_dir`'s, or one distilled from the
   policy `params` on its own temperature-`config.temperature` answers to the train prompts."""
-  from specjax.drafter_training import (draft_vocab_from_data, self_distillation_data,
-                                        train_eagle3)
+  from specjax.supervised.eagle3 import draft_vocab_from_data, self_distillation_data, train_eagle3
   eagle = config.eagle3_config()
   if config.eagle3_dir is not None:
     _, head, d2t = load_eagle3(config.eagle3_dir, config.model)
     log(f"EAGLE-3 head from {config.eagle3_dir}")
     return Eagle3Weights(params=head, d2t=jnp.asarray(d2t, jnp.int32))
   tok = config.task.tokenizer
-  records = _records(config.eagle3_distill_task or config.task, "train")
+  records = task_records(config.eagle3_distill_task or config.task, "train")
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
   # A fixed-length continuation (no EOS) gives the head whole answers and what follows.
@@ -135,8 +138,9 @@ def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3We
   return head
 
 
-def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> TrainState:
-  """The state's structure and shapes, for restoring (no weights are materialised)."""
+def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) -> TrainState:
+  """The state's structure and shapes, for restoring and planning (no weights are
+  materialised); in async mode with the pending rollout of `batch`'s shapes."""
 
   def make():
     head = None
@@ -149,7 +153,15 @@ def _abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer) -> Tra
                              drafter_params=head)
     return state.replace(acceptance=config.initial_acceptance())
 
-  return jax.eval_shape(make)
+  abstract = jax.eval_shape(make)
+  if not config.async_mode:
+    return abstract
+  # The pending rollout's shapes do not depend on how trees are chosen, so `tc` may be the
+  # fixed-tree step; that step has no policy to update the adaptive counts, so it primes a
+  # state without them and they are put back.
+  prime = make_prime_fn(tc, config.task.reward, pad_id=config.task.tokenizer.pad_id)
+  primed = jax.eval_shape(prime, abstract.replace(acceptance=None), batch)
+  return primed.replace(acceptance=abstract.acceptance)
 
 
 def _jsonable(metrics: dict) -> dict:
@@ -161,11 +173,7 @@ def _jsonable(metrics: dict) -> dict:
 _FINITE_METRICS = ("reward_mean", "reward_std", "loss", "grad_norm")
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  """Whether every float leaf of `tree` is finite: one fused reduction, a scalar to the host."""
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+_all_finite = jax.jit(all_finite)  # one fused reduction, a scalar to the host
 
 
 def _check_finite(step: int, metrics: dict, state: TrainState, config: ExperimentConfig,
@@ -177,6 +185,8 @@ def _check_finite(step: int, metrics: dict, state: TrainState, config: Experimen
   weights = {"params": state.params, "drafter": state.drafter_weights}
   if not bool(_all_finite(weights)):
     bad.append("parameters")
+  if np.asarray(metrics.get("update_skipped", 0.0)).any():
+    bad.append("update (the step did not apply it: weights or moments would be non-finite)")
   if bad:
     if step == 0:
       where, rate = "the warm start", f"sft_learning_rate={config.sft_learning_rate}"
@@ -187,34 +197,6 @@ def _check_finite(step: int, metrics: dict, state: TrainState, config: Experimen
     raise FloatingPointError(
         f"training diverged at {where}: non-finite {', '.join(bad)}. Nothing of this step was "
         f"checkpointed ({kept}). Lower {rate}, or check that the task's reward is finite.")
-
-
-def _kept_metrics(path: Path, step: int, log=print) -> list[str]:
-  """The lines of `path` (metrics.jsonl) logged up to `step`, the resumed checkpoint's.
-
-  A run killed mid-append leaves a truncated last line; it is dropped with a warning (its
-  step runs again). A malformed line before the last is not a kill's trace: it raises
-  CheckpointError naming the file and line.
-  """
-  if not path.exists():  # killed between the first checkpoint and creating the file
-    return []
-  lines = path.read_text().splitlines()
-  kept = []
-  for number, line in enumerate(lines, 1):
-    if not line:
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as err:
-      if number == len(lines):
-        log(f"warning: dropped the truncated last line {number} of {path} (a run killed "
-            f"mid-write): {line[:80]!r}")
-        continue
-      raise CheckpointError(f"{path} line {number} is not a JSON record ({err}): "
-                            f"{line[:80]!r}. Fix or delete that line to resume.") from err
-    if record["step"] <= step:
-      kept.append(line)
-  return kept
 
 
 def _shared_costs(measure) -> CostTable | None:
@@ -231,7 +213,7 @@ def _shared_costs(measure) -> CostTable | None:
   return None if shared is None else CostTable(**shared)
 
 
-def _with_shardings(abstract, shardings):
+def with_shardings(abstract, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       abstract, shardings)
 
@@ -264,13 +246,31 @@ def run(config: ExperimentConfig, log=print) -> dict:
   does after joining the cluster); only process 0 calls `log` and writes files other than
   checkpoints, and only its summary has the entries read from them (`acceptance_first`,
   `acceptance_last`, `probe_acceptance_after_frozen`).
+
+  Raises:
+    RunDirectoryInUse: another live run owns `config.run_dir` (process 0 holds its lock for
+      the whole run; a killed run's lock is taken over).
   """
   lead = jax.process_index() == 0
   if not lead:
-    log = lambda _: None  # one process reports; the others run the same program silently
+    return _run(config, lambda _: None)  # one process reports; the others run silently
+  with DirectoryLock(config.run_dir) as lock:
+    if lock.previous:
+      log(f"{config.run_dir}: taking over the lock of a run that no longer runs "
+          f"({lock.previous})")
+    return _run(config, log)
+
+
+def _run(config: ExperimentConfig, log) -> dict:
+  lead = jax.process_index() == 0
   mesh, rollout_mesh = _meshes(config)
   run_dir = Path(config.run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
+  check_resume(run_dir, config, RESUMABLE_FIELDS,
+               started=any((run_dir / "checkpoints").glob("[0-9]*")),
+               defines="the policy, its task and its training", log=log)
+  if lead:
+    record_config(run_dir, config)
   # The state's structure does not depend on how each round's tree is chosen (but for the
   # acceptance counts it may carry, `initial_acceptance`); adaptive speculation gets its
   # measured costs once the parameters exist.
@@ -278,7 +278,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
   optimizer = config.optimizer()
   tok = config.task.tokenizer
   reward = config.task.reward
-  train_records, test_records = _records(config.task, "train"), _records(config.task, "test")
+  train_records = task_records(config.task, "train")
+  test_records = task_records(config.task, "test")
   test_records = test_records[:config.eval_prompts]
   prompts = config.prompts_per_step
   # Whole batches (shapes, measurements), and the rows this process's devices hold.
@@ -288,16 +289,9 @@ def run(config: ExperimentConfig, log=print) -> dict:
   batch_shardings = prompt_batch_shardings(reader.batch_at(0), mesh)
   feed = lambda position: global_batch(mine(position), batch_shardings, prompts)
   ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_checkpoints)
-  abstract = _abstract_state(config, tc, optimizer)
-  if config.async_mode:
-    # The pending rollout is part of the state from the first step on. Its shapes do not
-    # depend on how trees are chosen, so the fixed-tree step primes a state without the
-    # adaptive policy's counts (a fixed tree has none to update) and they are put back.
-    primed = jax.eval_shape(make_prime_fn(tc, reward, pad_id=tok.pad_id),
-                            abstract.replace(acceptance=None), reader.batch_at(0))
-    abstract = primed.replace(acceptance=abstract.acceptance)
+  abstract = abstract_state(config, tc, optimizer, reader.batch_at(0))
   shardings = train_state_shardings(abstract, mesh, tc)
-  restored = ckpt.restore(_with_shardings(abstract, shardings))
+  restored = ckpt.restore(with_shardings(abstract, shardings))
   metrics_file = run_dir / "metrics.jsonl"
   disaggregated = None
   if rollout_mesh is not None:
@@ -356,7 +350,7 @@ def run(config: ExperimentConfig, log=print) -> dict:
     if lead:
       # Drop metrics logged after the checkpoint: those steps run again, identically (but
       # for a disaggregated run at policy_lag > 1: see ExperimentConfig.policy_lag).
-      kept = _kept_metrics(metrics_file, meta["step"], log)
+      kept = kept_metrics(metrics_file, meta["step"], log)
       metrics_file.write_text("".join(line + "\n" for line in kept))
   log(f"held-out accuracy before RL: greedy {meta['accuracy_before']:.3f}, sampled "
       f"{meta['sampled_accuracy_before']:.3f}")

@@ -4,7 +4,7 @@ The task, the policy's shape, GRPO's settings, the rollout's drafter and specula
 the warm start, the optimizer (with the trunk and the draft heads clipped together or apart),
 the mesh and the run directory; `specjax train` fills it from a config file and flags. Every
 field is checked when the config is built, so a run that cannot work fails before any warm
-start or compilation. `specjax.rl.experiment.run` executes it.
+start or compilation. `specjax.experiments.grpo.run` executes it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Literal
 
 import optax
 
-from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftTree, Eagle3Drafter,
-                              MedusaDrafter, MTPDrafter, SamplingConfig)
+from specjax.checks import is_plain_int
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftSource, DraftTree,
+                              Eagle3Drafter, SamplingConfig, build_drafter, check_drafter_name,
+                              drafter_names, needs_checkpoint)
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
@@ -29,12 +31,18 @@ from specjax.rl.tasks import ArithmeticTask
 from specjax.rl.trainer import RolloutConfig, TrainConfig
 from specjax.sharding import MeshConfig
 
-
 # Half of each rollout's acceptance counts start the next: the policy then chooses its trees
 # from the first round on instead of from its prior (benchmarks/rl_step.py, EAGLE-3, adaptive:
 # rollout 1.16x plain without carrying, 1.39x with 0.5), yet still follows a drafter whose
 # acceptance moves with the policy within a few rollouts.
 DEFAULT_ACCEPTANCE_CARRY = 0.5
+
+
+# Fields a resumed run may change: how long it runs, how often it checkpoints, how long it
+# measures, and the mesh (checkpoints restore onto any mesh). Every other field defines the
+# policy, its task or its training, and a change would silently alter the run.
+RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint_every", "max_checkpoints",
+                              "speedup_repeats", "speedup_seconds", "mesh"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +57,9 @@ class ExperimentConfig:
     grpo: GRPO hyper-parameters.
     max_new_tokens: response budget T.
     temperature: rollout sampling temperature.
-    drafter: draft source of the speculative rollouts ("none": plain decoding).
+    drafter: draft source of the speculative rollouts, a registered name
+      (`specjax.decoding.drafter_names`; "none": plain decoding; not "draft-model", whose
+      weights a run does not load).
     tree_widths: draft tree, children per node at each depth.
     speculation: "fixed": every round drafts the `tree_widths` tree; "adaptive": each round
       runs plain decoding, a chain of 1 .. depth drafts, or that tree, whichever is expected
@@ -125,7 +135,7 @@ class ExperimentConfig:
   grpo: GRPOConfig = GRPOConfig(group_size=8)
   max_new_tokens: int = 6
   temperature: float = 1.0
-  drafter: Literal["none", "mtp", "medusa", "eagle3"] = "mtp"
+  drafter: str = "mtp"
   tree_widths: tuple[int, ...] = (1, 1)
   speculation: Literal["fixed", "adaptive"] = "fixed"
   acceptance_carry: float | None = None
@@ -161,8 +171,7 @@ class ExperimentConfig:
       if not ok:
         raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
 
-    def is_int(value) -> bool:
-      return isinstance(value, int) and not isinstance(value, bool)
+    is_int = is_plain_int
 
     def is_real(value) -> bool:  # NaN fails `> 0` on its own; inf needs this check
       return is_int(value) or (isinstance(value, float) and math.isfinite(value))
@@ -206,7 +215,12 @@ class ExperimentConfig:
     if not 0 <= self.sft_eos_fraction <= 1:
       raise ConfigError(f"sft_eos_fraction={self.sft_eos_fraction!r} is invalid: must be in "
                         "[0, 1]")
-    require(self.drafter in _DRAFTERS, "drafter", f"allowed one of {sorted(_DRAFTERS)}")
+    check_drafter_name(self.drafter)
+    usable = [n for n in drafter_names() if n == "eagle3" or not needs_checkpoint(n)]
+    # EAGLE-3's head is the run's own (`eagle3_dir` or distilled, see `eagle3_config`); other
+    # drafters with weights of their own would need a checkpoint a run does not load.
+    require(self.drafter in usable, "drafter",
+            f"allowed one of {', '.join(usable)} (a GRPO run loads no draft checkpoint)")
     require(self.speculation in ("fixed", "adaptive"), "speculation",
             "allowed 'fixed' or 'adaptive'")
     carry = self.acceptance_carry
@@ -216,8 +230,8 @@ class ExperimentConfig:
             "needs speculation='adaptive' and a drafter (only the adaptive policy keeps "
             "acceptance counts); leave it None or 0 otherwise")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
-    if _DRAFTERS[self.drafter] is not None:
-      _DRAFTERS[self.drafter]().validate(self.model, self.tree)
+    if self.drafter not in ("none", "eagle3"):
+      build_drafter(self.drafter, DraftSource(self.model))[0].validate(self.model, self.tree)
 
   def eagle3_config(self) -> Eagle3Config:
     """The EAGLE-3 head's architecture: `eagle3_dir`'s, or one sized for `model`."""
@@ -253,13 +267,10 @@ class ExperimentConfig:
     """The train step's configuration; adaptive speculation needs its `costs`
     (`rollout_costs`)."""
     drafter = self.drafter if drafter is None else drafter
-    if drafter == "eagle3":
+    if drafter == "eagle3":  # its head comes from the run (eagle3_dir or distilled), not a file
       draft = Eagle3Drafter(self.eagle3_config())
     else:
-      if drafter not in _DRAFTERS:
-        raise ConfigError(f"drafter={drafter!r} is invalid: allowed one of {sorted(_DRAFTERS)}")
-      make = _DRAFTERS[drafter]
-      draft = make() if make is not None else None
+      draft = build_drafter(drafter, DraftSource(self.model))[0]
     tree, speculation = None, None
     if draft is not None and self.speculation == "adaptive":
       speculation = self.adaptive(costs)
@@ -308,8 +319,6 @@ class ExperimentConfig:
     return optax.chain(clip, optax.adam(schedule))
 
 
-# The drafters a config names; EAGLE-3's head is built from the config (`eagle3_config`).
-_DRAFTERS = {"none": None, "mtp": MTPDrafter, "medusa": MedusaDrafter, "eagle3": None}
 
 def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
   """`optax.clip_by_global_norm(max_norm)` applied to the trunk and to the draft heads

@@ -27,15 +27,14 @@ import optax
 from flax import struct
 
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
-from specjax.decoding.engine import generate
+from specjax.decoding.generation import generate
 from specjax.decoding.sampling import SamplingConfig
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import (Eagle3Config, build_draft_vocab, check_d2t, count_tokens,
                                    eagle3_ttt_loss, init_eagle3, select_aux)
+from specjax.models.params import Params
 from specjax.models.transformer import forward
-
-Params = dict[str, Any]
 
 
 @struct.dataclass

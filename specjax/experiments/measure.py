@@ -2,7 +2,7 @@
 the cost of each speculation menu entry at the rollout's shapes, and the rollout speedup of
 speculative over plain decoding in the same engine and run.
 
-Each takes the run's `ExperimentConfig` and the policy's parameters; `experiment.run` calls
+Each takes the run's `ExperimentConfig` and the policy's parameters; `grpo.run` calls
 them before and after RL, and a user can call them on any checkpoint of a run.
 """
 
@@ -13,7 +13,7 @@ import functools
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +21,9 @@ import numpy as np
 
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate, generate
 from specjax.decoding.calibrate import default_cache_dir
+from specjax.experiments.grpo_config import ExperimentConfig
+from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
-
-if TYPE_CHECKING:  # the config module imports this one
-  from specjax.rl.experiment import ExperimentConfig
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
@@ -76,23 +75,38 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
     return None
   kept = Path(config.run_dir) / "speculation_costs.json"
   menu = config.adaptive().menu
+  rows = batch.tokens.shape[0] * config.grpo.group_size
   if kept.exists():
-    costs = CostTable(**json.loads(kept.read_text()))
-    log(f"speculation costs per round, as measured when this run started ({kept}):\n"
-        f"{costs.format(menu)}")
-    return costs
+    costs, why = _kept_costs(kept, len(menu), rows)
+    if costs is not None:
+      log(f"speculation costs per round, as measured when this run started ({kept}):\n"
+          f"{costs.format(menu)}")
+      return costs
+    log(f"{kept}: {why}; measuring the costs again (the resumed run may choose other trees "
+        "than the uninterrupted one would have)")
   rc = config.fixed_tree().train_config().rollout
   start = time.perf_counter()
   costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
-                    batch_sizes=(batch.tokens.shape[0] * config.grpo.group_size,),
+                    batch_sizes=(rows,),
                     prompt_len=batch.tokens.shape[1], max_new_tokens=config.max_new_tokens,
                     drafter_params=drafter_params, sampling=rc.sampling)
-  tmp = kept.with_suffix(".tmp")  # a kill mid-write must not leave half a table
-  tmp.write_text(json.dumps(dataclasses.asdict(costs)))
-  tmp.replace(kept)
+  write_text_atomic(kept, json.dumps(dataclasses.asdict(costs)))
   log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; also cached in "
       f"{default_cache_dir()}):\n{costs.format(menu)}")
   return costs
+
+
+def _kept_costs(path: Path, entries: int, rows: int) -> tuple[CostTable | None, str]:
+  """The run's kept cost table, or None and why it cannot be used: damaged, or measured
+  for another menu or batch (a table is never rescaled to other shapes)."""
+  try:
+    costs = CostTable(**json.loads(path.read_text()))
+  except (OSError, ValueError, TypeError) as err:  # ConfigError is a ValueError
+    return None, f"unreadable or damaged ({type(err).__name__}: {err})"
+  if len(costs.seconds) != entries or tuple(costs.batches) != (rows,):
+    return None, (f"measured for {len(costs.seconds)} menu entries at batch "
+                  f"{tuple(costs.batches)}, this run has {entries} at ({rows},)")
+  return costs, ""
 
 
 def rollout_speedup(params, config: ExperimentConfig, batch,

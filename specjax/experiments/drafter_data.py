@@ -3,7 +3,7 @@
 The target is an HF checkpoint directory, the latest policy of a `specjax train` run, or the
 built-in arithmetic policy warm-started on the spot; its prompts come from the arithmetic
 task's splits or a GSM8K-format JSONL; the training data are its own responses to them
-(`make_data`). `specjax.drafter_experiment` runs the training around these.
+(`make_data`). `specjax.experiments.drafter` runs the training around these.
 
 Shape letters: see `specjax` (B rows, L sequence buffer, W draft vocab).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +21,14 @@ import numpy as np
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import SamplingConfig
-from specjax.drafter_training import draft_vocab_from_data, self_distillation_data
 from specjax.errors import CheckpointError, ConfigError
+from specjax.experiments.drafter_config import DrafterTrainConfig
 from specjax.models import ModelConfig, init_params
+from specjax.models.params import Params
 from specjax.rl.gsm8k import GSM8KTask
 from specjax.rl.tasks import encode_prompt
+from specjax.supervised.eagle3 import draft_vocab_from_data, self_distillation_data
 from specjax.tokenizer import Tokenizer, check_vocab_fits
-
-if TYPE_CHECKING:
-  from specjax.drafter_experiment import DrafterTrainConfig
-
-Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,10 +58,15 @@ def _restore_rl_policy(path: str, model: ModelConfig) -> Params:
     directory = directory / "checkpoints"
   if not directory.is_dir():
     raise ConfigError(f"target_rl_run={path!r} is invalid: no such directory")
+  checked = Checkpointer(directory)
+  try:
+    step = checked.latest_step()
+    if step is None:
+      raise ConfigError(f"target_rl_run={path!r} is invalid: {directory} holds no checkpoint")
+    checked.verify(step)  # every file against the digest the run recorded when it saved
+  finally:
+    checked.close()
   manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
-  step = manager.latest_step()
-  if step is None:
-    raise ConfigError(f"target_rl_run={path!r} is invalid: {directory} holds no checkpoint")
   try:  # the whole train state, as saved: only its params are needed, whatever else it holds
     state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
   except Exception as err:  # orbax raises many types
@@ -109,6 +111,7 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
   policy (restored from `run_dir/target`, else warm-started and saved there)."""
   if config.target_dir is not None:
     from specjax.models import load_hf
+
     # A clear error for a directory that is not a checkpoint, or a tokenizer the model's
     # vocabulary cannot hold, before the weights are read.
     tokenizer, _ = target_spec(config)
@@ -126,7 +129,8 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
   try:
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     if ckpt.latest_step() is None:
-      from specjax.rl.experiment import ExperimentConfig, warm_start
+      from specjax.experiments.grpo import ExperimentConfig, warm_start
+
       # Only the warm start's fields matter; no drafter, so any target architecture fits.
       recipe = ExperimentConfig(run_dir=config.run_dir, seed=config.seed, task=config.task,
                                 model=config.model, drafter="none", sft_steps=config.sft_steps,

@@ -1,0 +1,144 @@
+"""Drafters by name: what `specjax generate --drafter NAME`, `ExperimentConfig(drafter=NAME)`
+and a user's own code pick with a string.
+
+A name maps to a builder `(DraftSource) -> (drafter, drafter_params)`: the target's config,
+and for drafters with weights of their own (a draft model, an EAGLE-3 head) the directory to
+load them from. A new drafter is one file (a `Drafter` subclass) and one line:
+
+    register_drafter("bigram", lambda source: (BigramDrafter(), None))
+
+"none" is reserved: plain decoding, no drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.drafters.draft_model import DraftModelDrafter
+from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.drafters.medusa import MedusaDrafter
+from specjax.decoding.drafters.mtp import MTPDrafter
+from specjax.decoding.drafters.ngram import NGramDrafter
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+from specjax.models.eagle3_io import load_eagle3
+from specjax.models.hf import load_hf
+
+NONE = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSource:
+  """What a drafter is built from.
+
+  Attributes:
+    target: the configuration of the model it drafts for.
+    checkpoint: the directory of the drafter's own weights (an HF draft model, an EAGLE-3
+      head), for drafters that have any; None otherwise.
+  """
+
+  target: ModelConfig
+  checkpoint: str | None = None
+
+
+Builder = Callable[[DraftSource], "tuple[Drafter, Any]"]
+
+
+def _draft_model(source: DraftSource) -> tuple[Drafter, Any]:
+  params, config = load_hf(source.checkpoint)
+  return DraftModelDrafter(config), params
+
+
+def _eagle3(source: DraftSource) -> tuple[Drafter, Any]:
+  config, params, d2t = load_eagle3(source.checkpoint, source.target)
+  return Eagle3Drafter(config), Eagle3Weights(params=params, d2t=d2t)
+
+
+_BUILDERS: dict[str, Builder] = {
+    "mtp": lambda source: (MTPDrafter(), None),
+    "medusa": lambda source: (MedusaDrafter(), None),
+    "ngram": lambda source: (NGramDrafter(), None),
+    "draft-model": _draft_model,
+    "eagle3": _eagle3,
+}
+# Drafters with weights of their own, and what their `DraftSource.checkpoint` holds.
+_CHECKPOINTS: dict[str, str] = {
+    "draft-model": "an HF draft model (sharing the target's tokenizer)",
+    "eagle3": "an EAGLE-3 head (config.json + model.safetensors, e.g. from specjax "
+              "train-drafter)",
+}
+
+
+def register_drafter(name: str, build: Builder, *, checkpoint: str | None = None,
+                     replace: bool = False) -> None:
+  """Make `name` build a drafter: `build(DraftSource) -> (drafter, drafter_params or None)`.
+
+  `checkpoint`: for a drafter with weights of its own, what its checkpoint directory holds
+  (the error for a missing one says it); None when it has none.
+
+  Raises:
+    ConfigError: `name` is empty, "none", not a string, or taken (unless `replace`), or
+      `build` is not callable.
+  """
+  if not isinstance(name, str) or not name or name == NONE:
+    raise ConfigError(f"drafter name {name!r} is invalid: a non-empty string other than "
+                      f"{NONE!r}")
+  if not callable(build):
+    raise ConfigError(f"register_drafter({name!r}, {build!r}): build must be callable, "
+                      "(DraftSource) -> (Drafter, drafter_params or None)")
+  if name in _BUILDERS and not replace:
+    raise ConfigError(f"drafter {name!r} is registered already; pass replace=True to "
+                      "replace it")
+  _BUILDERS[name] = build
+  _CHECKPOINTS.pop(name, None)
+  if checkpoint is not None:
+    _CHECKPOINTS[name] = checkpoint
+
+
+def drafter_names() -> tuple[str, ...]:
+  """Every name `build_drafter` accepts, "none" first."""
+  return (NONE, *sorted(_BUILDERS))
+
+
+def check_drafter_name(name: Any, field: str = "drafter") -> None:
+  """ConfigError naming `field` unless `name` is a registered drafter or "none"."""
+  if name != NONE and (not isinstance(name, str) or name not in _BUILDERS):
+    raise ConfigError(f"{field}={name!r} is invalid: allowed one of "
+                      f"{', '.join(drafter_names())} (specjax.decoding.register_drafter "
+                      "adds one)")
+
+
+def needs_checkpoint(name: str) -> str | None:
+  """What the checkpoint of drafter `name` holds, or None when it has no weights of its own."""
+  return _CHECKPOINTS.get(name)
+
+
+def check_draft_source(name: Any, checkpoint: str | None, field: str = "drafter",
+                       checkpoint_field: str = "draft_checkpoint") -> None:
+  """`check_drafter_name`, and a ConfigError when drafter `name` has weights of its own and
+  `checkpoint` is None (before any model is loaded)."""
+  check_drafter_name(name, field)
+  what = needs_checkpoint(name)
+  if what is not None and checkpoint is None:
+    raise ConfigError(f"{field}={name!r} needs its weights: pass {checkpoint_field}=DIR, the "
+                      f"directory of {what}")
+
+
+def build_drafter(name: str, source: DraftSource) -> tuple[Drafter | None, Any]:
+  """The drafter `name` for `source.target` and its own parameters (None when it has none);
+  (None, None) for "none".
+
+  Raises:
+    ConfigError: an unknown name, a missing checkpoint (`check_draft_source`), or a builder
+      that returns no `Drafter`.
+  """
+  check_draft_source(name, source.checkpoint)
+  if name == NONE:
+    return None, None
+  built = _BUILDERS[name](source)
+  if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], Drafter)):
+    raise ConfigError(f"the builder registered for drafter {name!r} returned {built!r}: it "
+                      "must return (a specjax.decoding.Drafter, its params or None)")
+  return built

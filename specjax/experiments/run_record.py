@@ -1,0 +1,118 @@
+"""What a run directory records, read back on a resume: the config that made it (and what a
+resume may change), and the metrics logged up to the checkpoint it resumes from.
+
+A run writes its resolved config to `config.json` when it starts. A rerun on the same
+directory compares its own config with it field by field (nested fields by dotted name,
+`model.rope_theta`): a change to a field that defines what was trained or measured is
+refused, naming the fields, their old and new values and the fields that may change; a
+change to the others (how long to run, how often to checkpoint, ...) is logged and recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from specjax.checks import is_int
+from specjax.errors import CheckpointError, ConfigError
+from specjax.files import write_text_atomic
+
+CONFIG_FILE = "config.json"
+
+
+def config_record(config: Any) -> dict[str, Any]:
+  """`config` (a dataclass) as JSON values: nested dataclasses as objects, others as text."""
+  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in record.items():
+    if isinstance(value, dict):
+      out |= _flat(value, f"{prefix}{key}.")
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def _top(field: str) -> str:
+  return field.split(".", 1)[0]
+
+
+def check_resume(run_dir: Path, config: Any, resumable: Iterable[str], *, started: bool,
+                 defines: str, log: Callable[[str], None]) -> None:
+  """Refuse to continue the run in `run_dir` with a config that differs from the recorded
+  one in a field outside `resumable` (top-level field names).
+
+  Args:
+    started: whether the directory holds work this run would continue (checkpoints, data);
+      a directory without any may be reused with any config.
+    defines: what the fixed fields define, for the message ("the policy, its task and
+      its training").
+
+  Raises:
+    ConfigError: a fixed field changed.
+    CheckpointError: the recorded `config.json` is not a JSON object.
+  """
+  path = Path(run_dir) / CONFIG_FILE
+  if not started or not path.is_file():
+    return
+  try:
+    old = json.loads(path.read_text())
+  except (OSError, ValueError) as err:
+    raise CheckpointError(f"{path}: the config this run started with cannot be read ({err}); "
+                          "restore it, or delete it to continue without the check") from None
+  if not isinstance(old, dict):
+    raise CheckpointError(f"{path}: holds a JSON {type(old).__name__}, expected the config "
+                          "object this run started with")
+  old, new = _flat(old), _flat(config_record(config))
+  changed = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
+  allowed = set(resumable)
+  fixed = [k for k in changed if _top(k) not in allowed]
+  if fixed:
+    detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
+    raise ConfigError(
+        f"{', '.join(fixed)} changed since {run_dir} was started ({detail}). These define "
+        f"{defines}, so the run cannot continue with them: use the old values or a new "
+        f"run_dir. Fields a resume may change: {', '.join(sorted(allowed))}")
+  if changed:
+    log(f"resuming with changed {', '.join(changed)}")
+
+
+def record_config(run_dir: Path, config: Any) -> None:
+  """Write `config` as the run's `config.json` (atomically)."""
+  write_text_atomic(Path(run_dir) / CONFIG_FILE,
+                    json.dumps(config_record(config), indent=2) + "\n")
+
+
+def kept_metrics(path: Path, step: int, log=print) -> list[str]:
+  """The lines of `path` (metrics.jsonl) logged up to `step`, the resumed checkpoint's.
+
+  A run killed mid-append leaves a truncated last line; it is dropped with a warning (its
+  step runs again). A malformed line before the last is not a kill's trace: it raises
+  CheckpointError naming the file and line.
+  """
+  if not path.exists():  # killed between the first checkpoint and creating the file
+    return []
+  lines = path.read_text().splitlines()
+  kept = []
+  for number, line in enumerate(lines, 1):
+    if not line:
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as err:
+      if number == len(lines):
+        log(f"warning: dropped the truncated last line {number} of {path} (a run killed "
+            f"mid-write): {line[:80]!r}")
+        continue
+      raise CheckpointError(f"{path} line {number} is not a JSON record ({err}): "
+                            f"{line[:80]!r}. Fix or delete that line to resume.") from err
+    if not isinstance(record, dict) or not is_int(record.get("step")):
+      raise CheckpointError(f"{path} line {number} has no integer \"step\": {line[:80]!r}. "
+                            "Fix or delete that line to resume.")
+    if record["step"] <= step:
+      kept.append(line)
+  return kept
