@@ -255,6 +255,7 @@ def test_adaptive_calibrates_once_caches_the_table_and_compiles_once(progression
   assert DecodeLoop.__call__._cache_size() == before
 
 
+@pytest.mark.slow
 def test_an_unwritable_calibration_cache_warns_once_and_the_measured_table_is_used(tmp_path):
   """A cache that cannot be written (a read-only or full home; here a path below a file, which
   root cannot write either) costs a warning, not the call: the table is measured in memory."""
@@ -308,7 +309,7 @@ def test_drafting_costs_are_pooled_by_a_fit_in_depth_and_nodes():
 @pytest.mark.parametrize("costs,expect", [
     # Speculation as cheap as a plain step: the trained MTP stack accepts most drafts, so
     # the deepest chain runs nearly every round.
-    (((1.0,), (1.0,), (1.0,)), 2),
+    pytest.param(((1.0,), (1.0,), (1.0,)), 2, marks=pytest.mark.slow),
     # A chain-3 round as dear as 5 plain steps: no acceptance can pay for it, never tried.
     (((1.0,), (3.0,), (5.0,)), 0),
 ])

@@ -91,6 +91,7 @@ def test_plan_command_names_an_unknown_config_file():
     plan_command(["--config", "configs/no-such-config.py", "--devices", "8"])
 
 
+@pytest.mark.slow
 def test_plan_command_sets_the_fake_device_count_itself(tmp_path):
   """A fresh process without a device count in XLA_FLAGS: `specjax plan` asks JAX for the devices before it
   starts, applies the mesh flags over the config's mesh, and exits 0 when the step fits."""

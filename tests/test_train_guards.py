@@ -121,6 +121,7 @@ _READ_ONLY_RUN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory_exits_nonzero_with_the_directory_named(tmp_path):
   read_only = tmp_path / "run" / "checkpoints"
   read_only.mkdir(parents=True)
@@ -140,7 +141,8 @@ def test_unwritable_checkpoint_directory_exits_nonzero_with_the_directory_named(
   assert not any(read_only.iterdir())
 
 
-@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("poison", [float("nan"),
+                                    pytest.param(float("inf"), marks=pytest.mark.slow)])
 def test_a_library_step_does_not_apply_an_update_from_non_finite_rewards(poison):
   """`make_train_step` (the library path, without the CLI's checks) keeps the weights and
   optimizer moments when a reward is not finite and flags the step; with finite rewards
