@@ -117,6 +117,56 @@ def recover(path: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def replace_directory(path: Path, write: Callable[[Path], None],
+                      written: Callable[[str], bool]) -> None:
+  """Replace the directory `path` by the one `write(tmp)` builds, never leaving less than one
+  complete version: what a killed earlier writer left is undone first (`recover`), the new
+  version is built in a temporary sibling, the old one's entries that `written(name)` does
+  not claim are carried over (hard links where possible), and the result is swapped in
+  (`swap_into_place`).
+
+  Raises:
+    CheckpointError: `path` exists and is not a directory.
+    OSError: writing failed (e.g. ENOSPC); `path` is unchanged and the temporary removed.
+  """
+  path = Path(os.path.abspath(path))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  recover(path)
+  if path.exists() and not path.is_dir():
+    raise CheckpointError(f"{path} exists and is not a directory: allowed a directory or a "
+                          "new path")
+  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir()
+  try:
+    try:
+      write(tmp)
+      if path.is_dir():
+        _carry_over(path, tmp, written)
+        shutil.copymode(path, tmp)
+      fsync(tmp)
+    except OSError as err:
+      err.add_note(f"writing the new version of {path} in {tmp} failed; {path} is unchanged")
+      raise
+    swap_into_place(tmp, path)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _carry_over(old: Path, new: Path, written: Callable[[str], bool]) -> None:
+  """Copy the entries of `old` that the new version does not write into `new`."""
+  for entry in old.iterdir():
+    if written(entry.name):
+      continue
+    target = new / entry.name
+    if entry.is_symlink():
+      os.symlink(os.readlink(entry), target)
+    elif entry.is_dir():
+      shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
+    else:
+      link_or_copy(entry, target)
+
+
 def swap_into_place(new: Path, path: Path) -> None:
   """Rename the complete directory `new` to `path`, replacing any directory there.
 

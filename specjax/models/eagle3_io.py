@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from specjax.errors import CheckpointError, ConfigError
-from specjax.files import existing, fsync, recover, swap_into_place
+from specjax.files import existing, replace_directory
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
 from specjax.models.hf import FLOAT_DTYPES, check_finite
@@ -199,36 +198,6 @@ def eagle3_config_from_hf(hf: Mapping[str, Any], target: ModelConfig | None = No
 # Saving
 
 
-def _atomic_write_dir(directory: Path, writers: Mapping[str, Any]) -> None:
-  """Write `writers` (name -> writer(path)) as `directory`, never leaving a partial export.
-
-  The new version is built in a temporary sibling (the old one's other entries copied over)
-  and swapped in (`specjax.files.swap_into_place`); what an interrupted earlier write left
-  beside `directory` is undone first (`specjax.files.recover`: a hidden old version is put
-  back, temporaries deleted).
-  """
-  directory = Path(os.path.abspath(directory))
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  recover(directory)
-  if directory.exists() and not directory.is_dir():
-    raise CheckpointError(f"{directory}: exists and is not a directory")
-  tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir()
-  try:
-    for name, write in writers.items():
-      write(tmp / name)
-    if directory.is_dir():
-      for entry in directory.iterdir():
-        if entry.name not in writers:
-          copy = shutil.copytree if entry.is_dir() else shutil.copy2
-          copy(entry, tmp / entry.name)
-    fsync(tmp)
-    swap_into_place(tmp, directory)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save_eagle3(directory: str | os.PathLike, params: Params, config: Eagle3Config,
                 d2t: np.ndarray, *, dtype: str | None = None) -> None:
   """Write an EAGLE-3 checkpoint directory (`config.json` + `model.safetensors`) atomically.
@@ -274,7 +243,13 @@ def save_eagle3(directory: str | os.PathLike, params: Params, config: Eagle3Conf
   def write_config(path: Path) -> None:
     path.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
-  _atomic_write_dir(Path(directory), {WEIGHTS_FILE: write_weights, CONFIG_FILE: write_config})
+  writers = {WEIGHTS_FILE: write_weights, CONFIG_FILE: write_config}
+
+  def write_all(tmp: Path) -> None:
+    for name, write in writers.items():
+      write(tmp / name)
+
+  replace_directory(Path(directory), write_all, writers.__contains__)
 
 
 # ---------------------------------------------------------------------------------------------

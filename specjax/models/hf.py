@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
@@ -50,7 +49,7 @@ from safetensors.numpy import save_file
 
 from specjax.checks import is_int
 from specjax.errors import CheckpointError, ConfigError
-from specjax.files import existing, fsync, link_or_copy, read_object, recover, swap_into_place
+from specjax.files import existing, fsync, read_object, replace_directory
 from specjax.models.config import ModelConfig
 # config.json translation lives in hf_config; its public names are re-exported from here,
 # where callers have always imported them.
@@ -498,20 +497,6 @@ def _write_export(out: Path, trunk: dict[str, np.ndarray], heads: dict[str, np.n
   _write_json(hf, out / CONFIG_FILE, sort_keys=True)
 
 
-def _carry_over(old: Path, new: Path) -> None:
-  """Copy what `old` holds besides an export (tokenizer files, notes) into `new`."""
-  for entry in old.iterdir():
-    if _is_export_file(entry.name):
-      continue
-    target = new / entry.name
-    if entry.is_symlink():
-      os.symlink(os.readlink(entry), target)
-    elif entry.is_dir():
-      shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
-    else:
-      link_or_copy(entry, target)
-
-
 def _token_id(name: str, value: Any, vocab_size: int) -> int | list[int]:
   """A validated special-token id (`eos_token_id` may also be a non-empty list of ids)."""
   is_list = name == "eos_token_id" and isinstance(value, (list, tuple)) and len(value) > 0
@@ -572,25 +557,6 @@ def save_hf(params: Params, config: ModelConfig, path: str | os.PathLike, *,
   hf |= {name: _token_id(name, value, config.vocab_size) for name, value in tokens.items()
          if value is not None}
 
-  path = Path(os.path.abspath(Path(path).resolve() if Path(path).is_symlink() else path))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  recover(path)
-  if path.exists() and not path.is_dir():
-    raise CheckpointError(f"{path} exists and is not a directory: allowed a directory or a "
-                          "new path")
-  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir()
-  try:
-    try:
-      _write_export(tmp, trunk, heads, hf, max_shard_bytes)
-      if path.is_dir():
-        _carry_over(path, tmp)
-        shutil.copymode(path, tmp)
-      fsync(tmp)
-    except OSError as err:
-      err.add_note(f"save_hf: writing the new export in {tmp} failed; {path} is unchanged")
-      raise
-    swap_into_place(tmp, path)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  path = Path(path).resolve() if Path(path).is_symlink() else Path(path)
+  replace_directory(path, lambda tmp: _write_export(tmp, trunk, heads, hf, max_shard_bytes),
+                    _is_export_file)
