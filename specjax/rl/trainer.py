@@ -403,8 +403,8 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   applied: the weights and moments stay as they were (the step and key still advance) and
   `metrics["update_skipped"]` is the fraction of minibatches skipped, so that one bad reward
   cannot poison a run and a caller can stop on the flag. Decided inside the compiled step,
-  with no host round trip, by an elementwise select that fuses into the optimizer's update
-  (no second copy of the weights or moments is kept).
+  with no host round trip, by a `lax.cond` around the optimizer's update (a select between
+  old and new moments kept both live: +1.4 GiB per device at Qwen3-1.7B).
   """
   gc = config.grpo
   temperature = config.rollout.sampling.logprob_temperature
