@@ -10,23 +10,22 @@ held-out prompts, the online head's acceptance with that of its frozen starting 
 (`probe_acceptance_after` vs `probe_acceptance_after_frozen`).
 """
 
-import dataclasses
 import runpy
 from pathlib import Path
 
+from specjax.experiments import override
 from specjax.rl import ArithmeticTask
 
 
 def get_config():
   base = runpy.run_path(str(Path(__file__).with_name("arithmetic_tiny.py")))["get_config"]()
-  return dataclasses.replace(
-      base,
-      run_dir="runs/arithmetic_eagle3",
-      drafter="eagle3",
-      tree_widths=(1, 1, 1),
-      eagle3_steps=200,
-      eagle3_distill_task=ArithmeticTask(max_digits=2, num_operands=2, operators="+-",
-                                         test_fraction=0.3, num_test=200),
-      drafter_learning_rate=1e-2,
-      steps=150,
-  )
+  return override(base, {
+      "run_dir": "runs/arithmetic_eagle3",
+      "steps": 150,
+      "rollout.tree_widths": (1, 1, 1),
+      "drafter.name": "eagle3",
+      "drafter.learning_rate": 1e-2,
+      "drafter.distill_steps": 200,
+      "drafter.distill_task": ArithmeticTask(max_digits=2, num_operands=2, operators="+-",
+                                             test_fraction=0.3, num_test=200),
+  })

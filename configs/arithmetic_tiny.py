@@ -13,9 +13,9 @@ Sized to finish in a few minutes on a 2-core CPU; the README's demo
 are what speculation drafts.
 """
 
+from specjax.experiments import Drafting, ExperimentConfig, Optimization, RolloutSettings, WarmStart
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.experiments.grpo import ExperimentConfig
 
 
 def get_config() -> ExperimentConfig:
@@ -28,13 +28,10 @@ def get_config() -> ExperimentConfig:
                         n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=256, num_mtp_modules=2,
                         max_position=32),
       grpo=GRPOConfig(group_size=8, eps_low=0.2, eps_high=0.28),
-      max_new_tokens=task.max_answer_tokens,
-      drafter="mtp",
-      tree_widths=(1, 1),
-      speculation="adaptive",
       steps=300,
-      prompts_per_step=16,
-      learning_rate=3e-4,
-      sft_steps=400,
-      sft_eos_fraction=0.1,
+      rollout=RolloutSettings(prompts_per_step=16, max_new_tokens=task.max_answer_tokens,
+                              speculation="adaptive", tree_widths=(1, 1)),
+      drafter=Drafting(name="mtp"),
+      optim=Optimization(learning_rate=3e-4),
+      warm_start=WarmStart(steps=400, eos_fraction=0.1),
   )

@@ -15,10 +15,10 @@ MTP chains of 1 and 2) with the most tokens per second by the costs measured at 
 the run, so speculation is never a loss.
 """
 
-import dataclasses
 import runpy
 from pathlib import Path
 
+from specjax.experiments import override
 from specjax.rl import ArithmeticTask
 
 
@@ -27,11 +27,10 @@ def get_config():
   base = runpy.run_path(str(Path(__file__).with_name("arithmetic_tiny.py")))["get_config"]()
   task = ArithmeticTask(max_digits=1, num_operands=4, operators="+", worked=True,
                         test_fraction=0.3, num_test=200)
-  return dataclasses.replace(
-      base,
-      run_dir="runs/arithmetic_worked",
-      task=task,
-      model=base.model.replace(vocab_size=task.tokenizer.vocab_size, max_position=48),
-      max_new_tokens=task.max_answer_tokens,
-      sft_steps=600,
-  )
+  return override(base, {
+      "run_dir": "runs/arithmetic_worked",
+      "task": task,
+      "model": base.model.replace(vocab_size=task.tokenizer.vocab_size, max_position=48),
+      "rollout.max_new_tokens": task.max_answer_tokens,
+      "warm_start.steps": 600,
+  })

@@ -1,6 +1,6 @@
 """Offline EAGLE-3 training for the arithmetic_tiny policy, sized for a 2-core CPU (~2 min).
 
-  specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --ttt-steps 4 ...]
+  specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --head.ttt-steps 4 ...]
 
 The target is the policy of configs/arithmetic_tiny.py after its supervised warm start (same
 task, architecture and recipe). Its answers are one or two tokens, too few to learn drafting
@@ -21,14 +21,15 @@ the acceptance length is the number that carries over to real targets.
 To draft for the policy after GRPO instead of after its warm start, add
 `--target-rl-run runs/arithmetic_tiny` (a finished `specjax train --config
 configs/arithmetic_tiny.py`). The other way round, GRPO with EAGLE-3 rollouts can start from
-this head: `specjax train --config configs/arithmetic_eagle3.py --eagle3-dir
+this head: `specjax train --config configs/arithmetic_eagle3.py --drafter.eagle3-dir
 runs/eagle3_arithmetic/eagle3` (the same policy: same task, warm-start recipe and seed).
 """
 
 import runpy
 from pathlib import Path
 
-from specjax.experiments.drafter import DrafterTrainConfig
+from specjax.experiments import (Checkpointing, DistillData, DrafterTrainConfig, Eagle3Head,
+                                 HeadEvaluation, Optimization)
 
 
 def get_config() -> DrafterTrainConfig:
@@ -37,23 +38,13 @@ def get_config() -> DrafterTrainConfig:
       run_dir="runs/eagle3_arithmetic",
       task=policy.task,
       model=policy.model,
-      sft_steps=policy.sft_steps,
-      sft_batch=policy.sft_batch,
-      sft_learning_rate=policy.sft_learning_rate,
-      sft_eos_fraction=policy.sft_eos_fraction,
-      num_prompts=512,
-      responses_per_prompt=1,
-      max_new_tokens=20,
-      temperature=1.0,
-      generation_batch=128,
-      draft_vocab_size=15,
-      ttt_steps=3,
+      warm_start=policy.warm_start,
+      data=DistillData(num_prompts=512, responses_per_prompt=1, max_new_tokens=20,
+                       temperature=1.0, generation_batch=128),
+      head=Eagle3Head(draft_vocab_size=15, ttt_steps=3),
       steps=300,
       batch_size=32,
-      learning_rate=3e-3,
-      warmup_steps=20,
-      checkpoint_every=100,
-      eval_prompts=64,
-      eval_depth=3,
-      speedup_repeats=3,
+      optim=Optimization(learning_rate=3e-3, warmup_steps=20, final_lr_fraction=0.1),
+      checkpoint=Checkpointing(every=100),
+      eval=HeadEvaluation(prompts=64, depth=3, speedup_repeats=3),
   )

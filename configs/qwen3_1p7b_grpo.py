@@ -19,9 +19,9 @@ of Qwen's 151936 (a model may embed more ids than its tokenizer has): the model,
 every compiled shape are Qwen3-1.7B's, the text is arithmetic.
 """
 
+from specjax.experiments import Drafting, ExperimentConfig, Optimization, RolloutSettings
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.experiments.grpo import ExperimentConfig
 from specjax.sharding import MeshConfig
 
 QWEN3_VOCAB = 151936
@@ -39,12 +39,10 @@ def get_config() -> ExperimentConfig:
       task=task,
       model=QWEN3_1P7B,
       grpo=GRPOConfig(group_size=8, eps_low=0.2, eps_high=0.28, num_minibatches=8),
-      max_new_tokens=task.max_answer_tokens,  # 512
-      temperature=1.0,
-      drafter="eagle3",
-      tree_widths=(1, 1, 1),
-      eagle3_draft_vocab=32000,
-      prompts_per_step=64,
-      learning_rate=1e-6,
+      rollout=RolloutSettings(prompts_per_step=64,
+                              max_new_tokens=task.max_answer_tokens,  # 512
+                              temperature=1.0, tree_widths=(1, 1, 1)),
+      drafter=Drafting(name="eagle3", draft_vocab_size=32000),
+      optim=Optimization(learning_rate=1e-6),
       mesh=MeshConfig(data=1, fsdp=8, tensor=1),
   )

@@ -1,4 +1,5 @@
-"""Type tests that argument checks share: a number the way a config field means one.
+"""Type tests and the field check that argument checks share: a number the way a config field
+means one, and one message form for a value that is not allowed.
 
 `isinstance(x, int)` alone lets `True` through as 1, and `float(x)` turns "0.9" into 0.9;
 these say what a field's check means by "an int" or "a number", so that its message
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+
+from specjax.errors import ConfigError
 
 
 def is_int(value) -> bool:
@@ -31,3 +34,33 @@ def is_number(value) -> bool:
 def is_real(value) -> bool:
   """A finite real number, not a bool, a string or NaN / inf."""
   return is_number(value) and math.isfinite(value)
+
+
+def require(ok: bool, field: str, value, allowed: str) -> None:
+  """Raise `ConfigError("{field}={value!r} is invalid: {allowed}")` unless `ok`: the one
+  message form of every config check (the field, its value, what is allowed)."""
+  if not ok:
+    raise ConfigError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def require_field(config, field: str, ok: bool, allowed: str, prefix: str = "") -> None:
+  """`require` for a field of `config`, named `{prefix}{field}` in the message."""
+  require(ok, prefix + field, getattr(config, field), allowed)
+
+
+def require_ints(config, fields: tuple[str, ...], minimum: int, prefix: str = "") -> None:
+  """Each of `fields` of `config` is an int (`is_int`) >= `minimum`."""
+  for field in fields:
+    value = getattr(config, field)
+    require(is_int(value) and value >= minimum, prefix + field, value,
+            f"must be an int >= {minimum}")
+
+
+def require_reals(config, fields: tuple[str, ...], *, positive: bool, prefix: str = "") -> None:
+  """Each of `fields` of `config` is a finite number (`is_real`), > 0 with `positive`, else
+  >= 0."""
+  for field in fields:
+    value = getattr(config, field)
+    ok = is_real(value) and (value > 0 if positive else value >= 0)
+    require(ok, prefix + field, value,
+            f"must be a finite number {'>' if positive else '>='} 0")

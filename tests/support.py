@@ -23,7 +23,8 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
 from specjax.decoding import Adaptive, DraftTree, MTPDrafter, SamplingConfig
-from specjax.experiments.grpo_config import ExperimentConfig
+from specjax.experiments import (Checkpointing, ExperimentConfig, Optimization, RolloutEvaluation,
+                                 RolloutSettings, WarmStart, override)
 from specjax.models import ModelConfig, init_params, save_hf
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
 from specjax.rl.trainer import RolloutConfig, TrainConfig, init_train_state
@@ -204,14 +205,18 @@ def flat(tree) -> dict:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def tiny_experiment(run_dir, **kwargs) -> ExperimentConfig:
+def tiny_experiment(run_dir, changes: dict | None = None, **fields) -> ExperimentConfig:
   """A `specjax train` run of seconds on the shared run's task and policy: no warm start,
-  one-draft MTP rollouts, a checkpoint every step; `kwargs` override fields."""
-  fields = dict(run_dir=str(run_dir), task=TASK, model=MODEL, grpo=GRPOConfig(group_size=4),
-                max_new_tokens=TASK.max_answer_tokens, drafter="mtp", tree_widths=(1,),
-                steps=2, prompts_per_step=4, warmup_steps=0, sft_steps=0, checkpoint_every=1,
-                eval_prompts=8, speedup_repeats=1, speedup_seconds=0)
-  return ExperimentConfig(**(fields | kwargs))
+  one-draft MTP rollouts, a checkpoint every step; `changes` (dotted names, as `override`
+  takes them) and `fields` (top-level) override it."""
+  base = ExperimentConfig(
+      run_dir=str(run_dir), task=TASK, model=MODEL, grpo=GRPOConfig(group_size=4), steps=2,
+      rollout=RolloutSettings(prompts_per_step=4, max_new_tokens=TASK.max_answer_tokens,
+                              tree_widths=(1,)),
+      optim=Optimization(warmup_steps=0), warm_start=WarmStart(steps=0),
+      checkpoint=Checkpointing(every=1),
+      eval=RolloutEvaluation(prompts=8, speedup_repeats=1, speedup_seconds=0))
+  return override(base, (changes or {}) | fields)
 
 
 class Killed(Exception):

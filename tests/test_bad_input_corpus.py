@@ -24,24 +24,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import edit_config, edit_tensors, write_tiny_checkpoint
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models as tokenizer_models
 
 from specjax.checkpoint import Checkpointer
 from specjax.cli import generate_command
 from specjax.cli import main as cli_main
-from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftTree,
-                              Eagle3Drafter, MTPDrafter, SamplingConfig, calibrate, generate)
+from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftTree, Eagle3Drafter,
+                              MTPDrafter, SamplingConfig, calibrate, generate)
 from specjax.errors import CheckpointError, ConfigError
-from specjax.models import Llama3RopeScaling, ModelConfig, config_from_hf, init_params
-from specjax.models import load_hf, save_hf
-from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader,
-                        RewardError, TaskError, arithmetic_reward, group_advantages, grpo_loss,
-                        read_gsm8k_jsonl)
+from specjax.experiments import (DrafterTrainConfig, Drafting, ExperimentConfig, Pipeline,
+                                 RolloutSettings, WarmStart)
 from specjax.experiments import grpo as experiment
-from specjax.experiments.grpo import ExperimentConfig
+from specjax.experiments import override
+from specjax.models import (Llama3RopeScaling, ModelConfig, config_from_hf, init_params, load_hf,
+                            save_hf)
+from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader, RewardError,
+                        TaskError, arithmetic_reward, group_advantages, grpo_loss, read_gsm8k_jsonl)
 from specjax.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits
-from support import edit_config, edit_tensors, write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -518,38 +519,52 @@ RL_CASES = [
          ConfigError, r"model\.vocab_size=16 is invalid: the task's tokenizer has 17 ids.*"
                       r"allowed: vocab_size >= 17"),
     case("experiment_zero_tree_width",
-         lambda p: ExperimentConfig(tree_widths=(0,)).train_config(),
+         lambda p: ExperimentConfig(rollout=RolloutSettings(tree_widths=(0,))),
          ConfigError, r"widths=\(0,\) is invalid: every width must be an int >= 1"),
     case("experiment_tree_deeper_than_the_mtp_modules",
-         lambda p: ExperimentConfig(tree_widths=(1, 1, 1)).train_config(),
+         lambda p: ExperimentConfig(rollout=RolloutSettings(tree_widths=(1, 1, 1))),
          ConfigError, r"tree depth 3 is too deep for MTPDrafter"),
-    case("experiment_unknown_drafter", lambda p: ExperimentConfig(drafter="foo"),
+    case("experiment_unknown_drafter", lambda p: Drafting(name="foo"),
          ConfigError, r"drafter='foo' is invalid"),
     case("experiment_acceptance_carry_with_fixed_trees",
-         lambda p: ExperimentConfig(acceptance_carry=0.5),
-         ConfigError, r"acceptance_carry=0\.5 is invalid: needs speculation='adaptive'"),
+         lambda p: ExperimentConfig(rollout=RolloutSettings(acceptance_carry=0.5)),
+         ConfigError, r"rollout\.acceptance_carry=0\.5 is invalid: needs "
+                      r"rollout\.speculation='adaptive'"),
     case("experiment_zero_eagle3_ttt_steps",
-         lambda p: ExperimentConfig(drafter="eagle3", eagle3_ttt_steps=0),
-         ConfigError, r"eagle3_ttt_steps=0 is invalid: must be an int >= 1"),
+         lambda p: Drafting(name="eagle3", ttt_steps=0),
+         ConfigError, r"drafter\.ttt_steps=0 is invalid: must be an int >= 1"),
     case("experiment_rollout_devices_without_async_mode",
-         lambda p: ExperimentConfig(rollout_devices=4),
-         ConfigError, r"rollout_devices=4 is invalid: needs async_mode=True"),
+         lambda p: Pipeline(rollout_devices=4),
+         ConfigError, r"pipeline\.rollout_devices=4 is invalid: needs async_mode=True"),
     case("experiment_negative_rollout_devices",
-         lambda p: ExperimentConfig(rollout_devices=-1, async_mode=True),
-         ConfigError, r"rollout_devices=-1 is invalid: must be an int >= 0"),
+         lambda p: Pipeline(rollout_devices=-1, async_mode=True),
+         ConfigError, r"pipeline\.rollout_devices=-1 is invalid: must be an int >= 0"),
     case("experiment_policy_lag_without_rollout_devices",
-         lambda p: ExperimentConfig(policy_lag=2, async_mode=True),
-         ConfigError, r"policy_lag=2 is invalid: needs rollout_devices >= 1"),
+         lambda p: Pipeline(policy_lag=2, async_mode=True),
+         ConfigError, r"pipeline\.policy_lag=2 is invalid: needs rollout_devices >= 1"),
     case("experiment_policy_lag_zero",
-         lambda p: ExperimentConfig(policy_lag=0, rollout_devices=4, async_mode=True),
-         ConfigError, r"policy_lag=0 is invalid: must be an int >= 1"),
+         lambda p: Pipeline(policy_lag=0, rollout_devices=4, async_mode=True),
+         ConfigError, r"pipeline\.policy_lag=0 is invalid: must be an int >= 1"),
     case("experiment_rollout_devices_leave_none_to_train",
-         lambda p: experiment._meshes(ExperimentConfig(rollout_devices=8, async_mode=True)),
-         ConfigError, r"rollout_devices=8 is invalid: there are 8 devices and the updates "
+         lambda p: experiment._meshes(ExperimentConfig(
+             pipeline=Pipeline(rollout_devices=8, async_mode=True))),
+         ConfigError, r"pipeline\.rollout_devices=8 is invalid: there are 8 devices and the "
+                      r"updates "
                       r"need at least one \(allowed: 0 \.\. 7\)"),
     case("experiment_acceptance_carry_above_one",
-         lambda p: ExperimentConfig(speculation="adaptive", acceptance_carry=2.0),
-         ConfigError, r"acceptance_carry=2\.0 is invalid: must be a number in \[0, 1\]"),
+         lambda p: RolloutSettings(speculation="adaptive", acceptance_carry=2.0),
+         ConfigError, r"rollout\.acceptance_carry=2\.0 is invalid: must be a number in "
+                      r"\[0, 1\]"),
+    case("experiment_unknown_override_field",
+         lambda p: override(ExperimentConfig(), {"rollout.temprature": 0.5}),
+         ConfigError, r"'temprature' is not a field of RolloutSettings: allowed "
+                      r"prompts_per_step, max_new_tokens, temperature"),
+    case("experiment_group_of_the_wrong_type",
+         lambda p: ExperimentConfig(warm_start=dict(steps=3)),
+         ConfigError, r"warm_start=\{'steps': 3\} is invalid: must be a WarmStart\(\.\.\.\)"),
+    case("drafter_run_warm_start_negative",
+         lambda p: DrafterTrainConfig(warm_start=WarmStart(steps=-1)),
+         ConfigError, r"warm_start\.steps=-1 is invalid: must be an int >= 0"),
     case("custom_task_example_a_tuple", lambda p: _custom(train=[("1+1=", "2")]),
          ConfigError, r"train\[0\] of task 't' is invalid: must be an Example"),
     case("custom_task_without_a_name", lambda p: _custom(name=""),
@@ -799,8 +814,8 @@ def test_specjax_train_with_a_bad_flag_value_exits_2_naming_the_flag(capsys):
 
 
 def test_drafter_target_whose_tokenizer_exceeds_the_model_vocab_is_refused(tmp_path):
-  from specjax.experiments.drafter_data import target_spec
   from specjax.experiments.drafter import DrafterTrainConfig
+  from specjax.experiments.drafter_data import target_spec
   write_tiny_checkpoint(tmp_path, vocab_size=8)  # a tokenizer of 10 ids
   with pytest.raises(ConfigError, match=r"tokenizer vocab 10 > model vocab_size 8"):
     target_spec(DrafterTrainConfig(run_dir=str(tmp_path / "run"), target_dir=str(tmp_path)))
@@ -819,8 +834,9 @@ def test_drafter_data_generation_stops_at_every_end_id_of_the_tokenizer(tmp_path
     return tokens, np.ones_like(tokens)
 
   monkeypatch.setattr(drafter_data, "self_distillation_data", spy)
-  config = SimpleNamespace(responses_per_prompt=1, generation_batch=2, seed=0,
-                           max_new_tokens=2, temperature=0.0, draft_vocab_size=None)
+  config = SimpleNamespace(seed=0, head=SimpleNamespace(draft_vocab_size=None),
+                           data=SimpleNamespace(responses_per_prompt=1, generation_batch=2,
+                                                max_new_tokens=2, temperature=0.0))
   target = drafter_data.Target(None, ModelConfig(**BASE), tokenizer)
   drafter_data.make_data(config, target, np.array([[4, 5]], np.int32), np.array([2], np.int32))
   assert calls[0]["eos_id"] == (2, 3)

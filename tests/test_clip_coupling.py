@@ -2,7 +2,7 @@
 
 The MTP / Medusa heads are trained on rollouts by a drafter loss detached from the trunk, and
 share the policy's optimizer. Under one global clipping norm a huge head gradient would
-still shrink the trunk's step; `ExperimentConfig.clip_heads_separately` (the default) clips
+still shrink the trunk's step; `ExperimentConfig.drafter.clip_heads_separately` (the default) clips
 each part by its own norm. Each test of the separation has a negative control showing that
 the old shared clipping does couple them, so the property is not met by accident.
 """
@@ -15,11 +15,12 @@ import pytest
 
 from specjax.checkpoint import Checkpointer
 from specjax.errors import ConfigError
+from specjax.experiments import Drafting, ExperimentConfig, Optimization, RolloutSettings
+from specjax.experiments.grpo_config import _clip_trunk_and_heads
 from specjax.models import ModelConfig, init_params
+from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.models.transformer import forward
 from specjax.rl import ArithmeticTask
-from specjax.models.heads import DRAFT_HEAD_KEYS
-from specjax.experiments.grpo_config import ExperimentConfig, _clip_trunk_and_heads
 from specjax.supervised import draft_head_loss
 
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -30,10 +31,13 @@ HEADS = ("mtp", "medusa")
 HUGE = 1e6
 
 
-def _config(**kwargs) -> ExperimentConfig:
+def _config(clip_heads_separately=True) -> ExperimentConfig:
   # warmup_steps=0 still starts the schedule at 0: the first update has learning rate 0.
-  return ExperimentConfig(task=TASK, model=MODEL, learning_rate=1e-2, warmup_steps=0,
-                          max_grad_norm=1.0, tree_widths=(1,), **kwargs)
+  return ExperimentConfig(task=TASK, model=MODEL,
+                          optim=Optimization(learning_rate=1e-2, warmup_steps=0,
+                                             max_grad_norm=1.0),
+                          rollout=RolloutSettings(tree_widths=(1,)),
+                          drafter=Drafting(clip_heads_separately=clip_heads_separately))
 
 
 def _params():
@@ -181,6 +185,6 @@ def test_a_checkpoint_saved_with_shared_clipping_restores_into_separate_clipping
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_clip_heads_separately_must_be_a_bool(value):
-  with pytest.raises(ConfigError, match=rf"^clip_heads_separately={value!r} is invalid: "
+  with pytest.raises(ConfigError, match=rf"^drafter.clip_heads_separately={value!r} is invalid: "
                                         "must be True or False"):
     _config(clip_heads_separately=value)

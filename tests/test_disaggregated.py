@@ -15,23 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import array as jax_array
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+# The multi-host test's task, policy (one MTP module), optimizer, parity reward and async
+# configuration: the disaggregated and the multi-process steps are checked on the same run.
+from support import MODEL, PROMPTS, TASK, TOK
+from support import config as multihost_config
+from support import flat, optimizer, reward, tiny_experiment
 
 from specjax.decoding import (Adaptive, CostTable, DraftTree, Eagle3Drafter, Eagle3Weights,
                               SamplingConfig)
 from specjax.errors import ConfigError
-from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
+from specjax.experiments import Pipeline
 from specjax.experiments import grpo as experiment
+from specjax.experiments import override
+from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
 from specjax.rl import GRPOConfig, PromptReader, encode_prompt
 from specjax.rl.disaggregated import DisaggregatedAsync
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
-                                make_train_step, prime_keys, rollout_metrics, scored_rollout,
-                                step_keys, update)
+from specjax.rl.trainer import (DrafterTraining, RolloutConfig, TrainConfig, init_train_state,
+                                make_prime_fn, make_train_step, prime_keys, rollout_metrics,
+                                scored_rollout, step_keys, update)
 from specjax.sharding import MeshConfig, make_mesh, transfer
-# The multi-host test's task, policy (one MTP module), optimizer, parity reward and async
-# configuration: the disaggregated and the multi-process steps are checked on the same run.
-from support import MODEL, PROMPTS, TASK, TOK, flat, optimizer, reward
-from support import config as multihost_config
 
 STEPS = 3
 METRICS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean",
@@ -87,8 +91,8 @@ def eagle_config() -> TrainConfig:
                           speculation=menu, acceptance_carry=0.5)
   return TrainConfig(model=EAGLE_MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2,
                                                         tis_cap=2.0),
-                     rollout=rollout, async_mode=True, drafter_learning_rate=1e-2,
-                     drafter_ttt_steps=2)
+                     rollout=rollout, async_mode=True,
+                     drafter_training=DrafterTraining(learning_rate=1e-2, ttt_steps=2))
 
 
 def eagle_state(config: TrainConfig):
@@ -248,10 +252,11 @@ def test_configurations_that_cannot_work_are_refused_with_the_reason():
   primed = make_prime_fn(config, reward, pad_id=TOK.pad_id)(state, batches(1)[0])
   with pytest.raises(ConfigError, match="already holds a pending rollout"):
     run.start(primed, batches(1)[0])
-  with pytest.raises(ConfigError, match=r"with rollout_devices=4 the mesh covers the 4 devices "
+  with pytest.raises(ConfigError, match=r"with pipeline.rollout_devices=4 the mesh covers the "
+                                        r"4 devices "
                                         r"the rollouts leave, of 8: mesh.data=1, mesh.fsdp=8"):
-    experiment._meshes(experiment.ExperimentConfig(async_mode=True, rollout_devices=4,
-                                                   mesh=MeshConfig(data=1, fsdp=8)))
+    experiment._meshes(experiment.ExperimentConfig(
+        pipeline=Pipeline(async_mode=True, rollout_devices=4), mesh=MeshConfig(data=1, fsdp=8)))
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -261,20 +266,18 @@ def _metrics(run_dir) -> list[dict]:
 @pytest.mark.slow
 def test_an_experiment_with_rollout_devices_gives_the_fused_async_runs_metrics_and_resumes(
     tmp_path):
-  """`ExperimentConfig(rollout_devices=4)` (4 devices roll out, 4 train) logs the metrics of
-  the fused async run on all 8, and a run stopped after 2 steps resumes from its checkpoint
-  to the same third step."""
+  """`ExperimentConfig(pipeline=Pipeline(rollout_devices=4))` (4 devices roll out, 4 train)
+  logs the metrics of the fused async run on all 8, and a run stopped after 2 steps resumes
+  from its checkpoint to the same third step."""
   tiny = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
                      n_kv_heads=2, head_dim=16, mlp_dim=64, max_position=32)
-  config = experiment.ExperimentConfig(
-      task=TASK, model=tiny, grpo=GRPOConfig(group_size=4, tis_cap=2.0),
-      max_new_tokens=TASK.max_answer_tokens, drafter="none", async_mode=True, steps=3,
-      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1, speedup_seconds=0,
-      checkpoint_every=1, learning_rate=1e-3, warmup_steps=0)
+  config = tiny_experiment(tmp_path / "fused", {
+      "drafter.name": "none", "pipeline.async_mode": True, "warm_start.steps": 30,
+      "eval.prompts": 4, "optim.learning_rate": 1e-3}, model=tiny, steps=3,
+      grpo=GRPOConfig(group_size=4, tis_cap=2.0))
   logs = []
-  experiment.run(dataclasses.replace(config, run_dir=str(tmp_path / "fused")),
-                 log=logs.append)
-  split = dataclasses.replace(config, run_dir=str(tmp_path / "split"), rollout_devices=4)
+  experiment.run(config, log=logs.append)
+  split = override(config, {"run_dir": str(tmp_path / "split"), "pipeline.rollout_devices": 4})
   experiment.run(dataclasses.replace(split, steps=2), log=logs.append)
   experiment.run(split, log=logs.append)
   assert any("rollouts on 4 device(s), updates on 4" in line for line in logs)
@@ -302,12 +305,11 @@ def test_async_runs_with_adaptive_speculation_start_and_resume(tmp_path, monkeyp
   tiny = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2,
                      n_kv_heads=2, head_dim=16, mlp_dim=64, max_position=32,
                      num_mtp_modules=2)
-  config = experiment.ExperimentConfig(
-      task=TASK, model=tiny, grpo=GRPOConfig(group_size=4, tis_cap=2.0),
-      max_new_tokens=TASK.max_answer_tokens, drafter="mtp", tree_widths=(1, 1),
-      speculation="adaptive", async_mode=True, rollout_devices=rollout_devices, steps=3,
-      prompts_per_step=4, sft_steps=30, eval_prompts=4, speedup_repeats=1, speedup_seconds=0,
-      checkpoint_every=1, learning_rate=1e-3, warmup_steps=0, run_dir=str(tmp_path / "run"))
+  config = tiny_experiment(tmp_path / "run", {
+      "rollout.tree_widths": (1, 1), "rollout.speculation": "adaptive",
+      "pipeline.async_mode": True, "pipeline.rollout_devices": rollout_devices,
+      "warm_start.steps": 30, "eval.prompts": 4, "optim.learning_rate": 1e-3},
+      model=tiny, steps=3, grpo=GRPOConfig(group_size=4, tis_cap=2.0))
   assert config.carry > 0  # the counts the regression tripped over are in the state
   logs = []
   experiment.run(dataclasses.replace(config, steps=2), log=logs.append)

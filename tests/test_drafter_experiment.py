@@ -3,6 +3,7 @@ losslessly, a rerun resumes from the latest checkpoint and reproduces the steps 
 the HF-checkpoint + GSM8K path runs, and bad configs fail early, naming the field."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from tokenizers import models, pre_tokenizers
 
 from specjax.cli import main
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
-from specjax.experiments.drafter import (DrafterTrainConfig, load_target, task_prompts,
-                                        run_drafter_training)
 from specjax.errors import CheckpointError, ConfigError
+from specjax.experiments import (Checkpointing, DistillData, Eagle3Head, HeadEvaluation,
+                                 Optimization, WarmStart, override)
+from specjax.experiments.drafter import (DrafterTrainConfig, load_target, run_drafter_training,
+                                         task_prompts)
 from specjax.models import ModelConfig, init_params, load_eagle3, save_hf
 from specjax.rl import ArithmeticTask
 
@@ -27,17 +30,20 @@ MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=2
                     n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=32)
 
 
-def _tiny(run_dir, **changes) -> DrafterTrainConfig:
+def _tiny(run_dir, changes: dict | None = None, **fields) -> DrafterTrainConfig:
   """Seconds, not minutes: a 2-layer d=32 policy after 30 warm-start steps (answers that run
   on, so responses are long enough to draft), 6 head steps of 2 TTT steps, chains of 2 in the
   evaluation. Compilation is most of the time: greedy data of 32 prompts and the greedy plain
   evaluation on 32 prompts of the same length are one program."""
-  fields = dict(run_dir=str(run_dir), task=TASK, model=MODEL, sft_steps=30, sft_batch=16,
-                sft_eos_fraction=0.0, num_prompts=32, max_new_tokens=8, generation_batch=32,
-                temperature=0.0, draft_vocab_size=14, ttt_steps=2, steps=6, batch_size=8,
-                learning_rate=3e-3, warmup_steps=1, checkpoint_every=3, max_checkpoints=3,
-                eval_prompts=32, eval_temperature=1.0, eval_depth=2, speedup_repeats=1)
-  return DrafterTrainConfig(**(fields | changes))
+  base = DrafterTrainConfig(
+      run_dir=str(run_dir), task=TASK, model=MODEL,
+      warm_start=WarmStart(steps=30, batch=16, eos_fraction=0.0),
+      data=DistillData(num_prompts=32, max_new_tokens=8, generation_batch=32, temperature=0.0),
+      head=Eagle3Head(draft_vocab_size=14, ttt_steps=2), steps=6, batch_size=8,
+      optim=Optimization(learning_rate=3e-3, warmup_steps=1, final_lr_fraction=0.1),
+      checkpoint=Checkpointing(every=3, keep=3),
+      eval=HeadEvaluation(prompts=32, temperature=1.0, depth=2, speedup_repeats=1))
+  return override(base, (changes or {}) | fields)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -63,7 +69,7 @@ def test_tiny_run_exports_a_head_that_loads_and_drafts_losslessly(tiny_run):
   assert json.loads((run_dir / "summary.json").read_text()) == summary
   metrics = tiny_run["metrics"]
   assert [m["step"] for m in metrics] == list(range(1, 7))
-  assert all(len(m["ce"]) == len(m["accuracy"]) == config.ttt_steps for m in metrics)
+  assert all(len(m["ce"]) == len(m["accuracy"]) == config.head.ttt_steps for m in metrics)
   assert all(np.isfinite(m["loss"]) for m in metrics)
 
   target = load_target(config)  # the warm-started policy, restored from run_dir/target
@@ -71,13 +77,13 @@ def test_tiny_run_exports_a_head_that_loads_and_drafts_losslessly(tiny_run):
   assert head_config.draft_vocab_size == 14
   with np.load(run_dir / "data.npz") as data:
     np.testing.assert_array_equal(d2t, data["d2t"])
-  tokens, lengths = task_prompts(config, target.tokenizer, "test", config.eval_prompts)
+  tokens, lengths = task_prompts(config, target.tokenizer, "test", config.eval.prompts)
   run = lambda **kw: generate(target.params, target.config, tokens, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=SamplingConfig(0.0),
                               eos_id=target.tokenizer.eos_id, pad_id=target.tokenizer.pad_id,
                               **kw)
   plain = run()
-  spec = run(drafter=Eagle3Drafter(head_config), tree=DraftTree.chain(config.eval_depth),
+  spec = run(drafter=Eagle3Drafter(head_config), tree=DraftTree.chain(config.eval.depth),
              drafter_params=Eagle3Weights(params, d2t))
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   np.testing.assert_array_equal(spec.lengths, plain.lengths)
@@ -103,8 +109,8 @@ def test_rerun_after_a_kill_resumes_from_the_latest_checkpoint_and_redoes_only_l
     np.testing.assert_allclose(redone["loss"], first["loss"], rtol=1e-6)
     np.testing.assert_allclose(redone["ce"], first["ce"], rtol=1e-6)
 
-  with pytest.raises(ConfigError, match=r"num_prompts changed .*32 -> 16"):
-    run_drafter_training(_tiny(run_dir, num_prompts=16), log=logs.append)
+  with pytest.raises(ConfigError, match=r"^data.num_prompts changed .*32 -> 16"):
+    run_drafter_training(_tiny(run_dir, {"data.num_prompts": 16}), log=logs.append)
 
 
 def _hf_target(directory):
@@ -133,9 +139,11 @@ def _hf_target(directory):
 
 def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
   target_dir = _hf_target(tmp_path / "hf")
-  config = _tiny(tmp_path / "run", target_dir=str(target_dir),
-                 gsm8k_file=str(target_dir / "gsm8k.jsonl"), gsm8k_test_fraction=0.5,
-                 prompt_template="{question}", steps=2, warmup_steps=0)
+  config = _tiny(tmp_path / "run", {"data.gsm8k_file": str(target_dir / "gsm8k.jsonl"),
+                                    "data.gsm8k_test_fraction": 0.5,
+                                    "data.prompt_template": "{question}",
+                                    "optim.warmup_steps": 0},
+                 target_dir=str(target_dir), steps=2)
   logs = []
   summary = run_drafter_training(config, log=logs.append)
   assert summary["greedy_equals_plain"] is True
@@ -146,9 +154,9 @@ def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
 
 def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_path):
   from specjax.checkpoint import Checkpointer
-  from specjax.experiments.grpo import ExperimentConfig
+  from specjax.experiments import Drafting, ExperimentConfig
   from specjax.rl.trainer import init_train_state
-  rl = ExperimentConfig(task=TASK, model=MODEL, drafter="none")
+  rl = ExperimentConfig(task=TASK, model=MODEL, drafter=Drafting(name="none"))
   params = init_params(MODEL, jax.random.key(5))
   ckpt = Checkpointer(tmp_path / "rl" / "checkpoints")
   ckpt.save(4, init_train_state(rl.train_config(), params, rl.optimizer(), 0), {"step": 4})
@@ -172,32 +180,35 @@ def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_pat
 
 @pytest.mark.parametrize("changes, field", [
     (dict(steps=0), "steps"),
-    (dict(ttt_steps=0), "ttt_steps"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(warmup_steps=6), "warmup_steps"),
-    (dict(learning_rate=0.0), "learning_rate"),
-    (dict(draft_vocab_size=18), "draft_vocab_size"),
-    (dict(aux_layers=(1, 2, 3)), "aux_layers"),
+    ({"head.ttt_steps": 0}, "head.ttt_steps"),
+    ({"data.temperature": -1.0}, "data.temperature"),
+    ({"optim.warmup_steps": 6}, "optim.warmup_steps"),
+    ({"optim.learning_rate": 0.0}, "optim.learning_rate"),
+    ({"head.draft_vocab_size": 18}, "head.draft_vocab_size"),
+    ({"head.aux_layers": (1, 2, 3)}, "aux_layers"),
     (dict(model=MODEL.replace(vocab_size=20)), "model"),
     (dict(target_dir="hf", target_rl_run="runs/rl"), "target_rl_run"),
-    (dict(gsm8k_file="train.jsonl", gsm8k_test_fraction=0.0), "gsm8k_test_fraction"),
+    ({"data.gsm8k_file": "train.jsonl", "data.gsm8k_test_fraction": 0.0},
+     "data.gsm8k_test_fraction"),
+    ({"warm_start.eos_fraction": 1.5}, "warm_start.eos_fraction"),
+    ({"eval.depth": 0}, "eval.depth"),
 ])
 def test_invalid_configs_raise_config_errors_naming_the_field(tmp_path, changes, field):
-  with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid"):
-    _tiny(tmp_path, **changes)
+  with pytest.raises(ConfigError, match=rf"^{re.escape(field)}=.* is invalid"):
+    _tiny(tmp_path, changes)
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(max_new_tokens=40), "max_new_tokens"),
-    (dict(eval_max_new_tokens=40), "eval_max_new_tokens"),
-    (dict(eval_prompts=41), "eval_prompts"),
+    ({"data.max_new_tokens": 40}, "data.max_new_tokens"),
+    ({"eval.max_new_tokens": 40}, "eval.max_new_tokens"),
+    ({"eval.prompts": 41}, "eval.prompts"),
     (dict(target_dir="no/such/dir"), "target_dir"),
     (dict(target_rl_run="no/such/run"), "target_rl_run"),
 ])
 def test_configs_that_do_not_fit_the_target_fail_before_any_training(tmp_path, changes,
                                                                      field):
-  with pytest.raises(ConfigError, match=rf"^{field}=.* is invalid"):
-    run_drafter_training(_tiny(tmp_path / "run", **changes), log=lambda line: None)
+  with pytest.raises(ConfigError, match=rf"^{re.escape(field)}=.* is invalid"):
+    run_drafter_training(_tiny(tmp_path / "run", changes), log=lambda line: None)
   assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -206,9 +217,10 @@ def test_cli_train_drafter_applies_overrides_to_the_config_file(monkeypatch, tmp
   monkeypatch.setattr("specjax.experiments.drafter.run_drafter_training",
                       lambda config: seen.append(config) or {})
   main(["train-drafter", "--config", str(CONFIGS / "eagle3_arithmetic.py"), "--run-dir",
-        str(tmp_path), "--steps", "70", "--ttt-steps", "2", "--aux-layers", "1", "1", "1"])
-  assert (seen[0].steps, seen[0].ttt_steps, seen[0].aux_layers) == (70, 2, (1, 1, 1))
-  assert seen[0].run_dir == str(tmp_path) and seen[0].draft_vocab_size == 15
+        str(tmp_path), "--steps", "70", "--head.ttt-steps", "2", "--head.aux-layers", "1", "1",
+        "1"])
+  assert (seen[0].steps, seen[0].head.ttt_steps, seen[0].head.aux_layers) == (70, 2, (1, 1, 1))
+  assert seen[0].run_dir == str(tmp_path) and seen[0].head.draft_vocab_size == 15
   with pytest.raises(SystemExit, match="needs a DrafterTrainConfig"):
     main(["train-drafter", "--config", str(CONFIGS / "arithmetic_tiny.py")])
 

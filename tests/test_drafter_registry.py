@@ -12,16 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import MODEL, PROMPTS, TASK, TOK, optimizer, reader, reward, write_tiny_checkpoint
 
 from specjax.cli import generate_command
 from specjax.decoding import (DraftSource, DraftTree, MTPDrafter, SamplingConfig, build_drafter,
                               drafter_names, generate, register_drafter)
 from specjax.decoding.drafters import registry
 from specjax.errors import ConfigError
-from specjax.experiments.grpo_config import ExperimentConfig
+from specjax.experiments import Drafting, ExperimentConfig, RolloutSettings
 from specjax.models import init_params
 from specjax.rl.trainer import init_train_state, make_train_step
-from support import MODEL, PROMPTS, TASK, TOK, optimizer, reader, reward, write_tiny_checkpoint
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARK = "<!-- drafter-example: tests/test_drafter_registry.py runs this block -->"
@@ -66,8 +66,9 @@ def test_the_command_line_takes_a_registered_drafter_by_name(readme_drafter, tmp
 
 
 def test_a_grpo_config_takes_a_registered_drafter_and_its_step_runs(readme_drafter):
-  config = ExperimentConfig(task=TASK, model=MODEL, drafter="repeat", tree_widths=(1,),
-                            max_new_tokens=TASK.max_answer_tokens, prompts_per_step=PROMPTS)
+  config = ExperimentConfig(task=TASK, model=MODEL, drafter=Drafting(name="repeat"),
+                            rollout=RolloutSettings(tree_widths=(1,), prompts_per_step=PROMPTS,
+                                                    max_new_tokens=TASK.max_answer_tokens))
   train = config.train_config()
   assert isinstance(train.rollout.drafter, readme_drafter)
   state = init_train_state(train, init_params(MODEL, jax.random.key(0)), optimizer(), seed=1)
@@ -76,7 +77,8 @@ def test_a_grpo_config_takes_a_registered_drafter_and_its_step_runs(readme_draft
   assert np.isfinite(float(metrics["loss"])) and float(metrics["acceptance_length"]) >= 1
   # What the drafter cannot draft fails when the config is built, naming it.
   with pytest.raises(ConfigError, match="RepeatDrafter drafts one continuation"):
-    ExperimentConfig(task=TASK, model=MODEL, drafter="repeat", tree_widths=(2,))
+    ExperimentConfig(task=TASK, model=MODEL, drafter=Drafting(name="repeat"),
+                     rollout=RolloutSettings(tree_widths=(2,)))
 
 
 def test_registering_refuses_a_taken_or_reserved_name_and_a_builder_that_builds_no_drafter(

@@ -17,15 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from support import (MODEL, PROMPTS, STEPS, TOK, child_env, config, flat, initial_state, optimizer,
+                     reader, reward, shared_dir)
 
-from support import (MODEL, PROMPTS, STEPS, TOK, child_env, config, flat,
-                     initial_state, optimizer, reader, reward, shared_dir)
 from specjax import cli
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree
 from specjax.errors import ConfigError
 from specjax.models import init_params
-from specjax.rl import (GRPOConfig, train_state_shardings)
+from specjax.rl import GRPOConfig, train_state_shardings
 from specjax.rl.distributed import join_cluster, process_prompts, process_rows
 from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
                                 make_train_step)
@@ -152,10 +152,11 @@ def test_checkpoint_saved_by_several_processes_restores_on_one_process_to_identi
 
 ROOT = Path(__file__).resolve().parents[1]
 # A run of few compilations: plain rollouts, no warm start, two async steps.
-CLI_ARGS = ["--steps", "2", "--checkpoint-every", "1", "--sft-steps", "0", "--eval-prompts", "4",
-            "--speedup-repeats", "1", "--speedup-seconds", "0",
-            "--prompts-per-step", "4", "--grpo.group-size", "2",
-            "--drafter", "none", "--async-mode", "--grpo.tis-cap", "2.0", "--model.d-model", "32",
+CLI_ARGS = ["--steps", "2", "--checkpoint.every", "1", "--warm-start.steps", "0",
+            "--eval.prompts", "4", "--eval.speedup-repeats", "1", "--eval.speedup-seconds", "0",
+            "--rollout.prompts-per-step", "4", "--grpo.group-size", "2",
+            "--drafter.name", "none", "--pipeline.async-mode", "--grpo.tis-cap", "2.0",
+            "--model.d-model", "32",
             "--model.mlp-dim", "64", "--model.n-layers", "1", "--model.head-dim", "16",
             "--model.n-heads", "2", "--model.n-kv-heads", "2", "--model.num-mtp-modules", "0"]
 

@@ -11,13 +11,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from support import child_env
-from specjax.errors import ConfigError
-from specjax.models import ModelConfig
+
 from specjax.cli import plan_command
-from specjax.experiments.plan import GIB, plan
+from specjax.errors import ConfigError
 from specjax.experiments.grpo import ExperimentConfig
+from specjax.experiments.plan import GIB, plan
+from specjax.models import ModelConfig
 from specjax.sharding import MeshConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = """
 from specjax.models import ModelConfig
 from specjax.rl import ArithmeticTask, GRPOConfig
-from specjax.experiments.grpo import ExperimentConfig
+from specjax.experiments import Drafting, ExperimentConfig, RolloutSettings
 from specjax.sharding import MeshConfig
 
 
@@ -35,8 +35,9 @@ def get_config():
       task=task,
       model=ModelConfig(vocab_size=task.tokenizer.vocab_size, d_model=32, n_layers=1,
                         n_heads=2, n_kv_heads=2, head_dim=16, mlp_dim=64, max_position=32),
-      grpo=GRPOConfig(group_size=4, num_minibatches=2), max_new_tokens=3, drafter="none",
-      prompts_per_step=8, mesh=MeshConfig(data=4, fsdp=2))
+      grpo=GRPOConfig(group_size=4, num_minibatches=2),
+      rollout=RolloutSettings(max_new_tokens=3, prompts_per_step=8),
+      drafter=Drafting(name="none"), mesh=MeshConfig(data=4, fsdp=2))
 """
 
 

@@ -14,18 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from support import child_env
+
 from specjax import sharding
-from specjax.checkpoint import DIGEST_FILE, Checkpointer, CheckpointError
+from specjax.checkpoint import DIGEST_FILE, CheckpointError, Checkpointer
 from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig
 from specjax.errors import ConfigError
+from specjax.experiments import override
 from specjax.models import ModelConfig, init_params
-from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
+from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, trainer
 from specjax.rl.distributed import train_state_shardings
-from specjax.rl import trainer
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
-                                make_split_step, make_train_step, rollout)
+from specjax.rl.trainer import (DrafterTraining, RolloutConfig, TrainConfig, init_train_state,
+                                make_prime_fn, make_split_step, make_train_step, rollout)
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -154,15 +154,19 @@ def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
 
 
 def test_experiments_carry_acceptance_by_default_only_where_the_adaptive_policy_keeps_it():
-  from specjax.experiments.grpo_config import DEFAULT_ACCEPTANCE_CARRY, ExperimentConfig
-  adaptive = ExperimentConfig(speculation="adaptive")
+  from specjax.experiments import Drafting, ExperimentConfig, RolloutSettings
+  from specjax.experiments.grpo_config import DEFAULT_ACCEPTANCE_CARRY
+  adaptive = ExperimentConfig(rollout=RolloutSettings(speculation="adaptive"))
   assert adaptive.carry == DEFAULT_ACCEPTANCE_CARRY == 0.5
   counts = adaptive.initial_acceptance()
   assert counts.reached.shape == (len(adaptive.adaptive().menu), 2)  # (1, 1) tree: depth 2
-  for config in (ExperimentConfig(), ExperimentConfig(speculation="adaptive", drafter="none"),
-                 ExperimentConfig(speculation="adaptive", acceptance_carry=0.0)):
+  for config in (ExperimentConfig(),
+                 ExperimentConfig(rollout=adaptive.rollout, drafter=Drafting(name="none")),
+                 ExperimentConfig(rollout=RolloutSettings(speculation="adaptive",
+                                                          acceptance_carry=0.0))):
     assert config.carry == 0.0 and config.initial_acceptance() is None, config
-  assert ExperimentConfig(speculation="adaptive", acceptance_carry=1).carry == 1.0
+  assert ExperimentConfig(rollout=RolloutSettings(speculation="adaptive",
+                                                  acceptance_carry=1)).carry == 1.0
 
 
 def test_the_fused_step_runs_no_host_callback_while_generate_under_jit_checks_its_prompts():
@@ -179,11 +183,14 @@ def test_the_fused_step_runs_no_host_callback_while_generate_under_jit_checks_it
   assert "callback" in checked.lower(state.params, batch.tokens, batch.lengths).as_text()
 
 
-def test_experiment_passes_its_eagle3_ttt_steps_to_the_train_step():
-  from specjax.experiments.grpo_config import ExperimentConfig
-  config = ExperimentConfig(drafter="eagle3", tree_widths=(1, 1, 1, 1), eagle3_ttt_steps=4)
-  assert config.train_config().drafter_ttt_steps == 4
-  assert ExperimentConfig(drafter="eagle3").train_config().drafter_ttt_steps == 3
+def test_experiment_passes_its_drafter_training_to_the_train_step():
+  from specjax.experiments import Drafting, ExperimentConfig, RolloutSettings
+  config = ExperimentConfig(rollout=RolloutSettings(tree_widths=(1, 1, 1, 1)),
+                            drafter=Drafting(name="eagle3", ttt_steps=4, loss_weight=0.5,
+                                             learning_rate=2e-3))
+  assert config.train_config().drafter_training == DrafterTraining(0.5, 2e-3, 4)
+  eagle = ExperimentConfig(drafter=Drafting(name="eagle3"))
+  assert eagle.train_config().drafter_training == DrafterTraining(1.0, 1e-3, 3)
 
 
 # A second end token beside the tokenizer's EOS: a digit the untrained policy samples often.
@@ -354,9 +361,10 @@ def test_corrupt_checkpoint_is_reported_and_nothing_is_deleted(tmp_path):
   assert sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == files
 
 
-TRAIN_ARGS = ["--steps", "12", "--checkpoint-every", "2", "--sft-steps", "5", "--sft-batch", "8",
-              "--prompts-per-step", "4", "--grpo.group-size", "4", "--eval-prompts", "8",
-              "--speedup-repeats", "1", "--speedup-seconds", "0",
+TRAIN_ARGS = ["--steps", "12", "--checkpoint.every", "2", "--warm-start.steps", "5",
+              "--warm-start.batch", "8", "--rollout.prompts-per-step", "4",
+              "--grpo.group-size", "4", "--eval.prompts", "8", "--eval.speedup-repeats", "1",
+              "--eval.speedup-seconds", "0",
               "--model.d-model", "32", "--model.mlp-dim", "64",
               "--model.n-layers", "1", "--model.head-dim", "16", "--model.n-heads", "2",
               "--model.n-kv-heads", "2"]
@@ -370,12 +378,12 @@ def test_the_readme_demo_runs_long_responses_with_adaptive_mtp_rollouts():
   average, fitting its token budget and cache) and its rollouts choose their trees."""
   config = runpy.run_path(str(README_DEMO))["get_config"]()
   lengths = [len(e.reference) + 1 for e in config.task.examples("train")]  # + EOS
-  assert np.mean(lengths) >= 24 and max(lengths) <= config.max_new_tokens
-  assert config.speculation == "adaptive" and config.drafter == "mtp"
+  assert np.mean(lengths) >= 24 and max(lengths) <= config.rollout.max_new_tokens
+  assert config.rollout.speculation == "adaptive" and config.drafter.name == "mtp"
   menu = config.adaptive().menu
   prompt = max(len(encode_prompt(config.task.tokenizer, e.prompt))
                for split in ("train", "test") for e in config.task.examples(split))
-  assert prompt + config.max_new_tokens + max(t.num_nodes for t in menu) + 1 <= (
+  assert prompt + config.rollout.max_new_tokens + max(t.num_nodes for t in menu) + 1 <= (
       config.model.max_position)
   first = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()[0]
   assert f"specjax train --config configs/{README_DEMO.name}" in first
@@ -462,8 +470,8 @@ def _eagle_config(drafter_loss_weight, learning_rate, sampling):
                           drafter=Eagle3Drafter(Eagle3Config.for_target(EAGLE_MODEL)),
                           tree=DraftTree.chain(2))
   return TrainConfig(model=EAGLE_MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2),
-                     rollout=rollout, drafter_loss_weight=drafter_loss_weight,
-                     drafter_learning_rate=learning_rate, drafter_ttt_steps=2)
+                     rollout=rollout,
+                     drafter_training=DrafterTraining(drafter_loss_weight, learning_rate, 2))
 
 
 def _eagle_run(steps, sampling, drafter_loss_weight, learning_rate=3e-3):
@@ -527,12 +535,13 @@ def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
 
 @pytest.mark.slow
 def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
-  from specjax.models import load_eagle3
   from specjax.experiments.grpo import run
+  from specjax.models import load_eagle3
   base = runpy.run_path(str(ROOT / "configs" / "arithmetic_eagle3.py"))["get_config"]()
-  config = dataclasses.replace(base, run_dir=str(tmp_path), steps=2, sft_steps=20,
-                               eagle3_steps=5, eval_prompts=8, speedup_repeats=1,
-                               speedup_seconds=0, checkpoint_every=1, prompts_per_step=4)
+  config = override(base, {"run_dir": str(tmp_path), "steps": 2, "warm_start.steps": 20,
+                           "drafter.distill_steps": 5, "eval.prompts": 8,
+                           "eval.speedup_repeats": 1, "eval.speedup_seconds": 0,
+                           "checkpoint.every": 1, "rollout.prompts_per_step": 4})
   logs = []
   summary = run(config, log=logs.append)
   assert "probe_acceptance_after_frozen" in summary and summary["speedup"] > 0
@@ -551,10 +560,11 @@ def test_eagle3_experiment_runs_resumes_and_reports_its_frozen_copy(tmp_path):
 def test_the_step_trains_the_objective_its_config_names(monkeypatch):
   """`GRPOConfig(objective=name)` routes the update through the loss registered as `name`
   (traced only: the routing, not the numbers, is under test)."""
-  from specjax.rl import losses, register_objective
+  from support import TOK as SHARED_TOK
   from support import config as shared_config
   from support import initial_state, optimizer, reader, reward
-  from support import TOK as SHARED_TOK
+
+  from specjax.rl import losses, register_objective
 
   monkeypatch.setattr(losses, "_OBJECTIVES", dict(losses._OBJECTIVES))
   calls = []

@@ -6,6 +6,7 @@ clear error instead of hanging it."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,13 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from support import Killed, child_env, kill_after_first_checkpoint, tiny_experiment
+
 from specjax.errors import CheckpointError, ConfigError
-from specjax.rl import ArithmeticTask
+from specjax.experiments import override
 from specjax.experiments.grpo import run
+from specjax.rl import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
   """Every float array of every checkpointed state, read back from disk as saved."""
   directory = Path(run_dir) / "checkpoints"
@@ -33,22 +37,22 @@ def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("learning_rate", float("nan"), "finite number > 0"),
-    ("learning_rate", float("inf"), "finite number > 0"),
-    ("learning_rate", 0.0, "finite number > 0"),
-    ("max_grad_norm", float("nan"), "finite number > 0"),
-    ("max_checkpoints", 0, "int >= 1"),
+    ("optim.learning_rate", float("nan"), "finite number > 0"),
+    ("optim.learning_rate", float("inf"), "finite number > 0"),
+    ("optim.learning_rate", 0.0, "finite number > 0"),
+    ("optim.max_grad_norm", float("nan"), "finite number > 0"),
+    ("checkpoint.keep", 0, "int >= 1"),
     ("steps", 2.5, "int >= 1"),
-    ("prompts_per_step", 0, "int >= 1"),
-    ("warmup_steps", -1, "int >= 0"),
-    ("speedup_seconds", -1.0, "finite number >= 0"),
-    ("speedup_seconds", float("inf"), "finite number >= 0"),
+    ("rollout.prompts_per_step", 0, "int >= 1"),
+    ("optim.warmup_steps", -1, "int >= 0"),
+    ("eval.speedup_seconds", -1.0, "finite number >= 0"),
+    ("eval.speedup_seconds", float("inf"), "finite number >= 0"),
 ])
 def test_invalid_numbers_are_rejected_at_config_time_naming_field_value_and_rule(
     tmp_path, field, value, allowed):
-  with pytest.raises(ConfigError, match=rf"^{field}={value!r} is invalid: must be an? "
-                                        rf"{allowed}"):
-    tiny_experiment(tmp_path, **{field: value})
+  with pytest.raises(ConfigError, match=rf"^{re.escape(field)}={value!r} is invalid: must be "
+                                        rf"an? {allowed}"):
+    tiny_experiment(tmp_path, {field: value})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +65,15 @@ class _NaNRewardTask(ArithmeticTask):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, kwargs, first_bad", [
-    ("nan_reward", dict(task=_NaNRewardTask(max_digits=1, num_train=64, num_test=16)), 1),
+    ("nan_reward", {"task": _NaNRewardTask(max_digits=1, num_train=64, num_test=16)}, 1),
     # The first update has learning rate 0 (warmup); the second moves every weight by
     # ~1e30, and the next forward overflows.
-    ("huge_learning_rate", dict(learning_rate=1e30), 2),
+    ("huge_learning_rate", {"optim.learning_rate": 1e30}, 2),
 ])
 def test_diverging_run_stops_naming_the_step_and_checkpoints_only_finite_weights(
     tmp_path, case, kwargs, first_bad):
   with pytest.raises(FloatingPointError, match=r"diverged at GRPO step (\d+): non-finite") as err:
-    run(tiny_experiment(tmp_path, steps=6, **kwargs), log=lambda _: None)
+    run(tiny_experiment(tmp_path, kwargs, steps=6), log=lambda _: None)
   step = int(err.value.args[0].split("GRPO step ")[1].split(":")[0])
   assert first_bad <= step <= 4, err.value
   saved = _saved_float_leaves(tmp_path)
@@ -147,8 +151,9 @@ def test_a_library_step_does_not_apply_an_update_from_non_finite_rewards(poison)
   """`make_train_step` (the library path, without the CLI's checks) keeps the weights and
   optimizer moments when a reward is not finite and flags the step; with finite rewards
   (the negative control) the same step applies its update."""
-  from support import config, initial_state, optimizer, reader, reward
   from support import TOK as SHARED_TOK
+  from support import config, initial_state, optimizer, reader, reward
+
   from specjax.rl.trainer import make_train_step
 
   cfg = config(async_mode=False)
@@ -258,3 +263,52 @@ def test_a_resume_that_would_silently_change_the_run_is_refused_naming_the_field
   with pytest.raises(CheckpointError, match="config.json: the config this run started with "
                                             "cannot be read"):
     check_resume(tmp_path, started, RESUMABLE_FIELDS, started=True, defines="", log=print)
+
+
+def test_a_run_started_before_the_config_groups_resumes_under_the_new_names(tmp_path):
+  """A `config.json` recorded with the flat fields of earlier versions is read under the
+  grouped names: the same run resumes without a message, a changed group field is still
+  refused under its new name, and a field the record lacks counts as its default."""
+  import json
+
+  from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS
+  from specjax.experiments.run_record import check_resume, config_record
+  config = tiny_experiment(tmp_path, {"pipeline.async_mode": True, "grpo.tis_cap": 2.0})
+  record = config_record(config)
+  flat = {k: record[k] for k in ("run_dir", "seed", "task", "model", "grpo", "steps", "mesh")}
+  for old, new in LEGACY_NAMES.items():  # optim.final_lr_fraction and weight_decay: not yet
+    group, field = new.split(".", 1)
+    flat[old] = record[group][field]
+  (tmp_path / "config.json").write_text(json.dumps(flat))
+  logs = []
+  check_resume(tmp_path, config, RESUMABLE_FIELDS, started=True, defines="", log=logs.append,
+               renamed=LEGACY_NAMES)
+  assert logs == []
+  check_resume(tmp_path, override(config, {"checkpoint.every": 5}), RESUMABLE_FIELDS,
+               started=True, defines="", log=logs.append, renamed=LEGACY_NAMES)
+  assert logs == ["resuming with changed checkpoint.every"]
+  hotter = override(config, {"rollout.temperature": 0.5})
+  with pytest.raises(ConfigError, match=r"^rollout.temperature changed since .*1.0 -> 0.5"):
+    check_resume(tmp_path, hotter, RESUMABLE_FIELDS, started=True, defines="",
+                 log=print, renamed=LEGACY_NAMES)
+  decaying = override(config, {"optim.final_lr_fraction": 0.5})  # a field added since
+  with pytest.raises(ConfigError, match=r"^optim.final_lr_fraction changed .*1.0 -> 0.5"):
+    check_resume(tmp_path, decaying, RESUMABLE_FIELDS, started=True, defines="", log=print,
+                 renamed=LEGACY_NAMES)
+
+
+def test_override_names_fields_by_dotted_path_and_refuses_unknown_ones(tmp_path):
+  config = tiny_experiment(tmp_path)
+  changed = override(config, {"steps": 7, "rollout.temperature": 0.5, "mesh.fsdp": 2,
+                              "rollout.max_new_tokens": 3})
+  assert (changed.steps, changed.rollout.temperature, changed.mesh.fsdp,
+          changed.rollout.max_new_tokens) == (7, 0.5, 2, 3)
+  assert changed.rollout.tree_widths == config.rollout.tree_widths
+  with pytest.raises(ConfigError, match=r"'sft_steps' is not a field of ExperimentConfig: "
+                                        r"allowed run_dir, seed, .*warm_start"):
+    override(config, {"sft_steps": 3})
+  with pytest.raises(ConfigError, match=r"'warmup' is not a field of WarmStart: allowed "
+                                        r"steps, batch, learning_rate, eos_fraction"):
+    override(config, {"warm_start.warmup": 3})
+  with pytest.raises(ConfigError, match=r"^rollout.temperature=-1.0 is invalid"):
+    override(config, {"rollout.temperature": -1.0})

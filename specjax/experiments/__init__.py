@@ -5,14 +5,21 @@
   `measure`, and what one of its steps needs per device in `plan`).
 - `drafter`: a whole offline EAGLE-3 run (`DrafterTrainConfig` in `drafter_config`, where its
   target and data come from in `drafter_data`).
+- `groups`: the config groups both runs share (`WarmStart`, `Optimization`, `Checkpointing`,
+  `Evaluation`) and `override`, which replaces fields by dotted name.
 - `demo`: the built-in counting model `specjax generate --demo` trains in a minute.
 """
 
 from specjax.experiments.drafter import run_drafter_training
-from specjax.experiments.drafter_config import DrafterTrainConfig
+from specjax.experiments.drafter_config import (DistillData, DrafterTrainConfig, Eagle3Head,
+                                                HeadEvaluation)
+from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart, override
 from specjax.experiments.grpo import run
-from specjax.experiments.grpo_config import ExperimentConfig
+from specjax.experiments.grpo_config import (Drafting, ExperimentConfig, Pipeline,
+                                             RolloutEvaluation, RolloutSettings)
 from specjax.experiments.plan import Plan, estimate, plan
 
-__all__ = ["DrafterTrainConfig", "ExperimentConfig", "Plan", "estimate", "plan", "run",
-           "run_drafter_training"]
+__all__ = ["Checkpointing", "DistillData", "Drafting", "DrafterTrainConfig", "Eagle3Head",
+           "Evaluation", "ExperimentConfig", "HeadEvaluation", "Optimization", "Pipeline",
+           "Plan", "RolloutEvaluation", "RolloutSettings", "WarmStart", "estimate", "override",
+           "plan", "run", "run_drafter_training"]

@@ -1,17 +1,17 @@
 """Offline EAGLE-3 training as one run: target, self-distillation data, head, export, evaluation.
 
-    specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --ttt-steps 4 ...]
+    specjax train-drafter --config configs/eagle3_arithmetic.py [--steps 600 --head.ttt-steps 4]
 
-    from specjax.experiments.drafter import DrafterTrainConfig, run_drafter_training
-    summary = run_drafter_training(DrafterTrainConfig(run_dir="runs/qwen3-eagle3",
-                                                      target_dir="Qwen3-0.6B",
-                                                      gsm8k_file="gsm8k_train.jsonl"))
+    from specjax.experiments import DistillData, DrafterTrainConfig, run_drafter_training
+    summary = run_drafter_training(DrafterTrainConfig(
+        run_dir="runs/qwen3-eagle3", target_dir="Qwen3-0.6B",
+        data=DistillData(gsm8k_file="gsm8k_train.jsonl")))
 
 `run_drafter_training(config)` does, in order:
 
 1. The target: an HF checkpoint directory (`target_dir`), the latest policy of a `specjax train`
    run (`target_rl_run`), or else the built-in arithmetic policy warm-started with the
-   supervised recipe of `specjax.experiments.grpo.warm_start`.
+   supervised recipe of `specjax.experiments.warm_start` (`config.warm_start`).
 2. Self-distillation data: the target's own responses to training prompts (the arithmetic
    task's train split, or a GSM8K-format JSONL), and the draft vocabulary from their tokens.
 3. Training with the training-time test (`specjax.supervised.eagle3.make_eagle3_step`), one
@@ -60,7 +60,7 @@ import tqdm
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
 from specjax.errors import CheckpointError
-from specjax.experiments.drafter_config import RESUMABLE_FIELDS, DrafterTrainConfig
+from specjax.experiments.drafter_config import LEGACY_NAMES, RESUMABLE_FIELDS, DrafterTrainConfig
 from specjax.experiments.drafter_data import (Target, check_length, load_target, make_data,
                                               target_spec, task_prompts)
 from specjax.experiments.run_record import check_resume, kept_metrics, record_config
@@ -112,10 +112,10 @@ def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Confi
            log) -> tuple[Eagle3TrainState, int]:
   """Train (or continue training) the head; returns its final state and the steps run now."""
   optimizer = config.optimizer()
-  schedule = config.schedule()
+  schedule = config.optim.schedule(config.steps)
   key = jax.random.fold_in(jax.random.key(config.seed), 1)
   abstract = jax.eval_shape(lambda: init_eagle3_state(eagle_config, optimizer, key))
-  ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_checkpoints)
+  ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.checkpoint.keep)
   metrics_file = run_dir / "metrics.jsonl"
   restored = ckpt.restore(abstract)
   if restored is None:
@@ -128,8 +128,9 @@ def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Confi
     # line a kill cut short).
     kept = kept_metrics(metrics_file, start, log)
     metrics_file.write_text("".join(line + "\n" for line in kept))
-  step_fn = make_eagle3_step(target.config, eagle_config, optimizer, ttt_steps=config.ttt_steps,
-                             soft_labels=config.soft_labels, step_decay=config.step_decay)
+  step_fn = make_eagle3_step(target.config, eagle_config, optimizer,
+                             ttt_steps=config.head.ttt_steps,
+                             soft_labels=config.head.soft_labels, step_decay=config.head.step_decay)
   d2t_dev = jnp.asarray(d2t, jnp.int32)
   with open(metrics_file, "a") as out, tqdm.trange(start, config.steps, desc="eagle3",
                                                    initial=start, total=config.steps) as bar:
@@ -147,7 +148,7 @@ def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Confi
       out.write(json.dumps(record) + "\n")
       out.flush()
       bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy'][0]:.2f}")
-      if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+      if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
         ckpt.save(step + 1, state, {"step": step + 1})
   ckpt.close()
   return state, max(config.steps - start, 0)
@@ -230,26 +231,27 @@ def _run_drafter_training(config: DrafterTrainConfig, log: Callable[[str], None]
   reused = ((run_dir / "data.npz").is_file()
             or any(any((run_dir / d).glob("*")) for d in ("target", "checkpoints")))
   check_resume(run_dir, config, RESUMABLE_FIELDS, started=reused,
-               defines="the target, the data or the head", log=log)
+               defines="the target, the data or the head", log=log, renamed=LEGACY_NAMES)
   timings = {}
 
   # Everything that can be checked without the target's weights, before the slow parts.
   tokenizer, target_config = target_spec(config)
-  eagle_config = Eagle3Config.for_target(target_config, aux_layers=config.aux_layers,
-                                         draft_vocab_size=config.draft_vocab_size)
+  eagle_config = Eagle3Config.for_target(target_config, aux_layers=config.head.aux_layers,
+                                         draft_vocab_size=config.head.draft_vocab_size)
   data_file = run_dir / "data.npz"
   if not data_file.is_file():
-    train_tokens, train_lengths = task_prompts(config, tokenizer, "train", config.num_prompts)
-    check_length("max_new_tokens", config.max_new_tokens,
-                  train_tokens.shape[1] + config.max_new_tokens, target_config,
+    train_tokens, train_lengths = task_prompts(config, tokenizer, "train",
+                                               config.data.num_prompts)
+    check_length("data.max_new_tokens", config.data.max_new_tokens,
+                  train_tokens.shape[1] + config.data.max_new_tokens, target_config,
                   f"training prompts of {train_tokens.shape[1]} tokens and these responses")
-  eval_new = config.eval_max_new_tokens or config.max_new_tokens
-  eval_tokens, eval_lengths = task_prompts(config, tokenizer, "test", config.eval_prompts)
-  check_length("max_new_tokens" if config.eval_max_new_tokens is None
-                else "eval_max_new_tokens", eval_new,
-                eval_tokens.shape[1] + eval_new + config.eval_depth + 1, target_config,
+  eval_new = config.eval_max_new_tokens
+  eval_tokens, eval_lengths = task_prompts(config, tokenizer, "test", config.eval.prompts)
+  check_length("data.max_new_tokens" if config.eval.max_new_tokens is None
+                else "eval.max_new_tokens", eval_new,
+                eval_tokens.shape[1] + eval_new + config.eval.depth + 1, target_config,
                 f"held-out prompts of {eval_tokens.shape[1]} tokens, these responses and a "
-                f"chain of eval_depth={config.eval_depth}")
+                f"chain of eval.depth={config.eval.depth}")
 
   # Recorded once the checks passed, so a config that failed them can be fixed and rerun.
   record_config(run_dir, config)
@@ -293,7 +295,7 @@ def _run_drafter_training(config: DrafterTrainConfig, log: Callable[[str], None]
   evaluation = evaluate_head(target, loaded_config, Eagle3Weights(loaded_params, loaded_d2t),
                              eval_tokens, eval_lengths, max_new_tokens=eval_new,
                              temperature=config.eval_sampling_temperature,
-                             depth=config.eval_depth, repeats=config.speedup_repeats,
+                             depth=config.eval.depth, repeats=config.eval.speedup_repeats,
                              seed=config.seed)
   timings["eval_s"] = time.perf_counter() - t
   timings["total_s"] = time.perf_counter() - begin
@@ -302,11 +304,11 @@ def _run_drafter_training(config: DrafterTrainConfig, log: Callable[[str], None]
       "eagle3_dir": str(head_dir), "steps": int(state.step), "steps_this_run": trained,
       "sequences": len(tokens), "response_tokens": int(response.sum()),
       "draft_vocab_size": len(d2t), "draft_vocab_coverage": coverage,
-      "aux_layers": list(eagle_config.aux_layers), "ttt_steps": config.ttt_steps,
+      "aux_layers": list(eagle_config.aux_layers), "ttt_steps": config.head.ttt_steps,
       "final_loss": float(np.mean([h["loss"] for h in last])),
       "final_ce": np.mean([h["ce"] for h in last], axis=0).tolist(),
       "final_accuracy": np.mean([h["accuracy"] for h in last], axis=0).tolist(),
-      "eval_prompts": len(eval_tokens), "eval_depth": config.eval_depth,
+      "eval_prompts": len(eval_tokens), "eval_depth": config.eval.depth,
       "eval_temperature": config.eval_sampling_temperature,
       **evaluation, **{k: round(v, 2) for k, v in timings.items()}}
   write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -318,7 +320,7 @@ def _run_drafter_training(config: DrafterTrainConfig, log: Callable[[str], None]
   sampled = (f"; sampled (T={config.eval_sampling_temperature:g}) "
              f"{summary['acceptance_sampled']:.2f} at {summary['speedup_sampled']:.2f}x"
              if "acceptance_sampled" in summary else "")
-  log(f"held-out acceptance length, chain of {config.eval_depth} on {len(eval_tokens)} prompts: "
+  log(f"held-out acceptance length, chain of {config.eval.depth} on {len(eval_tokens)} prompts: "
       f"greedy {summary['acceptance_greedy']:.2f} at {summary['speedup_greedy']:.2f}x plain "
       f"tokens/s{sampled}; greedy output equals plain decoding: "
       f"{summary['greedy_equals_plain']}")

@@ -23,6 +23,7 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import SamplingConfig
 from specjax.errors import CheckpointError, ConfigError
 from specjax.experiments.drafter_config import DrafterTrainConfig
+from specjax.experiments.warm_start import warm_start_policy
 from specjax.models import ModelConfig, init_params
 from specjax.models.params import Params
 from specjax.rl.gsm8k import GSM8KTask
@@ -129,15 +130,9 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
   try:
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     if ckpt.latest_step() is None:
-      from specjax.experiments.grpo import ExperimentConfig, warm_start
-
-      # Only the warm start's fields matter; no drafter, so any target architecture fits.
-      recipe = ExperimentConfig(run_dir=config.run_dir, seed=config.seed, task=config.task,
-                                model=config.model, drafter="none", sft_steps=config.sft_steps,
-                                sft_batch=config.sft_batch,
-                                sft_learning_rate=config.sft_learning_rate,
-                                sft_eos_fraction=config.sft_eos_fraction)
-      ckpt.save(0, warm_start(recipe, log), {"sft_steps": config.sft_steps})
+      # No drafter is trained here, so any target architecture fits.
+      params = warm_start_policy(config.task, config.model, config.warm_start, config.seed, log)
+      ckpt.save(0, params, {"sft_steps": config.warm_start.steps})
     else:
       log(f"target: the warm-started policy saved in {ckpt.directory}")
     # Always the saved copy, so a first run and its reruns see the very same arrays.
@@ -160,7 +155,8 @@ def _end_ids(tokenizer: Tokenizer) -> int | tuple[int, ...]:
 
 
 def _source_name(config: DrafterTrainConfig) -> str:
-  return f"gsm8k_file={config.gsm8k_file!r}" if config.gsm8k_file else "the arithmetic task"
+  data = config.data
+  return f"data.gsm8k_file={data.gsm8k_file!r}" if data.gsm8k_file else "the arithmetic task"
 
 
 def task_prompts(config: DrafterTrainConfig, tokenizer: Tokenizer, split: str,
@@ -169,14 +165,15 @@ def task_prompts(config: DrafterTrainConfig, tokenizer: Tokenizer, split: str,
   [count])`. Training prompts are a seeded shuffle of the split; held-out ones its first
   `count`."""
   from specjax.rl.data import PromptReader
-  if config.gsm8k_file is not None:
-    task = GSM8KTask(config.gsm8k_file, tokenizer, test_file=config.gsm8k_test_file,
-                     test_fraction=0.0 if config.gsm8k_test_file else config.gsm8k_test_fraction,
-                     template=config.prompt_template, seed=config.seed)
+  if config.data.gsm8k_file is not None:
+    task = GSM8KTask(config.data.gsm8k_file, tokenizer, test_file=config.data.gsm8k_test_file,
+                     test_fraction=(0.0 if config.data.gsm8k_test_file
+                                    else config.data.gsm8k_test_fraction),
+                     template=config.data.prompt_template, seed=config.seed)
   else:
     task = config.task
   examples = task.examples(split)
-  field = "num_prompts" if split == "train" else "eval_prompts"
+  field = "data.num_prompts" if split == "train" else "eval.prompts"
   if count > len(examples):
     raise ConfigError(f"{field}={count} is invalid: the {split} split of "
                       f"{_source_name(config)} has {len(examples)} prompts")
@@ -200,18 +197,19 @@ def make_data(config: DrafterTrainConfig, target: Target, tokens: np.ndarray,
   """Self-distillation data of training prompts `tokens [num_prompts, P]` and its draft
   vocabulary: `(tokens [B, L], loss_mask [B, L], d2t [W])`, B = num_prompts *
   responses_per_prompt."""
-  tokens = np.repeat(tokens, config.responses_per_prompt, axis=0)
-  lengths = np.repeat(lengths, config.responses_per_prompt, axis=0)
+  tokens = np.repeat(tokens, config.data.responses_per_prompt, axis=0)
+  lengths = np.repeat(lengths, config.data.responses_per_prompt, axis=0)
   rows = len(tokens)
   # Pad to whole generation batches: one compiled program instead of one more for the rest.
-  batch = min(config.generation_batch, rows)
+  batch = min(config.data.generation_batch, rows)
   extra = -rows % batch
   tokens = np.concatenate([tokens, np.repeat(tokens[-1:], extra, 0)])
   lengths = np.concatenate([lengths, np.repeat(lengths[-1:], extra, 0)])
   seqs, mask = self_distillation_data(
       target.params, target.config, tokens, lengths, jax.random.key(config.seed),
-      max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(config.temperature),
+      max_new_tokens=config.data.max_new_tokens, sampling=SamplingConfig(config.data.temperature),
       eos_id=_end_ids(target.tokenizer), pad_id=target.tokenizer.pad_id, batch_size=batch)
   seqs, mask = seqs[:rows], mask[:rows]
-  w = target.config.vocab_size if config.draft_vocab_size is None else config.draft_vocab_size
+  w = config.head.draft_vocab_size
+  w = target.config.vocab_size if w is None else w
   return seqs, mask, draft_vocab_from_data(seqs, mask, target.config.vocab_size, w)

@@ -3,12 +3,12 @@
 `run(config)` executes an `ExperimentConfig` (`specjax.experiments.grpo_config`, re-exported
 here). It does, in order: restore the latest checkpoint of `config.run_dir` or else a
 supervised warm start of the policy and its MTP heads (and, for EAGLE-3 rollouts, a head
-loaded from `eagle3_dir` or distilled from the warm-started policy, kept as a frozen copy);
-held-out accuracy before RL; GRPO
-steps with speculative rollouts (checkpointing the whole `TrainState` and the data position,
-logging metrics to JSONL and TensorBoard); held-out accuracy after RL; the rollout speedup of
-speculative over plain decoding measured in the same run; for EAGLE-3, the acceptance of the
-online-trained head against its frozen starting copy on the final policy; a PNG plot.
+loaded from `drafter.eagle3_dir` or distilled from the warm-started policy, kept as a frozen
+copy); held-out accuracy before RL; GRPO steps with speculative rollouts (checkpointing the
+whole `TrainState` and the data position, logging metrics to JSONL and TensorBoard); held-out
+accuracy after RL; the rollout speedup of speculative over plain decoding measured in the same
+run; for EAGLE-3, the acceptance of the online-trained head against its frozen starting copy on
+the final policy; a PNG plot.
 
 A killed run resumes from its last checkpoint and reproduces the metrics of an uninterrupted
 run exactly: every step is a pure function of the checkpointed state and the data position.
@@ -20,9 +20,9 @@ measurements run on every process alone (on its first device, from a gathered co
 parameters); process 0's warm start and measured speculation costs are the ones used
 everywhere, and only process 0 logs and writes files besides the checkpoints.
 
-Disaggregated async (`rollout_devices` >= 1, one process): the first devices roll out, the
-mesh over the others trains (`specjax.rl.DisaggregatedAsync`); checkpoints hold the same
-`TrainState` as the fused async step's.
+Disaggregated async (`pipeline.rollout_devices` >= 1, one process): the first devices roll
+out, the mesh over the others trains (`specjax.rl.DisaggregatedAsync`); checkpoints hold the
+same `TrainState` as the fused async step's.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ import tqdm
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError
-from specjax.experiments.grpo_config import RESUMABLE_FIELDS, ExperimentConfig
-from specjax.experiments.run_record import check_resume, kept_metrics, record_config
-from specjax.files import DirectoryLock
+from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
 from specjax.experiments.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
+from specjax.experiments.run_record import check_resume, kept_metrics, record_config
+from specjax.experiments.warm_start import warm_start_policy
+from specjax.files import DirectoryLock
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
@@ -54,10 +55,8 @@ from specjax.rl.distributed import (broadcast_json, distribute, global_batch, lo
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
-from specjax.rl.trainer import (TrainConfig, TrainState, all_finite, init_train_state,
-                                make_prime_fn)
+from specjax.rl.trainer import TrainConfig, TrainState, all_finite, init_train_state, make_prime_fn
 from specjax.sharding import make_mesh
-from specjax.supervised import init_supervised_state, make_supervised_step
 
 __all__ = ["ExperimentConfig", "abstract_state", "initial_eagle3_head", "run", "task_records",
            "warm_start", "with_shardings"]
@@ -70,70 +69,42 @@ def task_records(task: ArithmeticTask, split: str) -> list[dict]:
 
 
 def warm_start(config: ExperimentConfig, log=print):
-  """Supervised training on prompt + answer + EOS: the trunk learns answers (loss on answer
-  tokens), the MTP / Medusa heads learn every token. Returns parameters.
-
-  A fraction `1 - sft_eos_fraction` of the examples continue with another problem instead
-  of EOS (see `ExperimentConfig.sft_eos_fraction`).
-  """
-  tok = config.task.tokenizer
-  examples = config.task.examples("train")
-  rng = np.random.default_rng(config.seed)
-  run_on = rng.random(len(examples)) >= config.sft_eos_fraction
-  nxt = rng.integers(0, len(examples), len(examples))
-  seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.reference)
-          + (tok.encode(examples[j].prompt + examples[j].reference) if r else [tok.eos_id])
-          for e, r, j in zip(examples, run_on, nxt)]
-  prompt_lens = [len(encode_prompt(tok, e.prompt)) for e in examples]
-  width = max(len(s) for s in seqs)
-  tokens = np.full((len(seqs), width), tok.pad_id, np.int32)
-  answer_mask = np.zeros_like(tokens)
-  head_mask = np.zeros_like(tokens)
-  for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-    tokens[i, :len(s)] = s
-    answer_mask[i, p:len(s)] = 1
-    head_mask[i, :len(s)] = 1
-  optimizer = optax.adam(config.sft_learning_rate)
-  state = init_supervised_state(init_params(config.model, jax.random.key(config.seed)),
-                                optimizer)
-  step = make_supervised_step(config.model, optimizer)
-  for i in range(config.sft_steps):
-    idx = rng.integers(0, len(seqs), config.sft_batch)
-    state, metrics = step(state, tokens[idx], answer_mask[idx], head_mask[idx])
-  if config.sft_steps:
-    log(f"warm start: {config.sft_steps} steps, answer ce {float(metrics['ce']):.3f}")
-  return state.params
+  """The policy's supervised warm start (`config.warm_start`) on the task's training
+  examples; returns parameters (`specjax.experiments.warm_start.warm_start_policy`)."""
+  return warm_start_policy(config.task, config.model, config.warm_start, config.seed, log)
 
 
 def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
-  """The EAGLE-3 head RL starts from: `config.eagle3_dir`'s, or one distilled from the
-  policy `params` on its own temperature-`config.temperature` answers to the train prompts."""
+  """The EAGLE-3 head RL starts from: `config.drafter.eagle3_dir`'s, or one distilled from the
+  policy `params` on its own answers (at `config.rollout.temperature`) to the train
+  prompts."""
   from specjax.supervised.eagle3 import draft_vocab_from_data, self_distillation_data, train_eagle3
   eagle = config.eagle3_config()
-  if config.eagle3_dir is not None:
-    _, head, d2t = load_eagle3(config.eagle3_dir, config.model)
-    log(f"EAGLE-3 head from {config.eagle3_dir}")
+  if config.drafter.eagle3_dir is not None:
+    _, head, d2t = load_eagle3(config.drafter.eagle3_dir, config.model)
+    log(f"EAGLE-3 head from {config.drafter.eagle3_dir}")
     return Eagle3Weights(params=head, d2t=jnp.asarray(d2t, jnp.int32))
   tok = config.task.tokenizer
-  records = task_records(config.eagle3_distill_task or config.task, "train")
+  records = task_records(config.drafter.distill_task or config.task, "train")
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
   # A fixed-length continuation (no EOS) gives the head whole answers and what follows.
   tokens, mask = self_distillation_data(
       params, config.model, batch.tokens, batch.lengths, jax.random.key(config.seed + 3),
-      max_new_tokens=config.max_new_tokens, sampling=SamplingConfig(config.temperature),
+      max_new_tokens=config.rollout.max_new_tokens,
+      sampling=SamplingConfig(config.rollout.temperature),
       pad_id=tok.pad_id)
   # Prompts are text the head drafts from too; they add context at no sampling cost.
   mask = np.asarray(tokens != tok.pad_id, np.int32)
   d2t = draft_vocab_from_data(tokens, mask, config.model.vocab_size, eagle.draft_vocab_size)
   rng = np.random.default_rng(config.seed + 3)
   batches = ((tokens[idx], mask[idx]) for idx in
-             (rng.integers(0, len(tokens), config.sft_batch)
-              for _ in range(config.eagle3_steps)))
+             (rng.integers(0, len(tokens), config.warm_start.batch)
+              for _ in range(config.drafter.distill_steps)))
   head, history = train_eagle3(params, config.model, eagle, batches,
                                optimizer=optax.adam(3e-3), d2t=d2t,
                                key=jax.random.key(config.seed + 4))
-  log(f"EAGLE-3 head distilled: {config.eagle3_steps} steps, training-time-test accuracy "
+  log(f"EAGLE-3 head distilled: {config.drafter.distill_steps} steps, training-time-test accuracy "
       f"{np.round(history[-1]['accuracy'], 2).tolist()}")
   return head
 
@@ -154,7 +125,7 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
     return state.replace(acceptance=config.initial_acceptance())
 
   abstract = jax.eval_shape(make)
-  if not config.async_mode:
+  if not config.pipeline.async_mode:
     return abstract
   # The pending rollout's shapes do not depend on how trees are chosen, so `tc` may be the
   # fixed-tree step; that step has no policy to update the adaptive counts, so it primes a
@@ -189,9 +160,9 @@ def _check_finite(step: int, metrics: dict, state: TrainState, config: Experimen
     bad.append("update (the step did not apply it: weights or moments would be non-finite)")
   if bad:
     if step == 0:
-      where, rate = "the warm start", f"sft_learning_rate={config.sft_learning_rate}"
+      where, rate = "the warm start", f"sft_learning_rate={config.warm_start.learning_rate}"
     else:
-      where, rate = f"GRPO step {step}", f"learning_rate={config.learning_rate}"
+      where, rate = f"GRPO step {step}", f"learning_rate={config.optim.learning_rate}"
     kept = ("no checkpoint was written" if last_checkpoint is None else
             f"the last checkpoint is step {last_checkpoint} in {config.run_dir}")
     raise FloatingPointError(
@@ -219,22 +190,23 @@ def with_shardings(abstract, shardings):
 
 
 def _meshes(config: ExperimentConfig) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
-  """The train state's mesh, and with `rollout_devices` the rollout mesh: the first
+  """The train state's mesh, and with `pipeline.rollout_devices` the rollout mesh: the first
   `rollout_devices` devices, split by rows, and `config.mesh` over the others."""
-  if not config.rollout_devices:
+  if not config.pipeline.rollout_devices:
     return config.mesh.make(), None
-  devices, n = jax.devices(), config.rollout_devices
+  devices, n = jax.devices(), config.pipeline.rollout_devices
   if jax.process_count() > 1:
-    raise ConfigError(f"rollout_devices={n} is invalid with {jax.process_count()} processes: "
-                      "disaggregated async runs in one process (0 runs the fused step on "
-                      "every process's devices)")
+    raise ConfigError(f"pipeline.rollout_devices={n} is invalid with {jax.process_count()} "
+                      "processes: disaggregated async runs in one process (0 runs the fused "
+                      "step on every process's devices)")
   if n >= len(devices):
-    raise ConfigError(f"rollout_devices={n} is invalid: there are {len(devices)} devices and "
-                      f"the updates need at least one (allowed: 0 .. {len(devices) - 1})")
+    raise ConfigError(f"pipeline.rollout_devices={n} is invalid: there are {len(devices)} "
+                      f"devices and the updates need at least one (allowed: 0 .. "
+                      f"{len(devices) - 1})")
   try:
     train = config.mesh.make(devices[n:])
   except ConfigError as err:
-    raise ConfigError(f"with rollout_devices={n} the mesh covers the {len(devices) - n} "
+    raise ConfigError(f"with pipeline.rollout_devices={n} the mesh covers the {len(devices) - n} "
                       f"devices the rollouts leave, of {len(devices)}: {err}") from err
   return train, make_mesh(data=-1, devices=devices[:n])
 
@@ -268,7 +240,8 @@ def _run(config: ExperimentConfig, log) -> dict:
   run_dir.mkdir(parents=True, exist_ok=True)
   check_resume(run_dir, config, RESUMABLE_FIELDS,
                started=any((run_dir / "checkpoints").glob("[0-9]*")),
-               defines="the policy, its task and its training", log=log)
+               defines="the policy, its task and its training", log=log,
+               renamed=LEGACY_NAMES)
   if lead:
     record_config(run_dir, config)
   # The state's structure does not depend on how each round's tree is chosen (but for the
@@ -280,15 +253,15 @@ def _run(config: ExperimentConfig, log) -> dict:
   reward = config.task.reward
   train_records = task_records(config.task, "train")
   test_records = task_records(config.task, "test")
-  test_records = test_records[:config.eval_prompts]
-  prompts = config.prompts_per_step
+  test_records = test_records[:config.eval.prompts]
+  prompts = config.rollout.prompts_per_step
   # Whole batches (shapes, measurements), and the rows this process's devices hold.
   reader = PromptReader(train_records, batch_size=prompts, pad_id=tok.pad_id,
                         seed=config.seed)
   mine = process_prompts(reader, mesh)
   batch_shardings = prompt_batch_shardings(reader.batch_at(0), mesh)
   feed = lambda position: global_batch(mine(position), batch_shardings, prompts)
-  ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.max_checkpoints)
+  ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.checkpoint.keep)
   abstract = abstract_state(config, tc, optimizer, reader.batch_at(0))
   shardings = train_state_shardings(abstract, mesh, tc)
   restored = ckpt.restore(with_shardings(abstract, shardings))
@@ -296,7 +269,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   disaggregated = None
   if rollout_mesh is not None:
     log(f"disaggregated async: rollouts on {rollout_mesh.size} device(s), updates on "
-        f"{mesh.size}, policy lag {config.policy_lag}")
+        f"{mesh.size}, policy lag {config.pipeline.policy_lag}")
   if restored is None:
     log(f"policy: {count_params(init_params(config.model, jax.random.key(0))):,} parameters")
     params = warm_start(config, log)
@@ -316,11 +289,11 @@ def _run(config: ExperimentConfig, log) -> dict:
     position = 0
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         policy_lag=config.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.pipeline.policy_lag, pad_id=tok.pad_id)
       disaggregated.start(state, reader.batch_at(position))
       state = disaggregated.state()
       position = reader.next_position(position)
-    elif config.async_mode:
+    elif config.pipeline.async_mode:
       state = distribute(state, shardings.replace(pending=None))
       prime = sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
       state = prime(state, feed(position))
@@ -345,7 +318,7 @@ def _run(config: ExperimentConfig, log) -> dict:
     tc = config.train_config(costs=costs)
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         policy_lag=config.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.pipeline.policy_lag, pad_id=tok.pad_id)
       disaggregated.start(state)
     if lead:
       # Drop metrics logged after the checkpoint: those steps run again, identically (but
@@ -391,7 +364,7 @@ def _run(config: ExperimentConfig, log) -> dict:
             writer.add_scalar(k, v, step + 1)
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
-      if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+      if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
         ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
         last_checkpoint = step + 1
   if lead:

@@ -34,10 +34,11 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
   reader = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id, shuffle=False)
   batch = reader.batch_at(0)
   k = samples if sampled else 1
-  sampling = SamplingConfig(config.temperature) if sampled else SamplingConfig(0.0)
+  sampling = SamplingConfig(config.rollout.temperature) if sampled else SamplingConfig(0.0)
   out = generate(params, config.model, np.repeat(batch.tokens, k, 0),
                  np.repeat(batch.lengths, k, 0), jax.random.key(config.seed + 1),
-                 max_new_tokens=config.max_new_tokens, sampling=sampling, eos_id=config.eos_ids,
+                 max_new_tokens=config.rollout.max_new_tokens, sampling=sampling,
+                 eos_id=config.eos_ids,
                  pad_id=tok.pad_id)
   rewards = config.task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
   return float((rewards >= 1.0).mean())
@@ -45,7 +46,7 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
 
 def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
                      tokens: int = 16, drafter_params: Eagle3Weights | None = None) -> float:
-  """Mean acceptance length of the speculative rollout's tree (`tree_widths`, also with
+  """Mean acceptance length of the speculative rollout's tree (`rollout.tree_widths`, also with
   adaptive speculation) on held-out prompts, generating a fixed `tokens` per row (no EOS):
   it compares drafters on equal work even when the policy's response lengths change during
   training."""
@@ -71,7 +72,7 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
   (`speculation_costs.json`): a resumed run chooses its trees from the same table, so it
   reproduces the uninterrupted run.
   """
-  if config.speculation != "adaptive" or config.drafter == "none":
+  if config.rollout.speculation != "adaptive" or config.drafter.name == "none":
     return None
   kept = Path(config.run_dir) / "speculation_costs.json"
   menu = config.adaptive().menu
@@ -88,7 +89,7 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
   start = time.perf_counter()
   costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
                     batch_sizes=(rows,),
-                    prompt_len=batch.tokens.shape[1], max_new_tokens=config.max_new_tokens,
+                    prompt_len=batch.tokens.shape[1], max_new_tokens=config.rollout.max_new_tokens,
                     drafter_params=drafter_params, sampling=rc.sampling)
   write_text_atomic(kept, json.dumps(dataclasses.asdict(costs)))
   log(f"speculation costs per round ({time.perf_counter() - start:.0f}s; also cached in "
@@ -115,8 +116,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   """Rollout tokens per second, plain vs speculative, same engine, same prompts (B = prompts
   x G rows); `costs` for adaptive speculation (`rollout_costs`).
 
-  Each repeat runs the two arms back to back, each first in turn (`speedup_repeats`
-  repeats, or more until each arm has run `speedup_seconds`), so that a slow spell of a
+  Each repeat runs the two arms back to back, each first in turn (`eval.speedup_repeats`
+  repeats, or more until each arm has run `eval.speedup_seconds`), so that a slow spell of a
   shared machine hits both alike. `plain_tokens_per_s` and `spec_tokens_per_s` are medians
   over the repeats; `speedup` is the median of the repeats' own spec / plain ratios, which
   a machine whose speed drifts between repeats disturbs less: at the demo's shapes (its
@@ -128,7 +129,7 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
   arms = []  # (plain, speculative); with drafter="none" both are plain decoding
-  for name in ("none", config.drafter):
+  for name in ("none", config.drafter.name):
     rc = config.train_config(name, costs).rollout
     arms.append(functools.partial(
         generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
@@ -136,7 +137,7 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
         eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
   rates, spent, last, r = ([], []), [0.0, 0.0], [None, None], 0
-  while r < config.speedup_repeats or min(spent) < config.speedup_seconds:
+  while r < config.eval.speedup_repeats or min(spent) < config.eval.speedup_seconds:
     r += 1
     for i in ((0, 1) if r % 2 else (1, 0)):
       start = time.perf_counter()

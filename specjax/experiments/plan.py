@@ -45,7 +45,8 @@ What the numbers are not:
   row through prompt and response once in the rollout (the work of plain decoding; a
   speculative rollout verifies more tokens per forward in fewer forwards), and the update's
   forward and backward passes (2 and 4 FLOPs per weight and token, plus attention).
-- Adaptive speculation is planned with its fixed `tree_widths` tree (the largest of its menu).
+- Adaptive speculation is planned with its fixed `rollout.tree_widths` tree (the largest of its
+  menu).
 
 Shape letters: see `specjax` (B rows, G group size, P prompt buffer, T max new tokens,
 L = P + T, S cache slots, N tree nodes, E d_model, F MLP width, V vocab, W draft vocab,
@@ -67,8 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.checks import is_int, is_number
 from specjax.errors import ConfigError
-from specjax.experiments.grpo import (ExperimentConfig, abstract_state, task_records,
-                                      with_shardings)
+from specjax.experiments.grpo import ExperimentConfig, abstract_state, task_records, with_shardings
 from specjax.rl.data import PromptReader
 from specjax.rl.distributed import prompt_batch_shardings, sharded_train_step, train_state_shardings
 from specjax.sharding import MeshConfig, logical_to_mesh
@@ -357,7 +357,7 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   head = (3 * 4 + c) * v // tv  # float32 log-probs, their and the logits' gradients; + cast
   token += head
   eagle_token = 0
-  if train_config.drafter_loss_weight:
+  if train_config.drafter_training.loss_weight:
     mtp = model.num_mtp_modules
     token += mtp * (_layer_bytes(e, q, k, h, f, l, c, tq, tk, tf) + c * 2 * e + head)
     token += model.num_medusa_heads * (model.medusa_layers * 2 * c * e + head)
@@ -372,7 +372,7 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
       eagle_token += sum(_layer_bytes(ec.d_model, ec.n_heads, ec.n_kv_heads, ec.head_dim,
                                       ec.mlp_dim, (j + 1) * l, c, tq, tk, tf)
                          + c * 2 * ec.d_model + (3 * 4 + c) * w
-                         for j in range(train_config.drafter_ttt_steps))
+                         for j in range(train_config.drafter_training.ttt_steps))
   # Weights split over fsdp are gathered whole for the forward and kept for the backward
   # (in the compute dtype, split only by tensor); the output head's gradient and the
   # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered.
@@ -461,7 +461,8 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   optimizer = config.optimizer()
   tok = config.task.tokenizer
   reader = PromptReader(task_records(config.task, "train"),
-                        batch_size=config.prompts_per_step, pad_id=tok.pad_id, shuffle=False)
+                        batch_size=config.rollout.prompts_per_step, pad_id=tok.pad_id,
+                        shuffle=False)
   host_batch = reader.batch_at(0)
   abstract = abstract_state(config, tc, optimizer, host_batch)
   shardings = train_state_shardings(abstract, device_mesh, tc)
@@ -488,12 +489,12 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
   shapes = {
       "prompts": prompts, "group_size": config.grpo.group_size, "rows": rows, "prompt": p,
-      "new_tokens": config.max_new_tokens, "sequence": p + config.max_new_tokens,
-      "cache_slots": min(p + config.max_new_tokens + nodes + 1, config.model.max_position),
+      "new_tokens": config.rollout.max_new_tokens, "sequence": p + config.rollout.max_new_tokens,
+      "cache_slots": min(p + config.rollout.max_new_tokens + nodes + 1, config.model.max_position),
       "minibatches": config.grpo.num_minibatches, "minibatch_rows": mb,
       "rows_per_device": rows // _split(device_mesh, "batch", prompts),
       "minibatch_rows_per_device": mb // _split(device_mesh, "batch", mb),
-      "drafter": config.drafter if tc.rollout.drafter is not None else "none",
+      "drafter": config.drafter.name if tc.rollout.drafter is not None else "none",
       "parameters": count(abstract.params) + (0 if abstract.drafter is None
                                               else count(abstract.drafter.weights.params)),
       "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from specjax.checks import is_int
 from specjax.errors import CheckpointError, ConfigError
@@ -37,16 +37,34 @@ def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def _top(field: str) -> str:
-  return field.split(".", 1)[0]
+def _may_change(field: str, resumable: set[str]) -> bool:
+  """Whether `field` (dotted) or a group above it is in `resumable`."""
+  parts = field.split(".")
+  return any(".".join(parts[:i]) in resumable for i in range(1, len(parts) + 1))
+
+
+def _renamed(flat: dict[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+  """`flat` with each field recorded under an old name (or below one) under its new name."""
+  out = {}
+  for key, value in flat.items():
+    top, _, rest = key.partition(".")
+    out[f"{renamed[top]}.{rest}" if rest and top in renamed else renamed.get(key, key)] = value
+  return out
 
 
 def check_resume(run_dir: Path, config: Any, resumable: Iterable[str], *, started: bool,
-                 defines: str, log: Callable[[str], None]) -> None:
+                 defines: str, log: Callable[[str], None],
+                 renamed: Mapping[str, str] | None = None) -> None:
   """Refuse to continue the run in `run_dir` with a config that differs from the recorded
-  one in a field outside `resumable` (top-level field names).
+  one in a field outside `resumable` (dotted field names; a group's name covers all of its
+  fields).
+
+  A field the record lacks (one added since the run started) counts as its default value,
+  which is how the run behaved without it.
 
   Args:
+    renamed: old field name -> its dotted name now, for records of runs started before a
+      field moved (a renamed field is compared under its new name).
     started: whether the directory holds work this run would continue (checkpoints, data);
       a directory without any may be reused with any config.
     defines: what the fixed fields define, for the message ("the policy, its task and
@@ -67,10 +85,17 @@ def check_resume(run_dir: Path, config: Any, resumable: Iterable[str], *, starte
   if not isinstance(old, dict):
     raise CheckpointError(f"{path}: holds a JSON {type(old).__name__}, expected the config "
                           "object this run started with")
-  old, new = _flat(old), _flat(config_record(config))
+  renamed = renamed or {}
+  fields = {f.name for f in dataclasses.fields(config)}
+  if any(key in renamed and key not in fields for key in old):  # recorded before the renames
+    old = _renamed(_flat(old), renamed)
+  else:
+    old = _flat(old)
+  old = _flat(config_record(type(config)())) | old
+  new = _flat(config_record(config))
   changed = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
   allowed = set(resumable)
-  fixed = [k for k in changed if _top(k) not in allowed]
+  fixed = [k for k in changed if not _may_change(k, allowed)]
   if fixed:
     detail = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in fixed)
     raise ConfigError(

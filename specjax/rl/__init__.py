@@ -9,25 +9,25 @@ from specjax.rl.data import (ArithmeticPrompts, GSM8KPrompts, PromptBatch, Promp
 from specjax.rl.disaggregated import DisaggregatedAsync, PolicyWeights
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, join_cluster,
                                     local_copy, process_prompts, process_rows,
-                                    prompt_batch_shardings, rollout_shardings,
-                                    sharded_prime_fn,
+                                    prompt_batch_shardings, rollout_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
+from specjax.rl.gsm8k import (GSM8KTask, answers_match, extract_answer, format_number, parse_number,
+                              read_gsm8k_jsonl)
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                objective_loss, objectives, register_objective, token_entropy)
-from specjax.rl.gsm8k import (GSM8KTask, answers_match, extract_answer, format_number,
-                              parse_number, read_gsm8k_jsonl)
 from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, WORKED_ALPHABET, ArithmeticTask,
                               CustomTask, Example, PythonReward, Task, arithmetic_reward,
                               decode_completions, encode_prompt)
-from specjax.rl.trainer import (Rollout, RolloutConfig, TrainConfig, TrainState,
-                                init_train_state, make_prime_fn, make_split_step,
-                                make_train_step, rollout, scored_rollout, sequence_logprobs)
+from specjax.rl.trainer import (DrafterTraining, Rollout, RolloutConfig, TrainConfig, TrainState,
+                                init_train_state, make_prime_fn, make_split_step, make_train_step,
+                                rollout, scored_rollout, sequence_logprobs)
 
 __all__ = [
     "aggregate_tokens", "AGGREGATIONS", "answers_match", "ARITHMETIC_ALPHABET",
     "arithmetic_reward", "ArithmeticPrompts", "ArithmeticTask", "broadcast_json", "CustomTask",
-    "decode_completions", "DisaggregatedAsync", "distribute", "encode_prompt", "Example",
+    "decode_completions", "DisaggregatedAsync", "DrafterTraining", "distribute", "encode_prompt",
+    "Example",
     "extract_answer", "format_number", "global_batch", "group_advantages", "grpo_loss",
     "GRPOConfig", "GRPOMetrics", "GSM8KPrompts", "GSM8KTask", "init_train_state", "join_cluster",
     "kl_estimate", "KL_ESTIMATORS", "local_copy", "make_prime_fn", "make_split_step",

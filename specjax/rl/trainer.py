@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax.checks import is_int, is_number
+from specjax.checks import is_int, is_number, require_ints, require_reals
 from specjax.decoding import Adaptive, generate
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
@@ -126,6 +126,28 @@ def _eos_ids(eos_id: Any) -> int | tuple[int, ...] | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class DrafterTraining:
+  """How the train step trains its drafter on the rollouts.
+
+  Attributes:
+    loss_weight: weight of the detached drafter loss (0: the drafter is not trained
+      online). MTP / Medusa heads share the policy's optimizer, so this weighs their loss
+      against the policy's; an EAGLE-3 head has its own optimizer and this scales its loss.
+    learning_rate: Adam learning rate of an EAGLE-3 head trained online.
+    ttt_steps: training-time-test steps of the EAGLE-3 loss (its draft depth).
+  """
+
+  loss_weight: float = 1.0
+  learning_rate: float = 1e-3
+  ttt_steps: int = 3
+
+  def __post_init__(self):
+    require_reals(self, ("loss_weight",), positive=False, prefix="drafter_training.")
+    require_reals(self, ("learning_rate",), positive=True, prefix="drafter_training.")
+    require_ints(self, ("ttt_steps",), 1, "drafter_training.")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Static configuration of the train step.
 
@@ -133,33 +155,20 @@ class TrainConfig:
     model: the policy's architecture.
     grpo: GRPO hyper-parameters.
     rollout: rollout generation.
-    drafter_loss_weight: weight of the detached drafter loss on the rollouts (0: the
-      drafter is not trained online). MTP / Medusa heads share the policy's optimizer, so
-      this weighs their loss against the policy's; an EAGLE-3 head has its own optimizer and
-      this scales its loss.
-    drafter_learning_rate: Adam learning rate of an EAGLE-3 head trained online.
-    drafter_ttt_steps: training-time-test steps of the EAGLE-3 loss (its draft depth).
+    drafter_training: the drafter's online training (`DrafterTraining`).
     async_mode: one-step off-policy (see module docstring).
   """
 
   model: ModelConfig
   grpo: GRPOConfig
   rollout: RolloutConfig
-  drafter_loss_weight: float = 1.0
-  drafter_learning_rate: float = 1e-3
-  drafter_ttt_steps: int = 3
+  drafter_training: DrafterTraining = DrafterTraining()
   async_mode: bool = False
 
   def __post_init__(self):
-    if not self.drafter_loss_weight >= 0:
-      raise ConfigError(f"drafter_loss_weight={self.drafter_loss_weight!r} is invalid: must "
-                        "be >= 0")
-    if not self.drafter_learning_rate > 0:
-      raise ConfigError(f"drafter_learning_rate={self.drafter_learning_rate!r} is invalid: "
-                        "must be > 0")
-    if not (isinstance(self.drafter_ttt_steps, int) and self.drafter_ttt_steps >= 1):
-      raise ConfigError(f"drafter_ttt_steps={self.drafter_ttt_steps!r} is invalid: must be "
-                        "an int >= 1")
+    if not isinstance(self.drafter_training, DrafterTraining):
+      raise ConfigError(f"drafter_training={self.drafter_training!r} is invalid: must be a "
+                        "DrafterTraining(loss_weight=, learning_rate=, ttt_steps=)")
     if self.eagle3 is not None:
       self.eagle3.config.check_target(self.model)
     if self.async_mode and self.grpo.tis_cap is None:
@@ -173,7 +182,7 @@ class TrainConfig:
     return drafter if isinstance(drafter, Eagle3Drafter) else None
 
   def drafter_optimizer(self) -> optax.GradientTransformation:
-    return optax.adam(self.drafter_learning_rate)
+    return optax.adam(self.drafter_training.learning_rate)
 
 
 @struct.dataclass
@@ -363,11 +372,11 @@ def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
       rollout_logprobs=mb["behaviour_logprobs"][:, 1:],
       logits=jax.lax.stop_gradient(out.logits[:, :-1]) / temperature)
   metrics = {k: v for k, v in dataclasses.asdict(gm).items() if v is not None}
-  if config.drafter_loss_weight and (config.model.num_mtp_modules
+  if config.drafter_training.loss_weight and (config.model.num_mtp_modules
                                      or config.model.num_medusa_heads):
     head_loss, hm = draft_head_loss(params, config.model, out.hidden, mb["tokens"],
                                     mb["valid_mask"], 1.0, 1.0, detach=True)
-    loss = loss + config.drafter_loss_weight * head_loss
+    loss = loss + config.drafter_training.loss_weight * head_loss
     metrics |= hm
   return loss, (metrics, jax.lax.stop_gradient(out))
 
@@ -384,8 +393,8 @@ def _eagle3_update(drafter: DrafterTrainState, config: TrainConfig, embed_table:
   def loss_fn(head):
     loss, metrics = eagle3_ttt_loss(head, eagle.config, embed_table, tokens,
                                     select_aux(eagle.config, out.intermediates), logprobs,
-                                    mask, weights.d2t, config.drafter_ttt_steps)
-    return config.drafter_loss_weight * loss, metrics
+                                    mask, weights.d2t, config.drafter_training.ttt_steps)
+    return config.drafter_training.loss_weight * loss, metrics
 
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.params)
   updates, opt_state = config.drafter_optimizer().update(grads, drafter.opt_state,
@@ -441,7 +450,7 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   batches = jax.vmap(epoch_batches)(jax.random.split(key, gc.num_epochs))
   batches = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
 
-  train_eagle = config.eagle3 is not None and config.drafter_loss_weight > 0
+  train_eagle = config.eagle3 is not None and config.drafter_training.loss_weight > 0
 
   def one(carry, mb):
     params, opt_state, drafter = carry

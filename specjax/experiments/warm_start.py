@@ -1,0 +1,49 @@
+"""The supervised warm start of a built-in policy before RL or before drafting for it."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+from specjax.experiments.groups import WarmStart
+from specjax.models.config import ModelConfig
+from specjax.models.params import Params, init_params
+from specjax.rl.tasks import ArithmeticTask, encode_prompt
+from specjax.supervised import init_supervised_state, make_supervised_step
+
+
+def warm_start_policy(task: ArithmeticTask, model: ModelConfig, recipe: WarmStart, seed: int,
+                      log=print) -> Params:
+  """Supervised training on prompt + answer + EOS: the trunk learns answers (loss on answer
+  tokens), the MTP / Medusa heads learn every token. Returns parameters.
+
+  A share `1 - recipe.eos_fraction` of the examples continue with another problem instead of
+  EOS (see `WarmStart.eos_fraction`).
+  """
+  tok = task.tokenizer
+  examples = task.examples("train")
+  rng = np.random.default_rng(seed)
+  run_on = rng.random(len(examples)) >= recipe.eos_fraction
+  nxt = rng.integers(0, len(examples), len(examples))
+  seqs = [encode_prompt(tok, e.prompt) + tok.encode(e.reference)
+          + (tok.encode(examples[j].prompt + examples[j].reference) if r else [tok.eos_id])
+          for e, r, j in zip(examples, run_on, nxt)]
+  prompt_lens = [len(encode_prompt(tok, e.prompt)) for e in examples]
+  width = max(len(s) for s in seqs)
+  tokens = np.full((len(seqs), width), tok.pad_id, np.int32)
+  answer_mask = np.zeros_like(tokens)
+  head_mask = np.zeros_like(tokens)
+  for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+    tokens[i, :len(s)] = s
+    answer_mask[i, p:len(s)] = 1
+    head_mask[i, :len(s)] = 1
+  optimizer = optax.adam(recipe.learning_rate)
+  state = init_supervised_state(init_params(model, jax.random.key(seed)), optimizer)
+  step = make_supervised_step(model, optimizer)
+  for _ in range(recipe.steps):
+    idx = rng.integers(0, len(seqs), recipe.batch)
+    state, metrics = step(state, tokens[idx], answer_mask[idx], head_mask[idx])
+  if recipe.steps:
+    log(f"warm start: {recipe.steps} steps, answer ce {float(metrics['ce']):.3f}")
+  return state.params
