@@ -76,8 +76,10 @@ from specjax.models import ModelConfig, count_params, init_params  # noqa: E402
 from specjax.models.config import ATTENTION_IMPLS  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
-                                make_train_step, rollout, score, sequence_logprobs, update)
+from specjax.rl.rollouts import rollout, score
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_train_step
+from specjax.rl.updates import sequence_logprobs, update
 
 SECTIONS = ("decode", "verify", "spec", "rl")
 LAYER_OUT_SCALE = 1e-3  # keeps the residual stream the current token's embedding (section 3)

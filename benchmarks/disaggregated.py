@@ -41,8 +41,8 @@ from specjax.models import ModelConfig, init_params  # noqa: E402
 from specjax.rl import (ArithmeticTask, DisaggregatedAsync, GRPOConfig, PromptReader,  # noqa: E402
                         encode_prompt, prompt_batch_shardings, sharded_prime_fn,
                         sharded_train_step, train_state_shardings)
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
-                                make_prime_fn)
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_prime_fn
 from specjax.sharding import make_mesh  # noqa: E402
 from specjax.sim import Schedule, overall_seconds  # noqa: E402
 

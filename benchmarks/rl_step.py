@@ -46,8 +46,10 @@ from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, MTPDrafter,  #
                               SamplingConfig, calibrate)
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
-                                make_train_step, rollout, score, update)
+from specjax.rl.rollouts import rollout, score
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_train_step
+from specjax.rl.updates import update
 
 NOISY = 0.10  # update-time spread above which a run is too noisy to quote
 

@@ -82,8 +82,9 @@ from specjax.experiments.device_profile import calibrate_profile  # noqa: E402
 from specjax.models import KVCache, ModelConfig, init_params  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state,  # noqa: E402
-                                rollout, score, update)
+from specjax.rl.rollouts import rollout, score
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.updates import update
 
 CATEGORIES = ("decode", "spec", "rl")
 TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25  # issue 12: held-out median and worst |error|

@@ -27,7 +27,7 @@ from specjax.experiments import (Checkpointing, ExperimentConfig, Optimization, 
                                  RolloutSettings, WarmStart, override)
 from specjax.models import ModelConfig, init_params, save_hf
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt
-from specjax.rl.trainer import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
 from specjax.sharding import MeshConfig
 from specjax.supervised import init_supervised_state, make_supervised_step
 

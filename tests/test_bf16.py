@@ -30,8 +30,9 @@ from specjax.models import (Eagle3Config, ModelConfig, eagle3_draft_logits, forw
                             to_target_vocab)
 from specjax.rl.data import PromptBatch
 from specjax.rl.losses import GRPOConfig
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_train_step,
-                                sequence_logprobs)
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_train_step
+from specjax.rl.updates import sequence_logprobs
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
 GREEDY = SamplingConfig(temperature=0.0)

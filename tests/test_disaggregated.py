@@ -32,9 +32,10 @@ from specjax.experiments import override
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
 from specjax.rl import GRPOConfig, PromptReader, encode_prompt
 from specjax.rl.disaggregated import DisaggregatedAsync
-from specjax.rl.trainer import (DrafterTraining, RolloutConfig, TrainConfig, init_train_state,
-                                make_prime_fn, make_train_step, prime_keys, rollout_metrics,
-                                scored_rollout, step_keys, update)
+from specjax.rl.rollouts import rollout_metrics, scored_rollout
+from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_prime_fn, make_train_step, prime_keys, step_keys
+from specjax.rl.updates import update
 from specjax.sharding import MeshConfig, make_mesh, transfer
 
 STEPS = 3

@@ -155,7 +155,7 @@ def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
 def test_target_rl_run_restores_the_policy_of_a_specjax_train_checkpoint(tmp_path):
   from specjax.checkpoint import Checkpointer
   from specjax.experiments import Drafting, ExperimentConfig
-  from specjax.rl.trainer import init_train_state
+  from specjax.rl.state import init_train_state
   rl = ExperimentConfig(task=TASK, model=MODEL, drafter=Drafting(name="none"))
   params = init_params(MODEL, jax.random.key(5))
   ckpt = Checkpointer(tmp_path / "rl" / "checkpoints")

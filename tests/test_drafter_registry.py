@@ -21,7 +21,8 @@ from specjax.decoding.drafters import registry
 from specjax.errors import ConfigError
 from specjax.experiments import Drafting, ExperimentConfig, RolloutSettings
 from specjax.models import init_params
-from specjax.rl.trainer import init_train_state, make_train_step
+from specjax.rl.state import init_train_state
+from specjax.rl.trainer import make_train_step
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARK = "<!-- drafter-example: tests/test_drafter_registry.py runs this block -->"

@@ -27,8 +27,8 @@ from specjax.errors import ConfigError
 from specjax.models import init_params
 from specjax.rl import GRPOConfig, train_state_shardings
 from specjax.rl.distributed import join_cluster, process_prompts, process_rows
-from specjax.rl.trainer import (RolloutConfig, TrainConfig, init_train_state, make_prime_fn,
-                                make_train_step)
+from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_prime_fn, make_train_step
 from specjax.sharding import MeshConfig
 
 METRICS = ("reward_mean", "loss", "kl", "mtp_ce", "entropy", "grad_norm",

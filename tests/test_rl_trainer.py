@@ -24,8 +24,9 @@ from specjax.experiments import override
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, trainer
 from specjax.rl.distributed import train_state_shardings
-from specjax.rl.trainer import (DrafterTraining, RolloutConfig, TrainConfig, init_train_state,
-                                make_prime_fn, make_split_step, make_train_step, rollout)
+from specjax.rl.rollouts import rollout
+from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
+from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)

@@ -12,17 +12,12 @@ inside `lax.switch` as the loop runs them, less the two rounds). The drafter-fre
 also the yardstick: every entry is timed between two of its rounds and kept as a ratio to
 them, the median ratio over the repeats times the yardstick's median. The policy only
 compares costs with each other, and load from other processes slows an entry and the rounds
-beside it alike, so it cancels in the ratio; timed one after another instead, one busy
-stretch once put the drafter-free round 13% high at batch 16, and a tree the next
-measurement would have rejected ran. Each entry still carries its own timing error (5-10%
-between two calibrations on a busy 2-core CPU), so the drafting entries' costs are replaced
-by their least-squares fit in the work a round does, a + b depth + c nodes (`_fit_to_work`,
-for menus with more drafting entries than that has parameters): at batch 16 one EAGLE-3
-table put chain4 6% above chain3 where their fixed rounds differ by 16% (the fit: 18%), and
-the policy ran chain4 at 0.94x plain where chain3 ran 1.08x. An entry that does all the work
-of another (as many nodes at every depth, or more) is never listed as cheaper than it
-(`_dominance_floor`): on a 2-core CPU at batch 1, timing noise once put chain6 14% below
-chain4, which would have had the policy take chain6's extra tokens for less than nothing.
+beside it alike, so it cancels in the ratio. Each entry still carries its own timing error, so
+the drafting entries' costs are replaced by their least-squares fit in the work a round does,
+a + b depth + c nodes (`_fit_to_work`, for menus with more drafting entries than that has
+parameters), and an entry that does all the work of another (as many nodes at every depth, or
+more) is never listed as cheaper than it (`_dominance_floor`). docs/decoding.md has the
+measurements behind each of these choices.
 Each measurement runs >= `MIN_SECONDS`; 7 repeats by default. The table is cached on
 disk, keyed by device kind, model and drafter shapes, menu, batch sizes, prompt and cache sizes,
 sampling, the jax version and a hash of the decoding and model code, so a second run (or the

@@ -54,8 +54,10 @@ from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
+from specjax.rl.state import TrainConfig, TrainState, init_train_state
 from specjax.rl.tasks import ArithmeticTask, encode_prompt
-from specjax.rl.trainer import TrainConfig, TrainState, all_finite, init_train_state, make_prime_fn
+from specjax.rl.trainer import make_prime_fn
+from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
 __all__ = ["ExperimentConfig", "abstract_state", "initial_eagle3_head", "run", "task_records",

@@ -29,13 +29,11 @@ from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.rl.losses import GRPOConfig
 from specjax.rl.tasks import ArithmeticTask
-from specjax.rl.trainer import DrafterTraining, RolloutConfig, TrainConfig
+from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
 from specjax.sharding import MeshConfig
 
-# Half of each rollout's acceptance counts start the next: the policy then chooses its trees
-# from the first round on instead of from its prior (benchmarks/rl_step.py, EAGLE-3, adaptive:
-# rollout 1.16x plain without carrying, 1.39x with 0.5), yet still follows a drafter whose
-# acceptance moves with the policy within a few rollouts.
+# Half of each rollout's acceptance counts start the next: the policy chooses its trees from
+# the first round on, yet follows a drafter whose acceptance moves (docs/experiments.md).
 DEFAULT_ACCEPTANCE_CARRY = 0.5
 
 
@@ -205,8 +203,8 @@ class RolloutEvaluation(Evaluation):
 
   Attributes:
     speedup_seconds: each arm of the rollout speedup measurement is timed for at least this
-      long in all (more calls than `speedup_repeats` when calls are short: the median of a
-      few 50 ms calls on a shared machine moves by 5%); 0: exactly `speedup_repeats` calls.
+      long in all (more calls than `speedup_repeats` when calls are short, whose median
+      moves on a shared machine); 0: exactly `speedup_repeats` calls.
   """
 
   speedup_seconds: float = 2.0

@@ -120,9 +120,7 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   repeats, or more until each arm has run `eval.speedup_seconds`), so that a slow spell of a
   shared machine hits both alike. `plain_tokens_per_s` and `spec_tokens_per_s` are medians
   over the repeats; `speedup` is the median of the repeats' own spec / plain ratios, which
-  a machine whose speed drifts between repeats disturbs less: at the demo's shapes (its
-  model, random weights), both arms running plain decoding's program, the ratio of the two
-  medians read 0.96x where the median of the paired ratios read 1.00x (30 repeats). With
+  a machine whose speed drifts between repeats disturbs less (docs/experiments.md). With
   adaptive speculation, `plain_share` is the fraction of rounds that ran plain decoding.
   """
   g = config.grpo.group_size

@@ -16,12 +16,14 @@ from specjax.rl.gsm8k import (GSM8KTask, answers_match, extract_answer, format_n
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                objective_loss, objectives, register_objective, token_entropy)
+from specjax.rl.rollouts import rollout, scored_rollout
+from specjax.rl.state import (DrafterTraining, Rollout, RolloutConfig, TrainConfig, TrainState,
+                              init_train_state)
 from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, WORKED_ALPHABET, ArithmeticTask,
                               CustomTask, Example, PythonReward, Task, arithmetic_reward,
                               decode_completions, encode_prompt)
-from specjax.rl.trainer import (DrafterTraining, Rollout, RolloutConfig, TrainConfig, TrainState,
-                                init_train_state, make_prime_fn, make_split_step, make_train_step,
-                                rollout, scored_rollout, sequence_logprobs)
+from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
+from specjax.rl.updates import sequence_logprobs
 
 __all__ = [
     "aggregate_tokens", "AGGREGATIONS", "answers_match", "ARITHMETIC_ALPHABET",

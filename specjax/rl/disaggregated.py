@@ -50,8 +50,10 @@ from specjax.errors import ConfigError
 from specjax.models.params import Params
 from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
-from specjax.rl.trainer import (RewardFn, Rollout, TrainConfig, TrainState, prime_keys,
-                                rollout_metrics, scored_rollout, step_keys, update)
+from specjax.rl.rollouts import rollout_metrics, scored_rollout
+from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
+from specjax.rl.trainer import prime_keys, step_keys
+from specjax.rl.updates import update
 from specjax.sharding import DEFAULT_RULES, Rules, replicated, transfer
 
 __all__ = ["DisaggregatedAsync", "PolicyWeights"]

@@ -44,8 +44,8 @@ from specjax.errors import ConfigError
 from specjax.models.eagle3 import eagle3_param_axes
 from specjax.models.params import Params, param_axes
 from specjax.rl.data import PromptBatch, PromptReader
-from specjax.rl.trainer import (DrafterTrainState, RewardFn, Rollout, TrainConfig, TrainState,
-                                make_prime_fn, make_train_step)
+from specjax.rl.state import DrafterTrainState, RewardFn, Rollout, TrainConfig, TrainState
+from specjax.rl.trainer import make_prime_fn, make_train_step
 from specjax.sharding import DEFAULT_RULES, Rules, logical_sharding, opt_state_shardings, replicated
 
 __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "join_cluster",

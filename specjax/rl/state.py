@@ -1,0 +1,273 @@
+"""What the GRPO train step is configured with and carries from step to step.
+
+`TrainConfig` (the policy, GRPO's settings, how rollouts are generated: `RolloutConfig`, and
+how the drafter trains online: `DrafterTraining`) is static: a jit static argument of every
+step program. `TrainState` is the step's carry and a run's checkpoint: parameters, optimizer
+state, the reference policy, the PRNG key, async mode's pending `Rollout`, an EAGLE-3 head
+with its own optimizer (`DrafterTrainState`) and the speculation policy's acceptance counts.
+
+Shape letters: see `specjax` (B rows, P prompt buffer, T max new tokens, L = P + T, D tree
+depth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from specjax.checks import is_int, is_number, require_ints, require_reals
+from specjax.decoding import Adaptive
+from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.policy import AcceptanceCounts
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+from specjax.models.params import Params
+from specjax.rl.losses import GRPOConfig
+
+RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How rollouts are generated.
+
+  Attributes:
+    max_new_tokens: T, response tokens per row at most.
+    sampling: the policy's sampling distribution (temperature 1 for on-policy RL).
+    drafter: a drafter, or None for plain autoregressive rollouts.
+    tree: the draft tree of every round (None with no drafter, or with `speculation`).
+    speculation: an `Adaptive` policy choosing each round's tree (with the drafter), with
+      its measured costs (`specjax.decoding.calibrate` at the rollout's shapes).
+    eos_id: end-of-response token, or a tuple of them (a row ends on any; chat checkpoints
+      end a turn on one and a document on another; a list is stored as a tuple, so the
+      config stays hashable). None: every response runs to max_new_tokens.
+    acceptance_carry: with `speculation`, the weight in [0, 1] of the acceptance counts of
+      the last rollout in the next one (`TrainState.acceptance`). 0: every rollout starts
+      from the policy's prior and spends its first rounds finding out what the drafter
+      accepts. Below 1 the carried evidence fades step by step, so a drafter that stopped
+      paying (or was switched off) is tried again once the policy moves on.
+  """
+
+  max_new_tokens: int
+  eos_id: int | tuple[int, ...] | None
+  sampling: SamplingConfig = SamplingConfig(1.0)
+  drafter: Drafter | None = None
+  tree: DraftTree | None = None
+  speculation: Adaptive | None = None
+  acceptance_carry: float = 0.0
+
+  def __post_init__(self):
+    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+      raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an "
+                        "int >= 1")
+    object.__setattr__(self, "eos_id", _eos_ids(self.eos_id))
+    carry = self.acceptance_carry
+    if not is_number(carry) or not 0 <= carry <= 1:
+      raise ConfigError(f"acceptance_carry={carry!r} is invalid: must be a number in [0, 1]")
+    if carry and self.speculation is None:
+      raise ConfigError(f"acceptance_carry={carry!r} needs speculation=Adaptive(...): only "
+                        "the adaptive policy keeps acceptance counts")
+    fixed = self.tree is not None and self.tree.num_nodes > 0
+    if self.speculation is not None:
+      if fixed or self.drafter is None:
+        raise ConfigError("speculation=Adaptive(...) takes a drafter and no tree (the policy "
+                          "chooses the tree)")
+      if self.speculation.costs is None:
+        raise ConfigError("speculation=Adaptive(...) in a rollout needs its costs: the train "
+                          "step is compiled, so measure them first, Adaptive(menu, "
+                          "costs=calibrate(...)) at the rollout's batch and lengths")
+    elif (self.drafter is None) != (not fixed):
+      raise ConfigError("drafter and tree go together: pass both, or neither for plain "
+                        "rollouts")
+
+
+
+def _eos_ids(eos_id: Any) -> int | tuple[int, ...] | None:
+  """`RolloutConfig.eos_id` checked: None, an id, or a non-empty tuple of ids (from a list or
+  tuple, NumPy ints included), ints all. Whether they fit the vocabulary is `generate`'s
+  check, which knows the model."""
+  if eos_id is None:
+    return None
+  many = isinstance(eos_id, (list, tuple))
+  ids = tuple(eos_id) if many else (eos_id,)
+  bad = [i for i in ids if not is_int(i) or i < 0]
+  if bad or not ids:
+    raise ConfigError(f"eos_id={eos_id!r} is invalid"
+                      + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
+                      + ": must be None, a token id >= 0, or a non-empty list or tuple of them")
+  return tuple(int(i) for i in ids) if many else int(eos_id)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTraining:
+  """How the train step trains its drafter on the rollouts.
+
+  Attributes:
+    loss_weight: weight of the detached drafter loss (0: the drafter is not trained
+      online). MTP / Medusa heads share the policy's optimizer, so this weighs their loss
+      against the policy's; an EAGLE-3 head has its own optimizer and this scales its loss.
+    learning_rate: Adam learning rate of an EAGLE-3 head trained online.
+    ttt_steps: training-time-test steps of the EAGLE-3 loss (its draft depth).
+  """
+
+  loss_weight: float = 1.0
+  learning_rate: float = 1e-3
+  ttt_steps: int = 3
+
+  def __post_init__(self):
+    require_reals(self, ("loss_weight",), positive=False, prefix="drafter_training.")
+    require_reals(self, ("learning_rate",), positive=True, prefix="drafter_training.")
+    require_ints(self, ("ttt_steps",), 1, "drafter_training.")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Static configuration of the train step.
+
+  Attributes:
+    model: the policy's architecture.
+    grpo: GRPO hyper-parameters.
+    rollout: rollout generation.
+    drafter_training: the drafter's online training (`DrafterTraining`).
+    async_mode: one-step off-policy (see module docstring).
+  """
+
+  model: ModelConfig
+  grpo: GRPOConfig
+  rollout: RolloutConfig
+  drafter_training: DrafterTraining = DrafterTraining()
+  async_mode: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.drafter_training, DrafterTraining):
+      raise ConfigError(f"drafter_training={self.drafter_training!r} is invalid: must be a "
+                        "DrafterTraining(loss_weight=, learning_rate=, ttt_steps=)")
+    if self.eagle3 is not None:
+      self.eagle3.config.check_target(self.model)
+    if self.async_mode and self.grpo.tis_cap is None:
+      raise ConfigError("async_mode=True needs grpo.tis_cap (the importance correction "
+                        "against the one-step-old behaviour policy); set e.g. tis_cap=2.0")
+
+  @property
+  def eagle3(self) -> Eagle3Drafter | None:
+    """The rollout's EAGLE-3 drafter, whose head lives in `TrainState.drafter`."""
+    drafter = self.rollout.drafter
+    return drafter if isinstance(drafter, Eagle3Drafter) else None
+
+  def drafter_optimizer(self) -> optax.GradientTransformation:
+    return optax.adam(self.drafter_training.learning_rate)
+
+
+
+@struct.dataclass
+class Rollout:
+  """A scored batch of responses, laid out as full sequences.
+
+  Attributes:
+    tokens: `[B, L]` prompt then response then padding.
+    response_mask: `[B, L]` 1 on response tokens (EOS included).
+    valid_mask: `[B, L]` 1 on prompt and response tokens.
+    behaviour_logprobs: `[B, L]` engine log-probabilities of the response tokens (0 elsewhere).
+    rewards: `[B]`.
+    advantages: `[B]`.
+    lengths: `[B]` response lengths.
+    tokens_per_round: scalar mean acceptance length of the rollout.
+    accepted_per_depth: `[D]` acceptance rate per draft depth.
+  """
+
+  tokens: jax.Array
+  response_mask: jax.Array
+  valid_mask: jax.Array
+  behaviour_logprobs: jax.Array
+  rewards: jax.Array
+  advantages: jax.Array
+  lengths: jax.Array
+  tokens_per_round: jax.Array
+  accepted_per_depth: jax.Array
+
+
+
+@struct.dataclass
+class DrafterTrainState:
+  """A draft head with parameters of its own (EAGLE-3), trained online beside the policy.
+
+  Attributes:
+    weights: the head (`Eagle3Weights`: float parameters and the draft vocabulary map).
+    opt_state: optax state of `weights.params` (`TrainConfig.drafter_optimizer`).
+  """
+
+  weights: Eagle3Weights
+  opt_state: optax.OptState
+
+
+
+@struct.dataclass
+class TrainState:
+  """Everything a run needs to continue exactly where it stopped.
+
+  Attributes:
+    params: policy parameters (trunk and draft heads).
+    opt_state: optax state.
+    ref_params: frozen reference parameters (None when beta = 0).
+    step: scalar int32.
+    key: raw PRNG key data (uint32 `[2]`), checkpointable.
+    pending: async mode's rollout awaiting its update (None in sync mode).
+    drafter: the EAGLE-3 head of the rollouts and its optimizer state (None otherwise).
+    acceptance: the speculation policy's counts after the last rollout, which the next one
+      starts from, scaled by `RolloutConfig.acceptance_carry` (None when that is 0).
+  """
+
+  params: Params
+  opt_state: optax.OptState
+  ref_params: Params | None
+  step: jax.Array
+  key: jax.Array
+  pending: Rollout | None = None
+  drafter: DrafterTrainState | None = None
+  acceptance: AcceptanceCounts | None = None
+
+  @property
+  def drafter_weights(self) -> Eagle3Weights | None:
+    """The rollout drafter's own parameters (the EAGLE-3 head; None for drafters without)."""
+    return None if self.drafter is None else self.drafter.weights
+
+
+
+def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
+                     seed: int, *, drafter_params: Eagle3Weights | None = None) -> TrainState:
+  """A fresh state; the reference is a copy of `params` when the KL penalty is on.
+
+  With an EAGLE-3 rollout drafter, `drafter_params` is its head (trained offline, e.g.
+  `specjax.supervised.eagle3.train_eagle3`, or loaded with `load_eagle3`).
+  """
+  ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
+  drafter = None
+  if config.eagle3 is not None:
+    if not isinstance(drafter_params, Eagle3Weights):
+      raise ConfigError("an Eagle3Drafter rollout needs init_train_state(..., drafter_params="
+                        "Eagle3Weights(params, d2t)): the head to draft with and train online")
+    drafter = DrafterTrainState(weights=drafter_params,
+                                opt_state=config.drafter_optimizer().init(drafter_params.params))
+  elif drafter_params is not None:
+    raise ConfigError("drafter_params is only used with an Eagle3Drafter rollout; the "
+                      f"rollout drafter is {config.rollout.drafter!r}")
+  acceptance = None
+  rc = config.rollout
+  if rc.acceptance_carry:
+    menu = rc.speculation.menu
+    acceptance = AcceptanceCounts.zeros(len(menu), max(rc.speculation.depth, 1))
+  return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref,
+                    step=jnp.zeros((), jnp.int32),
+                    key=jax.random.key_data(jax.random.key(seed)), drafter=drafter,
+                    acceptance=acceptance)

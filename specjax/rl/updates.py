@@ -1,0 +1,193 @@
+"""The update half of the GRPO step: `num_epochs x num_minibatches` optimizer steps on a
+scored rollout under `lax.scan`, each minibatch's forward also training the drafter on the
+rollout from detached target activations (the MTP / Medusa heads through a detached trunk,
+or an EAGLE-3 head with its own optimizer, on the forward's residual streams and
+distributions with the training-time test it was trained with offline), so the drafter
+follows the policy without its loss reaching the policy gradient.
+
+Shape letters: see `specjax` (B rows, L sequence buffer, V vocab).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+from specjax.models.eagle3 import eagle3_ttt_loss, select_aux
+from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.models.layout import constrain_rows
+from specjax.models.params import Params
+from specjax.models.transformer import ForwardOutput, forward
+from specjax.rl.losses import objective_loss
+from specjax.rl.state import DrafterTrainState, Rollout, TrainConfig, TrainState
+from specjax.supervised import draft_head_loss
+
+
+def sequence_logprobs(params: Params, model: ModelConfig, tokens: jax.Array,
+                      temperature: float, hidden_layers: tuple[int, ...] = ()
+                      ) -> tuple[jax.Array, ForwardOutput]:
+  """Log-probabilities `[B, L]` of each token `tokens [B, L]` given its prefix (0 at position
+  0), under softmax(logits / temperature); also returns the forward output (with the residual
+  streams after `hidden_layers`)."""
+  b, l = tokens.shape
+  out = forward(params, model, tokens, jnp.broadcast_to(jnp.arange(l), (b, l)),
+                hidden_layers=hidden_layers)
+  logp = jax.nn.log_softmax(out.logits[:, :-1] / temperature, axis=-1)
+  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.pad(picked, ((0, 0), (1, 0))), out
+
+
+
+def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
+  """The policy objective's loss (`GRPOConfig.objective`; + the detached MTP / Medusa loss);
+  aux: metrics and the forward output."""
+  temperature = config.rollout.sampling.logprob_temperature
+  eagle = config.eagle3
+  logp, out = sequence_logprobs(params, config.model, mb["tokens"], temperature,
+                                eagle.config.hidden_layers if eagle is not None else ())
+  old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(logp)
+  loss, gm = objective_loss(config.grpo.objective)(
+      config.grpo, logp[:, 1:], old[:, 1:], mb["advantages"], mb["response_mask"][:, 1:],
+      ref_logprobs=mb["ref_logprobs"][:, 1:] if "ref_logprobs" in mb else None,
+      rollout_logprobs=mb["behaviour_logprobs"][:, 1:],
+      logits=jax.lax.stop_gradient(out.logits[:, :-1]) / temperature)
+  metrics = {k: v for k, v in dataclasses.asdict(gm).items() if v is not None}
+  if config.drafter_training.loss_weight and (config.model.num_mtp_modules
+                                     or config.model.num_medusa_heads):
+    head_loss, hm = draft_head_loss(params, config.model, out.hidden, mb["tokens"],
+                                    mb["valid_mask"], 1.0, 1.0, detach=True)
+    loss = loss + config.drafter_training.loss_weight * head_loss
+    metrics |= hm
+  return loss, (metrics, jax.lax.stop_gradient(out))
+
+
+
+def _eagle3_update(drafter: DrafterTrainState, config: TrainConfig, embed_table: jax.Array,
+                   tokens: jax.Array, mask: jax.Array, out: ForwardOutput
+                   ) -> tuple[DrafterTrainState, dict[str, jax.Array]]:
+  """One optimizer step of the EAGLE-3 head on the policy forward's (detached) features and
+  distributions at the rollout temperature: what the head drafts against."""
+  eagle = config.eagle3
+  weights = drafter.weights
+  logprobs = jax.nn.log_softmax(out.logits / config.rollout.sampling.logprob_temperature, -1)
+
+  def loss_fn(head):
+    loss, metrics = eagle3_ttt_loss(head, eagle.config, embed_table, tokens,
+                                    select_aux(eagle.config, out.intermediates), logprobs,
+                                    mask, weights.d2t, config.drafter_training.ttt_steps)
+    return config.drafter_training.loss_weight * loss, metrics
+
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.params)
+  updates, opt_state = config.drafter_optimizer().update(grads, drafter.opt_state,
+                                                         weights.params)
+  params = optax.apply_updates(weights.params, updates)
+  return (DrafterTrainState(weights=weights.replace(params=params), opt_state=opt_state),
+          {"eagle3_ce": metrics["ce"], "eagle3_accuracy": metrics["accuracy"]})
+
+
+
+def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTransformation,
+           roll: Rollout, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+  """`num_epochs x num_minibatches` GRPO updates on a scored rollout.
+
+  A minibatch whose advantages (so rewards), loss or gradient are not all finite is not
+  applied: the weights and moments stay as they were (the step and key still advance) and
+  `metrics["update_skipped"]` is the fraction of minibatches skipped, so that one bad reward
+  cannot poison a run and a caller can stop on the flag. Decided inside the compiled step,
+  with no host round trip, by a `lax.cond` around the optimizer's update (a select between
+  old and new moments kept both live: +1.4 GiB per device at Qwen3-1.7B).
+  """
+  gc = config.grpo
+  temperature = config.rollout.sampling.logprob_temperature
+  data = {"tokens": roll.tokens, "response_mask": roll.response_mask,
+          "valid_mask": roll.valid_mask, "behaviour_logprobs": roll.behaviour_logprobs,
+          "advantages": roll.advantages}
+  rows = roll.tokens.shape[0]
+  if rows % gc.num_minibatches:
+    raise ConfigError(f"num_minibatches={gc.num_minibatches} must divide the rollout rows "
+                      f"{rows} (prompts x group_size)")
+  mb_rows = rows // gc.num_minibatches
+
+  def logprobs_by_minibatch(params):
+    """`sequence_logprobs` of every row, a minibatch of rows at a time: the float32
+    `[rows, L, V]` logits of all rows at once would be the step's largest buffer. Chunk j
+    holds rows j, j + M, j + 2M, ... (M minibatches), so that under a mesh each chunk is
+    spread over the devices as the rows are."""
+    chunks = roll.tokens.reshape(mb_rows, gc.num_minibatches, -1).swapaxes(0, 1)
+    logp = jax.lax.map(
+        lambda t: sequence_logprobs(params, config.model, t, temperature)[0], chunks)
+    return jax.lax.stop_gradient(logp.swapaxes(0, 1).reshape(roll.tokens.shape))
+
+  if gc.num_epochs > 1 or gc.num_minibatches > 1:
+    # pi_old is the policy at the start of the update, fixed across epochs and minibatches.
+    data["old_logprobs"] = logprobs_by_minibatch(state.params)
+  if gc.beta > 0:
+    data["ref_logprobs"] = logprobs_by_minibatch(state.ref_params)
+
+  def epoch_batches(k):
+    perm = jax.random.permutation(k, rows) if gc.num_minibatches > 1 else jnp.arange(rows)
+    return jax.tree.map(lambda x: x[perm].reshape((gc.num_minibatches, mb_rows) + x.shape[1:]),
+                        data)
+
+  batches = jax.vmap(epoch_batches)(jax.random.split(key, gc.num_epochs))
+  batches = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
+
+  train_eagle = config.eagle3 is not None and config.drafter_training.loss_weight > 0
+
+  def one(carry, mb):
+    params, opt_state, drafter = carry
+    mb = jax.tree.map(constrain_rows, mb)  # the gather by `perm` drops the rows' split
+    grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
+    ok = all_finite((mb["advantages"], metrics["loss"], grads))
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    # A branch, not a select over both results: the skipped branch allocates nothing.
+    updates, opt_state = jax.lax.cond(
+        ok, lambda: optimizer.update(grads, opt_state, params),
+        lambda: (jax.tree.map(jnp.zeros_like, params), opt_state))
+    metrics |= _grad_norms(grads)
+    if train_eagle:
+      new_drafter, drafter_metrics = _eagle3_update(
+          drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
+          mb["valid_mask"], out)
+      drafter = keep(new_drafter, drafter)
+      metrics |= drafter_metrics
+    metrics["update_skipped"] = 1.0 - ok.astype(jnp.float32)
+    return (optax.apply_updates(params, updates), opt_state, drafter), metrics
+
+  (params, opt_state, drafter), metrics = jax.lax.scan(
+      one, (state.params, state.opt_state, state.drafter), batches)
+  metrics = jax.tree.map(lambda x: x.mean(0), metrics)
+  return state.replace(params=params, opt_state=opt_state, drafter=drafter,
+                       step=state.step + 1), metrics
+
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Scalar bool: every float leaf of `tree` is finite (integer leaves are ignored)."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+
+def _grad_norms(grads: Params) -> dict[str, jax.Array]:
+  """Global norms of the gradient: of all of it (`grad_norm`), of the trunk
+  (`grad_norm_trunk`) and, when the model has MTP / Medusa heads, of those
+  (`grad_norm_heads`; only the detached drafter loss reaches them), so that a drafter loss
+  dominating the norm the optimizer clips by shows apart from the policy's."""
+  # In float32: a bf16 sum of squares over every parameter loses most of its digits.
+  grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+  norms = {"grad_norm": optax.global_norm(grads),
+           "grad_norm_trunk": optax.global_norm(
+               {k: v for k, v in grads.items() if k not in DRAFT_HEAD_KEYS})}
+  heads = {k: v for k, v in grads.items() if k in DRAFT_HEAD_KEYS}
+  if jax.tree.leaves(heads):
+    norms["grad_norm_heads"] = optax.global_norm(heads)
+  return norms
