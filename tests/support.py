@@ -45,7 +45,8 @@ def child_env(**overrides: str) -> dict[str, str]:
 
 
 PROGRESSION_VOCAB = 32
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def load_benchmark(name: str):

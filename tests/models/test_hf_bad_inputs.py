@@ -29,7 +29,7 @@ from specjax.models import hf as hf_io
 from support import edit_config, edit_tensors
 
 VOCAB = 64
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(family: str = "llama", **changes) -> ModelConfig:

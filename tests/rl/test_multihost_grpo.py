@@ -150,7 +150,7 @@ def test_checkpoint_saved_by_several_processes_restores_on_one_process_to_identi
     np.testing.assert_array_equal(np.asarray(value), saved[name], err_msg=name)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A run of few compilations: plain rollouts, no warm start, two async steps.
 CLI_ARGS = ["--steps", "2", "--checkpoint.every", "1", "--warm-start.steps", "0",
             "--eval.prompts", "4", "--eval.speedup-repeats", "1", "--eval.speedup-seconds", "0",

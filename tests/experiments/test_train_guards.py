@@ -24,7 +24,7 @@ from specjax.experiments import override
 from specjax.experiments.grpo import run
 from specjax.rl import ArithmeticTask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
@@ -135,7 +135,7 @@ def test_unwritable_checkpoint_directory_exits_nonzero_with_the_directory_named(
     env = child_env()
     proc = subprocess.run(
         [sys.executable, "-c", _READ_ONLY_RUN, str(tmp_path / "run"), str(read_only),
-         "simulate" if simulate else "chmod", str(Path(__file__).parent)],
+         "simulate" if simulate else "chmod", str(Path(__file__).resolve().parents[1])],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
   finally:
     read_only.chmod(0o755)

@@ -20,7 +20,7 @@ from specjax.experiments.plan import GIB, plan
 from specjax.models import ModelConfig
 from specjax.sharding import MeshConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY_CONFIG = """
 from specjax.models import ModelConfig

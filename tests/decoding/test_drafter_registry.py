@@ -24,8 +24,8 @@ from specjax.models import init_params
 from specjax.rl.state import init_train_state
 from specjax.rl.trainer import make_train_step
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-MARK = "<!-- drafter-example: tests/test_drafter_registry.py runs this block -->"
+README = Path(__file__).resolve().parents[2] / "README.md"
+MARK = "<!-- drafter-example: tests/decoding/test_drafter_registry.py runs this block -->"
 
 
 @pytest.fixture

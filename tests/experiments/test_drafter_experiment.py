@@ -25,7 +25,7 @@ from specjax.rl import ArithmeticTask
 
 TASK = ArithmeticTask(max_digits=1, num_operands=2, operators="+-", num_train=300, num_test=40,
                       test_fraction=0.3)
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=2,
                     n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=32)
 

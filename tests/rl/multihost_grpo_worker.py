@@ -1,6 +1,6 @@
-"""One process of the multi-host GRPO test (run by tests/test_multihost_grpo.py, not by pytest).
+"""One process of the multi-host GRPO test (run by tests/rl/test_multihost_grpo.py, not by pytest).
 
-  python tests/multihost_grpo_worker.py PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT OUT_DIR
+  python tests/rl/multihost_grpo_worker.py PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT OUT_DIR
 
 Joins a cluster of local CPU processes with `join_cluster` (the path `specjax train` takes),
 builds the global `MESH`, places the same initial train state as the single-process
@@ -33,7 +33,7 @@ from specjax.rl import distributed  # noqa: E402
 from specjax.rl.trainer import make_prime_fn  # noqa: E402
 from specjax.sharding import MeshConfig  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support.py
 from support import (MESH, PROMPTS, STEPS, TOK, config, flat, initial_state,  # noqa: E402
                      optimizer, reader, reward)
 

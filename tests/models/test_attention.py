@@ -30,7 +30,7 @@ TREE_DEPTHS = jnp.array([0, 1, 1, 2, 2])
 
 
 def _benchmark_module(name: str):
-  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
   spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -22,13 +22,13 @@ from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, Samplin
 from specjax.errors import ConfigError
 from specjax.experiments import override
 from specjax.models import ModelConfig, init_params
-from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, trainer
+from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, updates
 from specjax.rl.distributed import train_state_shardings
 from specjax.rl.rollouts import rollout
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
 from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
 TOK = TASK.tokenizer
 MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
@@ -268,14 +268,14 @@ def test_grad_norms_are_float32_and_omit_the_heads_when_the_model_has_none():
   grads = {"embed": jnp.full((3, 4), 1e-3, jnp.bfloat16),
            "layers": [{"w": jnp.full((256, 256), 1e-2, jnp.bfloat16)}],
            "mtp": [{"proj": jnp.full((2,), 3.0, jnp.bfloat16)}]}
-  norms = trainer._grad_norms(grads)
+  norms = updates._grad_norms(grads)
   trunk = np.sqrt(12 * np.float64(np.float32(jnp.bfloat16(1e-3))) ** 2
                   + 256 * 256 * np.float64(np.float32(jnp.bfloat16(1e-2))) ** 2)
   np.testing.assert_allclose(norms["grad_norm_trunk"], trunk, rtol=1e-6)
   np.testing.assert_allclose(norms["grad_norm_heads"], np.sqrt(18.0), rtol=1e-6)
   np.testing.assert_allclose(norms["grad_norm"], np.hypot(trunk, np.sqrt(18.0)), rtol=1e-6)
   assert all(v.dtype == jnp.float32 for v in norms.values())
-  without = trainer._grad_norms({k: v for k, v in grads.items() if k != "mtp"})
+  without = updates._grad_norms({k: v for k, v in grads.items() if k != "mtp"})
   assert set(without) == {"grad_norm", "grad_norm_trunk"}
 
 
