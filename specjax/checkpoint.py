@@ -26,9 +26,13 @@ exit after the error.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,12 +43,41 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from specjax.checks import is_int
-from specjax.files import fsync, write_text_atomic
 from specjax.errors import CheckpointError, ConfigError
+from specjax.files import fsync, write_text_atomic
 
 DIGEST_FILE = "specjax_digest.json"
 _DIGEST_FORMAT = 1
 _CHUNK_BYTES = 1 << 20  # hashing streams the files: a checkpoint may not fit in memory
+
+# What tensorstore's errors (a ValueError, not an OSError) say when the disk, not the state,
+# is at fault: a full or read-only file system, a missing or foreign directory.
+_STORAGE_FAULT = re.compile(r"RESOURCE_EXHAUSTED|PERMISSION_DENIED|os_error_code|No space left|"
+                            r"Read-only file system|Permission denied|Not a directory")
+
+
+def _storage_fault(err: BaseException) -> bool:
+  """Whether `err`, raised while saving, is the storage's fault rather than the state's."""
+  return isinstance(err, OSError) or (isinstance(err, ValueError)
+                                      and bool(_STORAGE_FAULT.search(str(err))))
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Drops orbax's error records (its writer threads log each failure with a traceback before
+  `save` re-raises it): the `CheckpointError` that follows names the cause once."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or "orbax" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax_errors():
+  logger, drop = logging.getLogger("absl"), _DropOrbaxErrors()
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
 
 
 def _sha256(path: Path) -> str:
@@ -239,14 +272,20 @@ class Checkpointer:
     _check_step(step, allow_none=False)
     _check_meta(meta)
     try:
-      saved = self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-      self._manager.wait_until_finished()
-    except OSError as err:
+      with _quiet_orbax_errors():
+        saved = self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self._manager.wait_until_finished()
+    except (OSError, ValueError) as err:
+      if not _storage_fault(err):
+        raise
+      self._drop_partial(step)
+      cause = str(err).splitlines()[0] if str(err) else ""
+      cause = cause if len(cause) <= 400 else cause[:400] + " ..."
       raise CheckpointError(
           f"checkpoint step {step} cannot be written to {self.directory} ({type(err).__name__}"
-          f": {err}). Earlier checkpoints are intact; make the directory writable (and check "
-          "free space) or pass another one.") from err
+          f": {cause}). Earlier checkpoints are intact; make the directory writable (and check "
+          "free space) or pass another one.") from None
     # One writer: every process sees the same finished step directory (orbax has synced
     # them), and two writers renaming over one manifest would be a needless race.
     if not saved:
@@ -270,6 +309,14 @@ class Checkpointer:
         # Every process returns once the step is verifiable: a restore or a listing right
         # after the save must not find the digest missing.
         multihost_utils.sync_global_devices(f"specjax checkpoint {step} digest")
+
+  def _drop_partial(self, step: int) -> None:
+    """Remove what a failed save of `step` left (orbax's temporary directory): on a full disk
+    it holds the space the next save needs. Process 0 only, after every process failed."""
+    if jax.process_index() != 0:
+      return
+    for partial in self.directory.glob(f"{self.step_dir(step).name}.orbax-checkpoint-tmp*"):
+      shutil.rmtree(partial, ignore_errors=True)
 
   def verify(self, step: int) -> bool:
     """Check every file of `step` against its `DIGEST_FILE`; False (with a warning) when the

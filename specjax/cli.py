@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import runpy
 import sys
 import time
@@ -31,7 +32,7 @@ from specjax.checks import is_int
 from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, build_drafter,
                               calibrate, check_draft_source, generate)
 from specjax.decoding.policy import describe
-from specjax.errors import ConfigError
+from specjax.errors import ConfigError, SpecjaxError
 from specjax.tokenizer import with_bos
 
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -177,8 +178,7 @@ def train_command(argv: list[str]) -> dict:
   (`specjax.rl.join_cluster`), then the run shards its train state over the mesh of all
   processes' devices (`--mesh.data/--mesh.fsdp/--mesh.tensor`). Only process 0 prints.
   """
-  from specjax.rl.distributed import (DEFAULT_CLUSTER_TIMEOUT_S, check_same_config,
-                                      join_cluster)
+  from specjax.rl.distributed import DEFAULT_CLUSTER_TIMEOUT_S, check_same_config, join_cluster
   parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
   parser.add_argument("--config", required=True,
                       help="a config file, e.g. configs/arithmetic_tiny.py")
@@ -405,5 +405,19 @@ def main(argv: list[str] | None = None) -> None:
       description="specjax train --config FILE | train-drafter [--config FILE] | generate")
 
 
+def run() -> None:
+  """The `specjax` command: `main`, with a failure specjax diagnosed (a `SpecjaxError`: bad
+  input, an unusable checkpoint or directory, ...) printed as one line naming it, exit status
+  1, instead of a traceback. SPECJAX_TRACEBACK=1 shows the traceback too."""
+  try:
+    main()
+  except SpecjaxError as err:
+    if os.environ.get("SPECJAX_TRACEBACK") == "1":
+      raise
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    print(f"specjax {command}: {type(err).__name__}: {err}", file=sys.stderr)
+    raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-  main()
+  run()

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -587,6 +588,9 @@ RL_CASES = [
          TaskError, r"d\.jsonl:1: the answer after '####' is too large for a float"),
     case("gsm8k_line_not_utf8", lambda p: read_gsm8k_jsonl(_jsonl(p, GOOD_LINE + b"\xff\n")),
          TaskError, r"d\.jsonl:2"),
+    case("gsm8k_answer_a_word_after_the_marker",
+         lambda p: read_gsm8k_jsonl(_jsonl(p, b'{"question": "q", "answer": "#### three"}\n')),
+         TaskError, r"d\.jsonl:1"),
     case("advantages_of_a_nan_reward",
          lambda p: group_advantages(np.array([1.0, math.nan, 0.0, 1.0]), 2),
          ValueError, r"rewards\[1\] = nan is not finite \(1 non-finite rewards\)"),
@@ -693,6 +697,12 @@ SAVE_CASES = [
          CheckpointError, r"checkpoint path .*checkpoints exists and is not a directory"),
     case("keep_no_checkpoint", lambda d: Checkpointer(d, max_to_keep=0),
          ConfigError, r"max_to_keep=0 is invalid: must be an int >= 1"),
+    case("directory_replaced_by_a_file_between_two_saves",
+         lambda d: (lambda c: (c.save(0, CKPT_STATE, {"step": 0}), shutil.rmtree(d),
+                               d.write_text("x"), c.save(1, CKPT_STATE, {"step": 1})))(
+                                   Checkpointer(d)),
+         CheckpointError, r"checkpoint step 1 cannot be written to .*checkpoints "
+                          r"\(NotADirectoryError: .*\)\. .*check free space"),
     case("flipped_byte_in_the_saved_meta",
          lambda d: (lambda c: (c.save(0, CKPT_STATE, {"step": 0}),
                                _flip_first_byte(c.step_dir(0) / "meta" / "metadata"),

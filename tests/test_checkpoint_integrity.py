@@ -173,6 +173,7 @@ def test_resume_of_a_training_run_from_a_corrupted_checkpoint_raises_instead_of_
   from support import Killed as _Killed
   from support import kill_after_first_checkpoint as _kill_after_first_checkpoint
   from support import tiny_experiment as _config
+
   from specjax.experiments.grpo import run
 
   config = _config(tmp_path, steps=1)
@@ -187,3 +188,63 @@ def test_resume_of_a_training_run_from_a_corrupted_checkpoint_raises_instead_of_
                            rf"{target.relative_to(step_dir).as_posix()}"):
     run(config, log=logs.append)
   assert not any("resumed from" in line for line in logs), logs
+
+
+# What tensorstore raises when the disk fills mid-write: a ValueError, not an OSError.
+_DISK_FULL = ("RESOURCE_EXHAUSTED: Error writing \"params/w/0\" in OCDBT database at local file "
+              "\"{dir}/1.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/\": "
+              "Failed to write 559417 bytes to file 7: No space left on device "
+              "[os_error_code='28']")
+
+
+def _fill_the_disk_at_the_next_save(ckpt, monkeypatch):
+  """The next `ckpt.save` fails as a full disk makes orbax fail: it leaves its temporary
+  step directory behind, logs the failure from a writer thread, and raises tensorstore's
+  error."""
+  import logging
+
+  def save(step, args):
+    (ckpt.directory / f"{step}.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    logger = logging.getLogger("absl")
+    logger.handle(logging.makeLogRecord({
+        "name": "absl", "levelno": logging.ERROR, "levelname": "ERROR",
+        "pathname": "site-packages/orbax/checkpoint/_src/futures/future.py",
+        "msg": "_SignalingThread.run() raised an exception"}))
+    raise ValueError(_DISK_FULL.format(dir=ckpt.directory))
+
+  monkeypatch.setattr(ckpt._manager, "save", save)
+
+
+def test_a_full_disk_at_a_save_is_one_checkpoint_error_naming_the_cause(tmp_path, monkeypatch,
+                                                                       caplog):
+  """The save's failure is a CheckpointError naming the directory and the cause (one
+  exception, no chained tensorstore traceback), orbax's own error records are not printed,
+  the partial step is removed (its bytes are what the next save needs), and the steps saved
+  before restore unchanged."""
+  ckpt = _saved(tmp_path, steps=(0,))
+  _fill_the_disk_at_the_next_save(ckpt, monkeypatch)
+  with caplog.at_level("ERROR", logger="absl"), pytest.raises(CheckpointError) as info:
+    ckpt.save(1, _state(1), {"step": 1})
+  message = str(info.value)
+  assert message.startswith(f"checkpoint step 1 cannot be written to {ckpt.directory} "
+                            "(ValueError: RESOURCE_EXHAUSTED")
+  assert "No space left on device" in message and "check free space" in message
+  assert info.value.__cause__ is None and info.value.__suppress_context__
+  assert not [r for r in caplog.records if "orbax" in r.pathname]
+  assert sorted(p.name for p in ckpt.directory.iterdir()) == ["0"]
+  monkeypatch.undo()
+  _assert_equal_trees(ckpt.restore(_state(0))[0], _state(0))
+
+
+def test_a_state_orbax_cannot_save_is_not_reported_as_a_disk_fault(tmp_path, monkeypatch):
+  """Negative control: a ValueError about the state itself reaches the caller unchanged,
+  not dressed as an unwritable directory."""
+  ckpt = _saved(tmp_path, steps=(0,))
+
+  def save(step, args):
+    raise ValueError("Unsupported type: <class 'object'>")
+
+  monkeypatch.setattr(ckpt._manager, "save", save)
+  with pytest.raises(ValueError, match="^Unsupported type") as info:
+    ckpt.save(1, _state(1), {"step": 1})
+  assert not isinstance(info.value, CheckpointError)

@@ -6,13 +6,13 @@ import json
 import jax
 import numpy as np
 import pytest
+from support import write_tiny_checkpoint
 
 from specjax import cli
 from specjax.cli import COMMANDS, generate_command, main
 from specjax.decoding import SamplingConfig, generate
 from specjax.errors import ConfigError
 from specjax.models.hf import eos_token_ids
-from support import write_tiny_checkpoint
 
 MAX_NEW = 8
 
@@ -135,3 +135,31 @@ def test_eos_token_ids_prefers_generation_config_and_names_a_bad_value(tmp_path)
   with pytest.raises(ConfigError, match=r"generation_config\.json: eos_token_id=\[5, '6'\] is "
                                         r"invalid: allowed a token id"):
     eos_token_ids(tmp_path)
+
+
+def test_the_specjax_command_prints_a_diagnosed_failure_as_one_line(tmp_path):
+  """`specjax` (the console script, `cli.run`) ends a SpecjaxError with one line naming the
+  command, the error and its message, and exit status 1; SPECJAX_TRACEBACK=1 shows the
+  traceback. A failure specjax did not diagnose keeps its traceback."""
+  import subprocess
+  import sys
+
+  from support import ROOT, child_env
+  args = [sys.executable, "-m", "specjax.cli", "train-drafter", "--target-dir",
+          str(tmp_path / "missing"), "--run-dir", str(tmp_path / "run")]
+  proc = subprocess.run(args, env=child_env(), cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1, proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert (f"specjax train-drafter: ConfigError: target_dir='{tmp_path / 'missing'}' is invalid: "
+          "no config.json there") in proc.stderr
+  traced = subprocess.run(args, env=child_env(SPECJAX_TRACEBACK="1"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  assert traced.returncode == 1 and "Traceback" in traced.stderr
+
+
+def test_main_in_process_still_raises_the_error_itself(tmp_path):
+  """Research code calling `main` gets the exception to catch, not a SystemExit."""
+  with pytest.raises(ConfigError, match="target_dir=.* is invalid"):
+    main(["train-drafter", "--target-dir", str(tmp_path / "missing"),
+          "--run-dir", str(tmp_path / "run")])

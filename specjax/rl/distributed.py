@@ -26,8 +26,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +42,7 @@ from specjax.errors import ConfigError
 from specjax.models.eagle3 import eagle3_param_axes
 from specjax.models.params import Params, param_axes
 from specjax.rl.data import PromptBatch, PromptReader
+from specjax.rl.roll_call import roll_call
 from specjax.rl.state import DrafterTrainState, RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.trainer import make_prime_fn, make_train_step
 from specjax.sharding import DEFAULT_RULES, Rules, logical_sharding, opt_state_shardings, replicated
@@ -251,23 +250,6 @@ def broadcast_json(value: Any) -> Any:
   return json.loads(bytes(multihost_utils.broadcast_one_to_all(buffer)).decode())
 
 
-def _wait_for_coordinator(address: str, timeout_s: float) -> None:
-  """Return once `address` accepts TCP connections; ConfigError after `timeout_s` without."""
-  host, _, port = address.rpartition(":")
-  deadline = time.monotonic() + timeout_s
-  while True:
-    try:
-      with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
-        return
-    except (OSError, ValueError) as err:
-      if time.monotonic() >= deadline:
-        raise ConfigError(
-            f"nobody answers at the coordinator address {address} after {timeout_s}s "
-            f"({err}): start process 0 of the run there, or pass the address process 0 "
-            "listens on (--coordinator-address / JAX_COORDINATOR_ADDRESS)") from None
-      time.sleep(0.5)
-
-
 def check_same_config(record: Any) -> None:
   """ConfigError on every process unless all processes of the run hold the same `record`
   (a JSON value, e.g. the resolved config): processes that would compile different programs
@@ -316,14 +298,16 @@ def join_cluster(coordinator_address: str | None = None, num_processes: int | No
   Kubernetes JobSet) is joined with no arguments; otherwise this is a single process. CPU
   processes communicate over gloo (JAX's default CPU collectives).
 
-  A process other than 0 first waits up to `timeout_s` for the coordinator to accept
-  connections and fails naming the address when nobody does; every process then waits at most
-  `timeout_s` for all N to register (JAX ends a process that waits longer with
-  DEADLINE_EXCEEDED, after the line this logs names the cluster it was joining).
+  Every process first reports to process 0 (`specjax.rl.roll_call`), which waits up to
+  `timeout_s` for all N: nobody at the coordinator address, an id given twice, a different
+  process count or processes that never arrive fail on every process that reported, naming
+  the problem, before JAX's own rendezvous (which would abort after its timeout without
+  saying why).
 
   Raises:
-    ConfigError: only some of the three are given, they are out of range, or nobody answers
-      at the coordinator address.
+    ConfigError: only some of the three are given, they are out of range, or the roll call
+      fails (nobody at the coordinator address, a duplicate id, a different count, missing
+      processes).
   """
   env = os.environ if env is None else env
   given = {"coordinator address": _resolved(coordinator_address, env, COORDINATOR_ENV[0], str),
@@ -354,11 +338,9 @@ def join_cluster(coordinator_address: str | None = None, num_processes: int | No
     if not is_int(timeout_s) or timeout_s < 1:
       raise ConfigError(f"cluster timeout={timeout_s!r} is invalid: must be an int >= 1 "
                         "(seconds)")
-    if index != 0:
-      _wait_for_coordinator(address, timeout_s)
     log(f"joining the cluster at {address} as process {index} of {count}; waiting up to "
-        f"{timeout_s}s for all {count} (a process that never arrives, or two with one id, "
-        "ends the wait with DEADLINE_EXCEEDED)")
+        f"{timeout_s}s for all {count} to report")
+    roll_call(address, count, index, timeout_s)
     jax.distributed.initialize(coordinator_address=address, num_processes=count,
                                process_id=index, initialization_timeout=timeout_s)
     return True
