@@ -30,7 +30,7 @@ import tyro
 
 from specjax.checks import is_int
 from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, build_drafter,
-                              calibrate, check_draft_source, generate)
+                              calibrate, check_draft_source, default_drafter, generate)
 from specjax.decoding.policy import describe
 from specjax.errors import ConfigError, SpecjaxError
 from specjax.tokenizer import with_bos
@@ -50,7 +50,7 @@ def generate_command(
     checkpoint: str | None = None,
     prompt: tuple[str, ...] = (),
     demo: bool = False,
-    drafter: str = "mtp",
+    drafter: str | None = None,
     draft_checkpoint: str | None = None,
     widths: tuple[int, ...] = (1, 1, 1),
     adaptive: bool = False,
@@ -72,7 +72,9 @@ def generate_command(
     demo: train the built-in tiny counting model (about a minute on CPU) and use it.
     drafter: where drafts come from, a registered name (`specjax.decoding.drafter_names`:
       none, draft-model, eagle3, medusa, mtp, ngram, and any `register_drafter` added);
-      "none" is plain autoregressive decoding.
+      "none" is plain autoregressive decoding. Default: what the model supports with no
+      weights of its own (`default_drafter`: its MTP modules, its Medusa heads, else n-gram
+      lookup, which any checkpoint can use).
     draft_checkpoint: the drafter's own weights: an HF draft model's directory
       (--drafter draft-model) or an EAGLE-3 head's (--drafter eagle3).
     widths: draft tree, children per node at each depth; (1, 1, 1) is a chain of 3.
@@ -90,7 +92,11 @@ def generate_command(
     raise SystemExit("pass --checkpoint DIR or --demo")
   if not demo and not prompt:
     raise SystemExit("pass at least one --prompt")
-  check_draft_source(drafter, draft_checkpoint, "--drafter", "--draft-checkpoint")
+  if drafter is None and draft_checkpoint is not None:
+    raise ConfigError(f"--draft-checkpoint={draft_checkpoint!r} needs --drafter to say what it "
+                      "holds: draft-model (an HF draft model) or eagle3 (an EAGLE-3 head)")
+  if drafter is not None:
+    check_draft_source(drafter, draft_checkpoint, "--drafter", "--draft-checkpoint")
   # Checked before a checkpoint is loaded or the demo model trained (a minute on CPU), so a
   # bad flag fails in a second rather than after the slow part.
   sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -117,6 +123,9 @@ def generate_command(
     # <|end_of_text|>); stopping on the tokenizer's EOS alone runs past the turn's end.
     eos_id = tuple(dict.fromkeys(tokenizer.eos_ids + eos_token_ids(checkpoint)))
 
+  if drafter is None:
+    drafter = default_drafter(config)
+    print(f"drafter {drafter}: the default for this model (--drafter to choose another)")
   encoded = [with_bos(tokenizer.encode(p), bos_id) for p in prompt]
   width = max(len(e) for e in encoded)
   tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)

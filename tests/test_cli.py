@@ -163,3 +163,30 @@ def test_main_in_process_still_raises_the_error_itself(tmp_path):
   with pytest.raises(ConfigError, match="target_dir=.* is invalid"):
     main(["train-drafter", "--target-dir", str(tmp_path / "missing"),
           "--run-dir", str(tmp_path / "run")])
+
+
+def test_generate_defaults_to_a_drafter_the_checkpoint_supports(tmp_path, generate_calls,
+                                                                capsys):
+  """A public export has no MTP modules: the default is n-gram lookup, not a traceback from
+  the MTP drafter; the output equals plain decoding (greedy). A model with MTP modules
+  defaults to them."""
+  from specjax.decoding import default_drafter
+  params, config = write_tiny_checkpoint(tmp_path)
+  generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, temperature=0.0,
+                   max_new_tokens=MAX_NEW)
+  out = capsys.readouterr().out
+  assert "drafter ngram: the default for this model" in out
+  assert "speculative / plain throughput" in out
+  plain = np.asarray(generate(params, config, PROMPT_TOKENS, PROMPT_LENGTHS, jax.random.key(0),
+                              max_new_tokens=MAX_NEW,
+                              sampling=SamplingConfig(temperature=0.0)).tokens)
+  (_, spec_kwargs, spec), (_, plain_kwargs, _) = generate_calls[0], generate_calls[-1]
+  assert type(spec_kwargs["drafter"]).__name__ == "NGramDrafter"
+  assert plain_kwargs["drafter"] is None
+  np.testing.assert_array_equal(np.asarray(spec.tokens), plain)
+  assert default_drafter(config) == "ngram"
+  assert default_drafter(config.replace(num_mtp_modules=1)) == "mtp"
+  assert default_drafter(config.replace(num_medusa_heads=2)) == "medusa"
+  with pytest.raises(ConfigError, match=r"--draft-checkpoint='d' needs --drafter to say what "
+                                        r"it holds: draft-model .* or eagle3"):
+    generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, draft_checkpoint="d")

@@ -6,7 +6,8 @@ from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, Dr
                                        Eagle3Weights, MedusaDrafter, MTPDrafter, MTPState,
                                        NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, build_drafter, check_draft_source,
-                                       check_drafter_name, draft_level_by_level, drafter_names,
+                                       check_drafter_name, default_drafter, draft_level_by_level,
+                                       drafter_names,
                                        needs_checkpoint, register_drafter)
 from specjax.decoding.calibrate import calibrate
 from specjax.decoding.engine import DecodeLoop, DecodeState
@@ -20,11 +21,12 @@ from specjax.decoding.verify import (LosslessVerifier, Verifier, VerifyResult, v
 
 __all__ = [
     "AcceptanceCounts", "AcceptedWindow", "Adaptive", "build_drafter", "calibrate",
-    "check_draft_source", "check_drafter_name", "CostTable", "DecodeLoop", "DecodeState",
-    "draft_level_by_level", "DraftContext", "Drafter", "drafter_names", "DraftModelDrafter",
-    "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
-    "generate", "GenerationResult", "GenerationStats", "LosslessVerifier", "MedusaDrafter",
-    "MTPDrafter", "MTPState", "needs_checkpoint", "NGramDrafter", "NoState", "processed_logprobs",
-    "Proposal", "register_drafter", "reported_logprobs", "RoundResult", "SamplingConfig",
-    "TargetFeatures", "Verifier", "verify", "verify_matching", "verify_sampled", "VerifyResult",
+    "check_draft_source", "check_drafter_name", "CostTable", "default_drafter", "DecodeLoop",
+    "DecodeState", "draft_level_by_level", "DraftContext", "Drafter", "drafter_names",
+    "DraftModelDrafter", "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter",
+    "Eagle3State", "Eagle3Weights", "generate", "GenerationResult", "GenerationStats",
+    "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
+    "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
+    "reported_logprobs", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",
+    "verify_matching", "verify_sampled", "VerifyResult",
 ]

@@ -9,13 +9,14 @@ from specjax.decoding.drafters.medusa import MedusaDrafter
 from specjax.decoding.drafters.mtp import MTPDrafter, MTPState
 from specjax.decoding.drafters.ngram import NGramDrafter
 from specjax.decoding.drafters.registry import (DraftSource, build_drafter, check_draft_source,
-                                                check_drafter_name, drafter_names,
+                                                check_drafter_name, default_drafter,
+                                                drafter_names,
                                                 needs_checkpoint, register_drafter)
 
 __all__ = [
     "AcceptedWindow", "build_drafter", "check_draft_source", "check_drafter_name",
-    "draft_level_by_level", "DraftContext", "Drafter", "drafter_names", "DraftModelDrafter",
-    "DraftModelState", "DraftSource", "Eagle3Drafter", "Eagle3State", "Eagle3Weights",
-    "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint", "NGramDrafter", "NoState",
-    "Proposal", "register_drafter", "RoundResult", "TargetFeatures",
+    "default_drafter", "draft_level_by_level", "DraftContext", "Drafter", "drafter_names",
+    "DraftModelDrafter", "DraftModelState", "DraftSource", "Eagle3Drafter", "Eagle3State",
+    "Eagle3Weights", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint", "NGramDrafter",
+    "NoState", "Proposal", "register_drafter", "RoundResult", "TargetFeatures",
 ]

@@ -126,6 +126,16 @@ def check_draft_source(name: Any, checkpoint: str | None, field: str = "drafter"
                       f"directory of {what}")
 
 
+def default_drafter(target: ModelConfig) -> str:
+  """The drafter `target` supports with no weights of its own: its MTP modules, else its
+  Medusa heads, else n-gram lookup (a public checkpoint has neither head)."""
+  if target.num_mtp_modules:
+    return "mtp"
+  if target.num_medusa_heads:
+    return "medusa"
+  return "ngram"
+
+
 def build_drafter(name: str, source: DraftSource) -> tuple[Drafter | None, Any]:
   """The drafter `name` for `source.target` and its own parameters (None when it has none);
   (None, None) for "none".
