@@ -264,6 +264,17 @@ def train_drafter_command(argv: list[str]) -> dict:
   return summary
 
 
+def export_command(argv: list[str]) -> None:
+  """`specjax export RUN_DIR OUT`: the run's latest policy as an HF checkpoint directory
+  (weights, config.json, tokenizer; `OUT/eagle3` for a run's final EAGLE-3 head)."""
+  parser = argparse.ArgumentParser(prog="specjax export", description=export_command.__doc__)
+  parser.add_argument("run_dir", help="a specjax train run directory")
+  parser.add_argument("out", help="the HF checkpoint directory to write (replaced if it exists)")
+  args = parser.parse_args(argv)
+  from specjax.experiments.export import export_run
+  export_run(args.run_dir, args.out)
+
+
 COMMANDS = {
     "train": "GRPO with speculative rollouts from a config file: specjax train --config "
              "configs/arithmetic_tiny.py [--field value ...] (--help lists the fields); on "
@@ -272,6 +283,8 @@ COMMANDS = {
              "none on a TPU pod slice)",
     "train-drafter": "train an EAGLE-3 draft head offline: specjax train-drafter [--config "
                      "FILE] [--field value ...]",
+    "export": "write a specjax train run's latest policy as an HF checkpoint with its tokenizer "
+              "(and its EAGLE-3 head): specjax export RUN_DIR OUT",
     "generate": "generate text (speculatively) from a checkpoint and print acceptance "
                 "statistics: specjax generate --help",
     "plan": "per-device memory and FLOPs of a config's train step, compiled for N fake "
@@ -396,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     return
   if argv[0] == "train-drafter":
     train_drafter_command(argv[1:])
+    return
+  if argv[0] == "export":
+    export_command(argv[1:])
     return
   if argv[0] == "plan":
     status = plan_command(argv[1:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ import tokenizers
 
 from specjax.checks import is_int
 from specjax.errors import ConfigError, TokenizerError
-from specjax.files import read_object
+from specjax.files import read_object, write_text_atomic
 
 
 def with_bos(ids: list[int], bos_id: int | None) -> list[int]:
@@ -140,6 +141,26 @@ class CharTokenizer:
       pos = next(i for i, c in enumerate(text) if c not in ids)
       raise TokenizerError(f"character {text[pos]!r} at position {pos} of {text!r} is not in "
                            f"the alphabet {self.alphabet!r}") from None
+
+  SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # the spellings of PAD, BOS, EOS in a save
+
+  def save(self, directory: str | os.PathLike) -> None:
+    """Write `tokenizer.json` and `tokenizer_config.json` to `directory` (which must exist):
+    a character-level tokenizer that `HFTokenizer.from_dir` and transformers'
+    `AutoTokenizer` load with the same ids, specials and decoding as this one."""
+    vocab = {t: i for i, t in enumerate(self.SPECIAL_TOKENS)} | dict(self._ids)
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=None))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("[\\s\\S]"),
+                                                        behavior="isolated")
+    raw.decoder = tokenizers.decoders.Fuse()  # characters, not words: joined without spaces
+    raw.add_special_tokens(list(self.SPECIAL_TOKENS))
+    directory = Path(directory)
+    write_text_atomic(directory / "tokenizer.json", raw.to_str())
+    pad, bos, eos = self.SPECIAL_TOKENS
+    write_text_atomic(directory / "tokenizer_config.json", json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos,
+        "eos_token": eos, "add_bos_token": False, "clean_up_tokenization_spaces": False},
+        indent=2) + "\n")
 
   def decode(self, ids: Sequence[int]) -> str:
     # Ids past the alphabet decode to nothing, as `HFTokenizer.decode`'s do: a model's

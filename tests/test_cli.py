@@ -45,7 +45,7 @@ def test_generate_without_a_model_explains_what_to_pass():
 def test_help_lists_every_command_and_a_missing_or_unknown_one_exits_2(capsys):
   main(["--help"])
   out = capsys.readouterr().out
-  commands = {"train", "train-drafter", "generate", "plan", "simulate", "sim"}
+  commands = {"train", "train-drafter", "export", "generate", "plan", "simulate", "sim"}
   assert all(name in out for name in commands), out
   assert set(COMMANDS) == commands
   for argv in ([], ["trian"]):

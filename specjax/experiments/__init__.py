@@ -7,6 +7,8 @@
   target and data come from in `drafter_data`).
 - `groups`: the config groups both runs share (`WarmStart`, `Optimization`, `Checkpointing`,
   `Evaluation`) and `override`, which replaces fields by dotted name.
+- `export`: a run directory read back (`load_policy`) and written as an HF checkpoint
+  (`export_run`, `specjax export`).
 - `demo`: the built-in counting model `specjax generate --demo` trains in a minute.
 """
 
@@ -14,12 +16,13 @@ from specjax.experiments.drafter import run_drafter_training
 from specjax.experiments.drafter_config import (DistillData, DrafterTrainConfig, Eagle3Head,
                                                 HeadEvaluation)
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart, override
+from specjax.experiments.export import export_run, load_policy
 from specjax.experiments.grpo import run
 from specjax.experiments.grpo_config import (Drafting, ExperimentConfig, Pipeline,
                                              RolloutEvaluation, RolloutSettings)
 from specjax.experiments.plan import Plan, estimate, plan
 
 __all__ = ["Checkpointing", "DistillData", "Drafting", "DrafterTrainConfig", "Eagle3Head",
-           "Evaluation", "ExperimentConfig", "HeadEvaluation", "Optimization", "Pipeline",
-           "Plan", "RolloutEvaluation", "RolloutSettings", "WarmStart", "estimate", "override",
-           "plan", "run", "run_drafter_training"]
+           "Evaluation", "ExperimentConfig", "export_run", "HeadEvaluation", "load_policy",
+           "Optimization", "Pipeline", "Plan", "RolloutEvaluation", "RolloutSettings",
+           "WarmStart", "estimate", "override", "plan", "run", "run_drafter_training"]

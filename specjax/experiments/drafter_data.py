@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import SamplingConfig
-from specjax.errors import CheckpointError, ConfigError
+from specjax.errors import ConfigError
 from specjax.experiments.drafter_config import DrafterTrainConfig
+from specjax.experiments.export import load_policy
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.models import ModelConfig, init_params
 from specjax.models.params import Params
@@ -49,44 +49,6 @@ class Target:
 
 # ---------------------------------------------------------------------------------------------
 # Target
-
-
-def _restore_rl_policy(path: str, model: ModelConfig) -> Params:
-  """The policy parameters of the latest checkpoint of a `specjax train` run."""
-  import orbax.checkpoint as ocp
-  directory = Path(path).absolute()
-  if (directory / "checkpoints").is_dir():
-    directory = directory / "checkpoints"
-  if not directory.is_dir():
-    raise ConfigError(f"target_rl_run={path!r} is invalid: no such directory")
-  checked = Checkpointer(directory)
-  try:
-    step = checked.latest_step()
-    if step is None:
-      raise ConfigError(f"target_rl_run={path!r} is invalid: {directory} holds no checkpoint")
-    checked.verify(step)  # every file against the digest the run recorded when it saved
-  finally:
-    checked.close()
-  manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
-  try:  # the whole train state, as saved: only its params are needed, whatever else it holds
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-  except Exception as err:  # orbax raises many types
-    raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
-                          f"({type(err).__name__}: {err})") from err
-  finally:
-    manager.close()
-  params = state["state"]["params"]
-  expected = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
-  shapes = lambda tree: {jax.tree_util.keystr(k): (tuple(x.shape), str(x.dtype))
-                         for k, x in jax.tree_util.tree_leaves_with_path(tree)}
-  got, want = shapes(params), shapes(expected)
-  if got != want:
-    name = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))[0]
-    raise ConfigError(f"target_rl_run={path!r} is invalid with this model: the checkpoint's "
-                      f"policy has params{name} {got.get(name, 'missing')}, the model "
-                      f"{want.get(name, 'nothing')}; pass the RL run's architecture "
-                      "(--model.*)")
-  return jax.tree.map(jnp.asarray, params)
 
 
 def target_spec(config: DrafterTrainConfig) -> tuple[Tokenizer, ModelConfig]:
@@ -124,7 +86,8 @@ def load_target(config: DrafterTrainConfig, log: Callable[[str], None] = print) 
     return Target(params, model, tokenizer)
   tokenizer = config.task.tokenizer
   if config.target_rl_run is not None:
-    return Target(_restore_rl_policy(config.target_rl_run, config.model), config.model,
+    return Target(load_policy(config.target_rl_run, config.model, field="target_rl_run")[0],
+                  config.model,
                   tokenizer)
   ckpt = Checkpointer(Path(config.run_dir) / "target", max_to_keep=1)
   try:

@@ -11,7 +11,9 @@ change to the others (how long to run, how often to checkpoint, ...) is logged a
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import subprocess
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -20,6 +22,7 @@ from specjax.errors import CheckpointError, ConfigError
 from specjax.files import write_text_atomic
 
 CONFIG_FILE = "config.json"
+ENVIRONMENT_FILE = "environment.json"
 
 
 def config_record(config: Any) -> dict[str, Any]:
@@ -107,9 +110,43 @@ def check_resume(run_dir: Path, config: Any, resumable: Iterable[str], *, starte
 
 
 def record_config(run_dir: Path, config: Any) -> None:
-  """Write `config` as the run's `config.json` (atomically)."""
+  """Write `config` as the run's `config.json`, and what ran it (`environment()`) as
+  `environment.json` (atomically)."""
   write_text_atomic(Path(run_dir) / CONFIG_FILE,
                     json.dumps(config_record(config), indent=2) + "\n")
+  write_text_atomic(Path(run_dir) / ENVIRONMENT_FILE, json.dumps(environment(), indent=2) + "\n")
+
+
+def environment() -> dict[str, Any]:
+  """The versions of specjax and of the libraries a run's numbers depend on, the Python, the
+  platform and devices, and specjax's git commit when it runs from a checkout (None
+  otherwise; "+changes" marks uncommitted ones)."""
+  import platform
+
+  import jax
+
+  import specjax
+  versions = {"specjax": specjax.__version__}
+  for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return {"versions": versions, "python": platform.python_version(),
+          "platform": platform.platform(), "devices": f"{jax.device_count()} x "
+          f"{jax.devices()[0].device_kind}", "processes": jax.process_count(),
+          "git": _git_commit(Path(specjax.__file__).resolve().parent)}
+
+
+def _git_commit(where: Path) -> str | None:
+  def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True,
+                          timeout=10, check=True).stdout.strip()
+  try:
+    commit = git("rev-parse", "HEAD")
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+  except (OSError, subprocess.SubprocessError):
+    return None
 
 
 def kept_metrics(path: Path, step: int, log=print) -> list[str]:

@@ -1,0 +1,133 @@
+"""A `specjax train` run directory read back: its policy, and an HF export of it.
+
+    params, model = load_policy("runs/arithmetic_worked")
+    specjax export runs/arithmetic_worked exported/   # HF weights + tokenizer (+ EAGLE-3 head)
+
+`load_policy` restores the policy of the run's latest checkpoint (verified against the
+digest the run recorded when it saved), its architecture read from the run's `config.json`.
+`export_run` writes it as an HF checkpoint directory that transformers and `load_hf` load:
+the weights (and MTP / Medusa heads, which transformers ignores), `config.json` with the
+tokenizer's special ids, the tokenizer files, and, for a run that trained an EAGLE-3 head
+to its end, that head in the layout vLLM and SGLang load (`OUT/eagle3`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from specjax.checkpoint import Checkpointer
+from specjax.errors import CheckpointError, ConfigError
+from specjax.experiments.run_record import CONFIG_FILE
+from specjax.models import ModelConfig, init_params, load_eagle3, save_eagle3, save_hf
+from specjax.models.config import Llama3RopeScaling
+from specjax.models.params import Params
+from specjax.rl.tasks import ArithmeticTask
+
+
+def recorded_config(run_dir: str | Path) -> dict[str, Any]:
+  """The config a `specjax train` run recorded when it started (`config.json`), as JSON."""
+  path = Path(run_dir) / CONFIG_FILE
+  if not path.is_file():
+    raise ConfigError(f"run_dir={str(run_dir)!r} is invalid: no {CONFIG_FILE} there (a "
+                      "`specjax train` run directory records one when it starts)")
+  try:
+    record = json.loads(path.read_text())
+  except (OSError, ValueError) as err:
+    raise CheckpointError(f"{path} cannot be read as JSON ({err})") from None
+  if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+    raise CheckpointError(f"{path} holds no model config (a \"model\" object)")
+  return record
+
+
+def recorded_model(record: dict[str, Any]) -> ModelConfig:
+  """The policy's architecture in a recorded config."""
+  fields = dict(record["model"])
+  if isinstance(fields.get("rope_scaling"), dict):
+    fields["rope_scaling"] = Llama3RopeScaling(**fields["rope_scaling"])
+  try:
+    return ModelConfig(**fields)
+  except TypeError as err:  # a field this version does not know (or lacks)
+    raise CheckpointError(f"the recorded model config does not fit this specjax's ModelConfig "
+                          f"({err})") from None
+
+
+def load_policy(run_dir: str | Path, model: ModelConfig | None = None, *,
+                field: str = "run_dir") -> tuple[Params, ModelConfig]:
+  """The policy parameters of the latest checkpoint of a `specjax train` run, and its
+  architecture (`model`, or the one the run recorded).
+
+  `run_dir` may also be the run's `checkpoints/` directory. The step is verified against its
+  digest before a byte is read; only the parameters are restored, whatever else the train
+  state holds (optimizer moments, a pending rollout, an EAGLE-3 head).
+
+  Raises:
+    ConfigError: no such directory, no checkpoint, or a policy of another shape than `model`
+      (messages name `field`).
+    CheckpointError: a corrupted or unreadable step.
+  """
+  directory = Path(run_dir).absolute()
+  if (directory / "checkpoints").is_dir():
+    directory = directory / "checkpoints"
+  if not directory.is_dir():
+    raise ConfigError(f"{field}={str(run_dir)!r} is invalid: no such directory")
+  if model is None:
+    model = recorded_model(recorded_config(directory.parent))
+  checked = Checkpointer(directory)
+  try:
+    step = checked.latest_step()
+    if step is None:
+      raise ConfigError(f"{field}={str(run_dir)!r} is invalid: {directory} holds no checkpoint")
+    checked.verify(step)  # every file against the digest the run recorded when it saved
+  finally:
+    checked.close()
+  manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+  try:  # the whole train state, as saved: only its params are needed, whatever else it holds
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  except Exception as err:  # orbax raises many types
+    raise CheckpointError(f"checkpoint step {step} in {directory} cannot be restored "
+                          f"({type(err).__name__}: {err})") from err
+  finally:
+    manager.close()
+  params = state["state"]["params"]
+  expected = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+  shapes = lambda tree: {jax.tree_util.keystr(k): (tuple(x.shape), str(x.dtype))
+                         for k, x in jax.tree_util.tree_leaves_with_path(tree)}
+  got, want = shapes(params), shapes(expected)
+  if got != want:
+    name = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))[0]
+    raise ConfigError(f"{field}={str(run_dir)!r} is invalid with this model: the checkpoint's "
+                      f"policy has params{name} {got.get(name, 'missing')}, the model "
+                      f"{want.get(name, 'nothing')}; pass the RL run's architecture "
+                      "(--model.*)")
+  return jax.tree.map(jnp.asarray, params), model
+
+
+def export_run(run_dir: str | Path, out: str | Path,
+               log: Callable[[str], None] = print) -> Path:
+  """Write the latest policy of the `specjax train` run in `run_dir` to `out` as an HF
+  checkpoint directory with its tokenizer, and the run's final EAGLE-3 head (if it trained
+  one to the end) to `out/eagle3`. Returns `out`."""
+  record = recorded_config(run_dir)
+  model = recorded_model(record)
+  params, _ = load_policy(run_dir, model)
+  if not isinstance(record.get("task"), dict):
+    raise CheckpointError(f"{Path(run_dir) / CONFIG_FILE} holds no task config (a \"task\" "
+                          "object): the tokenizer cannot be exported")
+  tokenizer = ArithmeticTask(**record["task"]).tokenizer
+  out = Path(out)
+  save_hf(params, model, out, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+          pad_token_id=tokenizer.pad_id)
+  tokenizer.save(out)
+  log(f"policy of {run_dir} -> {out} (HF {model.family} checkpoint with its tokenizer)")
+  head = Path(run_dir) / "eagle3"
+  if head.is_dir():
+    config, head_params, d2t = load_eagle3(head, model)
+    save_eagle3(out / "eagle3", head_params, config, d2t)
+    log(f"EAGLE-3 head of the run's end -> {out / 'eagle3'} (the layout vLLM and SGLang load)")
+  return out
