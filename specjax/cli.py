@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import runpy
 import sys
@@ -223,7 +222,8 @@ def train_command(argv: list[str]) -> dict:
   summary = run(config)
   if jax.process_index() != 0:
     return summary
-  print(json.dumps(summary, indent=2))
+  print(summary_table(summary))
+  print(f"(every figure in {Path(config.run_dir) / 'summary.json'})")
   print(f"held-out accuracy, greedy: {summary['accuracy_before']:.3f} before RL -> "
         f"{summary['accuracy_after']:.3f} after; at the rollout temperature (8 samples per "
         f"prompt): {summary['sampled_accuracy_before']:.3f} -> "
@@ -240,6 +240,25 @@ def train_command(argv: list[str]) -> dict:
     line += f" (plain decoding in {100 * summary['plain_share']:.0f}% of rounds)"
   print(line)
   return summary
+
+
+def summary_table(summary: dict) -> str:
+  """A GRPO run's summary as a short table: what RL changed, then the rollout's speed."""
+  rows = [("held-out accuracy, greedy", "accuracy_before", "accuracy_after"),
+          ("held-out accuracy, sampled", "sampled_accuracy_before", "sampled_accuracy_after"),
+          ("drafter acceptance (probe)", "probe_acceptance_before", "probe_acceptance_after"),
+          ("acceptance in rollouts, first / last 5 steps", "acceptance_first",
+           "acceptance_last")]
+  width = max(len(r[0]) for r in rows)
+  lines = [f"{'':<{width}}  {'before':>8}  {'after':>8}"]
+  lines += [f"{name:<{width}}  {summary[a]:>8.3f}  {summary[b]:>8.3f}" for name, a, b in rows
+            if a in summary and b in summary]
+  if "probe_acceptance_after_frozen" in summary:
+    lines.append(f"{'  the EAGLE-3 head kept frozen':<{width}}  {'':>8}  "
+                 f"{summary['probe_acceptance_after_frozen']:>8.3f}")
+  lines.append(f"rollout tokens/s: plain {summary['plain_tokens_per_s']:.0f}, speculative "
+               f"{summary['spec_tokens_per_s']:.0f}")
+  return "\n".join(lines)
 
 
 def train_drafter_command(argv: list[str]) -> dict:
@@ -259,8 +278,8 @@ def train_drafter_command(argv: list[str]) -> dict:
                        "train-drafter needs a DrafterTrainConfig (see "
                        "configs/eagle3_arithmetic.py)")
   config = tyro.cli(DrafterTrainConfig, default=default, args=rest, prog=prog)
-  summary = run_drafter_training(config)
-  print(json.dumps(summary, indent=2))
+  summary = run_drafter_training(config)  # logs its results as it goes
+  print(f"(every figure in {Path(config.run_dir) / 'summary.json'})")
   return summary
 
 

@@ -190,3 +190,16 @@ def test_generate_defaults_to_a_drafter_the_checkpoint_supports(tmp_path, genera
   with pytest.raises(ConfigError, match=r"--draft-checkpoint='d' needs --drafter to say what "
                                         r"it holds: draft-model .* or eagle3"):
     generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, draft_checkpoint="d")
+
+
+def test_train_prints_a_short_table_not_the_json_summary():
+  summary = {"accuracy_before": 0.01, "accuracy_after": 0.98, "sampled_accuracy_before": 0.0,
+             "sampled_accuracy_after": 0.9, "probe_acceptance_before": 1.5,
+             "probe_acceptance_after": 2.125, "plain_tokens_per_s": 1000.4,
+             "spec_tokens_per_s": 1300.2, "speedup": 1.3, "acceptance_length": 1.8}
+  table = cli.summary_table(summary).splitlines()
+  assert table[0].split() == ["before", "after"]
+  assert table[1].split()[-2:] == ["0.010", "0.980"]
+  assert table[3].startswith("drafter acceptance (probe)") and table[3].endswith("2.125")
+  assert table[-1] == "rollout tokens/s: plain 1000, speculative 1300"
+  assert len(table) == 5  # rows whose figures the summary lacks are left out
