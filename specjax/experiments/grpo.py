@@ -73,7 +73,8 @@ def task_records(task: ArithmeticTask, split: str) -> list[dict]:
 def warm_start(config: ExperimentConfig, log=print):
   """The policy's supervised warm start (`config.warm_start`) on the task's training
   examples; returns parameters (`specjax.experiments.warm_start.warm_start_policy`)."""
-  return warm_start_policy(config.task, config.model, config.warm_start, config.seed, log)
+  return warm_start_policy(config.task, config.model, config.warm_start, config.seed, log,
+                           progress=jax.process_index() == 0)
 
 
 def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
@@ -302,6 +303,8 @@ def _run(config: ExperimentConfig, log) -> dict:
       position = reader.next_position(position)
     else:
       state = distribute(state, shardings)
+    log(f"evaluating the warm-started policy on {len(test_records)} held-out prompts (greedy "
+        "and sampled) and its drafter's acceptance")
     meta = {"step": 0, "position": position,
             "accuracy_before": evaluate(params, config, test_records),
             "sampled_accuracy_before": evaluate(params, config, test_records, sampled=True),
@@ -337,6 +340,8 @@ def _run(config: ExperimentConfig, log) -> dict:
   if disaggregated is None:
     train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
                                     pad_id=tok.pad_id)
+  if meta["step"] < config.steps:
+    log("compiling the GRPO step (the first step's time includes it)")
   position, last_checkpoint = meta["position"], meta["step"]
   with contextlib.ExitStack() as files:
     # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
@@ -372,6 +377,8 @@ def _run(config: ExperimentConfig, log) -> dict:
   if lead:
     writer.close()
 
+  log(f"evaluating the trained policy on {len(test_records)} held-out prompts, then timing "
+      "its rollouts speculative vs plain")
   final = local_copy({"params": state.params, "drafter": state.drafter_weights})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],

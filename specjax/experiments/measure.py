@@ -86,6 +86,8 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
     log(f"{kept}: {why}; measuring the costs again (the resumed run may choose other trees "
         "than the uninterrupted one would have)")
   rc = config.fixed_tree().train_config().rollout
+  log(f"measuring what a round of each of the {len(menu)} speculation menu entries costs at "
+      f"{rows} rows (about a minute on a CPU; cached for the next run)")
   start = time.perf_counter()
   costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
                     batch_sizes=(rows,),

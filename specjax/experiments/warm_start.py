@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
+import tqdm
 
 from specjax.experiments.groups import WarmStart
 from specjax.models.config import ModelConfig
@@ -14,12 +15,12 @@ from specjax.supervised import init_supervised_state, make_supervised_step
 
 
 def warm_start_policy(task: ArithmeticTask, model: ModelConfig, recipe: WarmStart, seed: int,
-                      log=print) -> Params:
+                      log=print, progress: bool = True) -> Params:
   """Supervised training on prompt + answer + EOS: the trunk learns answers (loss on answer
   tokens), the MTP / Medusa heads learn every token. Returns parameters.
 
   A share `1 - recipe.eos_fraction` of the examples continue with another problem instead of
-  EOS (see `WarmStart.eos_fraction`).
+  EOS (see `WarmStart.eos_fraction`). `progress`: a progress bar with the answer CE.
   """
   tok = task.tokenizer
   examples = task.examples("train")
@@ -41,9 +42,13 @@ def warm_start_policy(task: ArithmeticTask, model: ModelConfig, recipe: WarmStar
   optimizer = optax.adam(recipe.learning_rate)
   state = init_supervised_state(init_params(model, jax.random.key(seed)), optimizer)
   step = make_supervised_step(model, optimizer)
-  for _ in range(recipe.steps):
+  bar = tqdm.trange(recipe.steps, desc="warm start", disable=not progress or not recipe.steps,
+                    leave=False)
+  for i in bar:
     idx = rng.integers(0, len(seqs), recipe.batch)
     state, metrics = step(state, tokens[idx], answer_mask[idx], head_mask[idx])
+    if i % 20 == 0 or i == recipe.steps - 1:
+      bar.set_postfix(ce=f"{float(metrics['ce']):.3f}")
   if recipe.steps:
     log(f"warm start: {recipe.steps} steps, answer ce {float(metrics['ce']):.3f}")
   return state.params
