@@ -138,6 +138,35 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
   return primed.replace(acceptance=abstract.acceptance)
 
 
+# TensorBoard's sections: a metric goes under the first whose prefix or name it matches, else
+# under train/. metrics.jsonl keeps the plain names.
+_SECTIONS = (("reward/", ("reward_", "accuracy")),
+             ("spec/", ("acceptance_length", "accepted_per_depth")),
+             ("rollout/", ("response_", "rollout_")),
+             ("perf/", ("step_time_s",)))
+
+
+def tensorboard_scalars(record: dict, learning_rate: float | None = None) -> dict[str, float]:
+  """A metrics record as TensorBoard scalars, namespaced by what they measure (`reward/`,
+  `spec/`, `rollout/`, `perf/`, `train/`; README's metrics glossary); a per-depth vector
+  becomes one scalar per depth (`spec/accepted_per_depth/1`, ...)."""
+  out = {}
+  for key, value in record.items():
+    if key in ("step", "position"):
+      continue
+    section = next((name for name, starts in _SECTIONS
+                    if any(key.startswith(s) for s in starts)), "train/")
+    short = key.removeprefix(section.rstrip("/") + "_")  # reward/mean, not reward/reward_mean
+    if np.ndim(value) == 0:
+      out[section + short] = float(value)
+    else:
+      for depth, v in enumerate(np.ravel(value), 1):
+        out[f"{section}{short}/{depth}"] = float(v)
+  if learning_rate is not None:
+    out["train/learning_rate"] = learning_rate
+  return out
+
+
 def _jsonable(metrics: dict) -> dict:
   return {k: np.asarray(v).tolist() for k, v in metrics.items()}
 
@@ -252,6 +281,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   # measured costs once the parameters exist.
   tc = config.fixed_tree().train_config()
   optimizer = config.optimizer()
+  optimizer_schedule = config.optim.schedule(config.steps)  # what the optimizer steps with
   tok = config.task.tokenizer
   reward = config.task.reward
   train_records = task_records(config.task, "train")
@@ -366,9 +396,9 @@ def _run(config: ExperimentConfig, log) -> dict:
                 "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
       if lead:
         out.write((json.dumps(record) + "\n").encode())
-        for k, v in record.items():
-          if np.ndim(v) == 0 and k != "step":
-            writer.add_scalar(k, v, step + 1)
+        lr = float(optimizer_schedule(step))
+        for name, value in tensorboard_scalars(record, learning_rate=lr).items():
+          writer.add_scalar(name, value, step + 1)
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:

@@ -312,3 +312,16 @@ def test_override_names_fields_by_dotted_path_and_refuses_unknown_ones(tmp_path)
     override(config, {"warm_start.warmup": 3})
   with pytest.raises(ConfigError, match=r"^rollout.temperature=-1.0 is invalid"):
     override(config, {"rollout.temperature": -1.0})
+
+
+def test_tensorboard_scalars_are_namespaced_and_vectors_split_by_depth():
+  from specjax.experiments.grpo import tensorboard_scalars
+  record = {"step": 3, "position": 12, "reward_mean": 0.5, "accuracy": 0.25,
+            "acceptance_length": 1.75, "accepted_per_depth": [0.5, 0.25], "loss": 0.1,
+            "mtp_ce": [1.5, 2.0], "response_length_mean": 7.0, "rollout_tokens_per_s": 99.0,
+            "step_time_s": 1.5}
+  assert tensorboard_scalars(record, learning_rate=1e-4) == {
+      "reward/mean": 0.5, "reward/accuracy": 0.25, "spec/acceptance_length": 1.75,
+      "spec/accepted_per_depth/1": 0.5, "spec/accepted_per_depth/2": 0.25, "train/loss": 0.1,
+      "train/mtp_ce/1": 1.5, "train/mtp_ce/2": 2.0, "rollout/response_length_mean": 7.0,
+      "rollout/tokens_per_s": 99.0, "perf/step_time_s": 1.5, "train/learning_rate": 1e-4}
