@@ -42,7 +42,8 @@ from specjax.experiments import override
 from specjax.models import (Llama3RopeScaling, ModelConfig, config_from_hf, init_params, load_hf,
                             save_hf)
 from specjax.rl import (ArithmeticTask, CustomTask, Example, GRPOConfig, PromptReader, RewardError,
-                        TaskError, arithmetic_reward, group_advantages, grpo_loss, read_gsm8k_jsonl)
+                        RolloutConfig, TaskError, arithmetic_reward, group_advantages, grpo_loss,
+                        read_gsm8k_jsonl)
 from specjax.tokenizer import CharTokenizer, HFTokenizer, TokenizerError, check_vocab_fits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -556,6 +557,11 @@ RL_CASES = [
          lambda p: RolloutSettings(speculation="adaptive", acceptance_carry=2.0),
          ConfigError, r"rollout\.acceptance_carry=2\.0 is invalid: must be a number in "
                       r"\[0, 1\]"),
+    case("experiment_negative_compaction", lambda p: RolloutSettings(compaction=-1),
+         ConfigError, r"rollout\.compaction=-1 is invalid: must be an int >= 0"),
+    case("rollout_config_compaction_a_float",
+         lambda p: RolloutConfig(max_new_tokens=4, eos_id=2, compaction=1.5),
+         ConfigError, r"compaction=1\.5 is invalid: must be an int >= 0"),
     case("experiment_unknown_override_field",
          lambda p: override(ExperimentConfig(), {"rollout.temprature": 0.5}),
          ConfigError, r"'temprature' is not a field of RolloutSettings: allowed "

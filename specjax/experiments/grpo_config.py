@@ -82,6 +82,9 @@ class RolloutSettings:
       acceptance counts in the next (`RolloutConfig.acceptance_carry`; kept in the train
       state and its checkpoints). 0: each rollout starts from the policy's prior. None (the
       default): `DEFAULT_ACCEPTANCE_CARRY` with adaptive speculation and a drafter, else 0.
+    compaction: halvings of the rollout batch as its rows finish (`RolloutConfig.compaction`;
+      0: every round runs every row). The plain arm of the speedup measurement compacts
+      alike, so the speedup is speculation's alone.
   """
 
   prompts_per_step: int = 16
@@ -90,11 +93,13 @@ class RolloutSettings:
   speculation: Literal["fixed", "adaptive"] = "fixed"
   tree_widths: tuple[int, ...] = (1, 1)
   acceptance_carry: float | None = None
+  compaction: int = 0
 
   def __post_init__(self):
     if isinstance(self.tree_widths, list):  # JSON and tyro give lists
       object.__setattr__(self, "tree_widths", tuple(self.tree_widths))
     require_ints(self, ("prompts_per_step", "max_new_tokens"), 1, "rollout.")
+    require_ints(self, ("compaction",), 0, "rollout.")
     require_reals(self, ("temperature",), positive=False, prefix="rollout.")
     require_field(self, "speculation", self.speculation in ("fixed", "adaptive"),
                   "allowed 'fixed' or 'adaptive'", "rollout.")
@@ -327,7 +332,8 @@ class ExperimentConfig:
     rollout = RolloutConfig(max_new_tokens=self.rollout.max_new_tokens, eos_id=self.eos_ids,
                             sampling=SamplingConfig(self.rollout.temperature), drafter=draft,
                             tree=tree, speculation=speculation,
-                            acceptance_carry=self.carry if speculation else 0.0)
+                            acceptance_carry=self.carry if speculation else 0.0,
+                            compaction=self.rollout.compaction)
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_training=DrafterTraining(self.drafter.loss_weight,
                                                         self.drafter.learning_rate,

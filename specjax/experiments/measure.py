@@ -21,6 +21,7 @@ import numpy as np
 
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate, generate
 from specjax.decoding.calibrate import default_cache_dir
+from specjax.decoding.engine import compaction_buckets
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
@@ -78,7 +79,8 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
   menu = config.adaptive().menu
   rows = batch.tokens.shape[0] * config.grpo.group_size
   if kept.exists():
-    costs, why = _kept_costs(kept, len(menu), rows)
+    costs, why = _kept_costs(kept, len(menu),
+                             compaction_buckets(rows, config.rollout.compaction))
     if costs is not None:
       log(f"speculation costs per round, as measured when this run started ({kept}):\n"
           f"{costs.format(menu)}")
@@ -87,10 +89,11 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
         "than the uninterrupted one would have)")
   rc = config.fixed_tree().train_config().rollout
   log(f"measuring what a round of each of the {len(menu)} speculation menu entries costs at "
-      f"{rows} rows (about a minute on a CPU; cached for the next run)")
+      f"{rows} rows{' and each compacted batch' if config.rollout.compaction else ''} (about "
+      "a minute per batch size on a CPU; cached for the next run)")
   start = time.perf_counter()
   costs = calibrate(params, config.model, rc.drafter, config.adaptive(),
-                    batch_sizes=(rows,),
+                    batch_sizes=compaction_buckets(rows, config.rollout.compaction),
                     prompt_len=batch.tokens.shape[1], max_new_tokens=config.rollout.max_new_tokens,
                     drafter_params=drafter_params, sampling=rc.sampling)
   write_text_atomic(kept, json.dumps(dataclasses.asdict(costs)))
@@ -99,16 +102,17 @@ def rollout_costs(params, config: ExperimentConfig, batch, drafter_params: Any =
   return costs
 
 
-def _kept_costs(path: Path, entries: int, rows: int) -> tuple[CostTable | None, str]:
+def _kept_costs(path: Path, entries: int, rows: tuple[int, ...]
+                ) -> tuple[CostTable | None, str]:
   """The run's kept cost table, or None and why it cannot be used: damaged, or measured
   for another menu or batch (a table is never rescaled to other shapes)."""
   try:
     costs = CostTable(**json.loads(path.read_text()))
   except (OSError, ValueError, TypeError) as err:  # ConfigError is a ValueError
     return None, f"unreadable or damaged ({type(err).__name__}: {err})"
-  if len(costs.seconds) != entries or tuple(costs.batches) != (rows,):
+  if len(costs.seconds) != entries or tuple(costs.batches) != tuple(rows):
     return None, (f"measured for {len(costs.seconds)} menu entries at batch "
-                  f"{tuple(costs.batches)}, this run has {entries} at ({rows},)")
+                  f"{tuple(costs.batches)}, this run has {entries} at {tuple(rows)}")
   return costs, ""
 
 
@@ -134,7 +138,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
     arms.append(functools.partial(
         generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
         sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
-        eos_id=rc.eos_id, drafter_params=drafter_params if rc.drafter else None))
+        eos_id=rc.eos_id, compaction=rc.compaction,
+        drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
   rates, spent, last, r = ([], []), [0.0, 0.0], [None, None], 0
   while r < config.eval.speedup_repeats or min(spent) < config.eval.speedup_seconds:

@@ -60,6 +60,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   out = generate(params, config.model, prompts, prompt_lengths, key,
                  max_new_tokens=rc.max_new_tokens, sampling=rc.sampling, drafter=rc.drafter,
                  tree=rc.tree, speculation=rc.speculation, eos_id=rc.eos_id, pad_id=pad_id,
+                 compaction=rc.compaction,
                  drafter_params=drafter_params,
                  acceptance=None if acceptance is None else acceptance.scaled(
                      rc.acceptance_carry), check_values=check_values)

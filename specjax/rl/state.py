@@ -55,6 +55,10 @@ class RolloutConfig:
       from the policy's prior and spends its first rounds finding out what the drafter
       accepts. Below 1 the carried evidence fades step by step, so a drafter that stopped
       paying (or was switched off) is tried again once the policy moves on.
+    compaction: halvings of the rollout batch as its rows finish (`DecodeLoop.compaction`):
+      with 2 the rollout runs at B rows until at most B / 2 are still generating, then at
+      B / 2, then B / 4, so the long tail of a few long responses stops paying for the
+      finished rows. 0: every round runs all B rows.
   """
 
   max_new_tokens: int
@@ -64,8 +68,12 @@ class RolloutConfig:
   tree: DraftTree | None = None
   speculation: Adaptive | None = None
   acceptance_carry: float = 0.0
+  compaction: int = 0
 
   def __post_init__(self):
+    if not (is_int(self.compaction) and self.compaction >= 0):
+      raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
+                        "(halvings of the rollout batch as rows finish)")
     if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an "
                         "int >= 1")

@@ -185,13 +185,15 @@ def test_a_kept_cost_table_is_reused_only_when_intact_and_measured_at_this_runs_
   table = CostTable(batches=(16,), seconds=((1e-3,), (2e-3,)), alone=(9e-4,), setup=(0.0,),
                     switch=(0.0,))
   path.write_text(json.dumps(dc.asdict(table)))
-  assert _kept_costs(path, entries=2, rows=16) == (table, "")
-  costs, why = _kept_costs(path, entries=2, rows=32)
+  assert _kept_costs(path, entries=2, rows=(16,)) == (table, "")
+  costs, why = _kept_costs(path, entries=2, rows=(32,))
   assert costs is None and "at batch (16,), this run has 2 at (32,)" in why
-  costs, why = _kept_costs(path, entries=3, rows=16)
+  costs, why = _kept_costs(path, entries=3, rows=(16,))
   assert costs is None and "for 2 menu entries" in why
+  costs, why = _kept_costs(path, entries=2, rows=(16, 8))  # a compacting rollout's batches
+  assert costs is None and "this run has 2 at (16, 8)" in why
   path.write_text('{"batches": [16], "seconds": [[0.001]')  # cut short by a kill
-  costs, why = _kept_costs(path, entries=2, rows=16)
+  costs, why = _kept_costs(path, entries=2, rows=(16,))
   assert costs is None and "damaged (JSONDecodeError" in why
 
 

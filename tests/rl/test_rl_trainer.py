@@ -41,10 +41,13 @@ def _reader(batch_size=4):
   return PromptReader(records, batch_size=batch_size, pad_id=TOK.pad_id)
 
 
-def _config(sampling=SamplingConfig(1.0), speculative=True, **kwargs):
-  rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
-                          sampling=sampling, drafter=MTPDrafter() if speculative else None,
-                          tree=DraftTree.chain(2) if speculative else None)
+def _config(sampling=SamplingConfig(1.0), speculative=True, compaction=0, max_new_tokens=None,
+            **kwargs):
+  rollout = RolloutConfig(max_new_tokens=max_new_tokens or TASK.max_answer_tokens,
+                          eos_id=TOK.eos_id, sampling=sampling,
+                          drafter=MTPDrafter() if speculative else None,
+                          tree=DraftTree.chain(2) if speculative else None,
+                          compaction=compaction)
   grpo = kwargs.pop("grpo", GRPOConfig(group_size=4, beta=0.05, num_minibatches=2))
   return TrainConfig(model=MODEL, grpo=grpo, rollout=rollout, **kwargs)
 
@@ -192,6 +195,9 @@ def test_experiment_passes_its_drafter_training_to_the_train_step():
   assert config.train_config().drafter_training == DrafterTraining(0.5, 2e-3, 4)
   eagle = ExperimentConfig(drafter=Drafting(name="eagle3"))
   assert eagle.train_config().drafter_training == DrafterTraining(1.0, 1e-3, 3)
+  compacting = ExperimentConfig(rollout=RolloutSettings(compaction=2))
+  assert compacting.train_config().rollout.compaction == 2
+  assert compacting.train_config("none").rollout.compaction == 2  # the plain arm compacts too
 
 
 # A second end token beside the tokenizer's EOS: a digit the untrained policy samples often.
@@ -315,26 +321,51 @@ def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
 
 
 @pytest.mark.slow
-def test_fused_step_on_8_devices_gives_the_single_device_metrics():
-  config = _config(grpo=GRPOConfig(group_size=4, beta=0.05))
-  optimizer = optax.adam(1e-3)
-  single_state, single, _ = _run(config, 2)
-
+def _on_mesh(config, steps):
+  """`_run` of `config`'s fused step on a 2 x 2 x 2 mesh of the 8 fake devices."""
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  optimizer = optax.adam(1e-3)
   params = init_params(MODEL, jax.random.key(0))
-  state = init_train_state(config, params, optimizer, seed=1)
+  start = init_train_state(config, params, optimizer, seed=1)
   p_shard = sharding.param_shardings(MODEL, mesh)
-  state_shard = state.replace(
+  state_shard = start.replace(
       params=p_shard, ref_params=p_shard,
-      opt_state=sharding.opt_state_shardings(state.opt_state, params, p_shard),
+      opt_state=sharding.opt_state_shardings(start.opt_state, params, p_shard),
       step=sharding.replicated(mesh), key=sharding.replicated(mesh))
-  state = jax.device_put(state, state_shard)
-  batch = _reader().batch_at(0)
-  batch_shard = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim), batch)
+  batch_shard = jax.tree.map(lambda x: sharding.batch_sharding(mesh, x.ndim),
+                             _reader().batch_at(0))
   step = make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id,
                          state_sharding=state_shard, batch_sharding=batch_shard)
-  sharded_state, sharded, _ = _run(config, 2, step, state)
-  assert sharded_state.params["layers"][0]["wq"].sharding == p_shard["layers"][0]["wq"]
+  return _run(config, steps, step, jax.device_put(start, state_shard))
+
+
+def test_greedy_rollouts_that_compact_their_batch_train_identically_on_1_and_8_devices():
+  """Compaction gathers the live rows into smaller batches as rows finish, inside the fused
+  step: greedy, the responses, rewards and the update are those of the full-batch rollout, on
+  one device and on a 2 x 2 x 2 mesh (whose rows the gather crosses). Each is compared with
+  the full batch on the same devices: across device counts, float sums in another order may
+  flip a near-tie of a later greedy step."""
+  greedy = SamplingConfig(0.0)
+  full, compact = (_config(greedy, compaction=c, max_new_tokens=12) for c in (0, 2))
+  for run in (_run, _on_mesh):
+    full_state, full_history, _ = run(full, 2)
+    lengths = np.asarray([h["response_length_mean"] for h in full_history])
+    assert np.all(lengths < 12), lengths  # rows end early: the batch really compacts
+    state, history, _ = run(compact, 2)
+    for a, b in zip(full_history, history):
+      for key in ("reward_mean", "response_length_mean", "rollout_tokens", "loss", "kl",
+                  "mtp_ce", "acceptance_length"):
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(state.params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_step_on_8_devices_gives_the_single_device_metrics():
+  config = _config(grpo=GRPOConfig(group_size=4, beta=0.05))
+  _, single, _ = _run(config, 2)
+  sharded_state, sharded, _ = _on_mesh(config, 2)
+  wq = sharded_state.params["layers"][0]["wq"].sharding
+  assert wq == sharding.param_shardings(MODEL, wq.mesh)["layers"][0]["wq"]
   for a, b in zip(single, sharded):
     for key in ("reward_mean", "loss", "kl", "mtp_ce", "entropy", "response_length_mean"):
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-5, err_msg=key)
