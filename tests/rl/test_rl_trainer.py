@@ -320,7 +320,6 @@ def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def _on_mesh(config, steps):
   """`_run` of `config`'s fused step on a 2 x 2 x 2 mesh of the 8 fake devices."""
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -339,7 +338,8 @@ def _on_mesh(config, steps):
   return _run(config, steps, step, jax.device_put(start, state_shard))
 
 
-def test_greedy_rollouts_that_compact_their_batch_train_identically_on_1_and_8_devices():
+@pytest.mark.parametrize("devices", [1, pytest.param(8, marks=pytest.mark.slow)])
+def test_greedy_rollouts_that_compact_their_batch_train_identically(devices):
   """Compaction gathers the live rows into smaller batches as rows finish, inside the fused
   step: greedy, the responses, rewards and the update are those of the full-batch rollout, on
   one device and on a 2 x 2 x 2 mesh (whose rows the gather crosses). Each is compared with
@@ -347,19 +347,20 @@ def test_greedy_rollouts_that_compact_their_batch_train_identically_on_1_and_8_d
   flip a near-tie of a later greedy step."""
   greedy = SamplingConfig(0.0)
   full, compact = (_config(greedy, compaction=c, max_new_tokens=12) for c in (0, 2))
-  for run in (_run, _on_mesh):
-    full_state, full_history, _ = run(full, 2)
-    lengths = np.asarray([h["response_length_mean"] for h in full_history])
-    assert np.all(lengths < 12), lengths  # rows end early: the batch really compacts
-    state, history, _ = run(compact, 2)
-    for a, b in zip(full_history, history):
-      for key in ("reward_mean", "response_length_mean", "rollout_tokens", "loss", "kl",
-                  "mtp_ce", "acceptance_length"):
-        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(state.params)):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  run = _run if devices == 1 else _on_mesh
+  full_state, full_history, _ = run(full, 2)
+  lengths = np.asarray([h["response_length_mean"] for h in full_history])
+  assert np.all(lengths < 12), lengths  # rows end early: the batch really compacts
+  state, history, _ = run(compact, 2)
+  for a, b in zip(full_history, history):
+    for key in ("reward_mean", "response_length_mean", "rollout_tokens", "loss", "kl",
+                "mtp_ce", "acceptance_length"):
+      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fused_step_on_8_devices_gives_the_single_device_metrics():
   config = _config(grpo=GRPOConfig(group_size=4, beta=0.05))
   _, single, _ = _run(config, 2)
