@@ -13,7 +13,6 @@ to its end, that head in the layout vLLM and SGLang load (`OUT/eagle3`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +23,7 @@ import orbax.checkpoint as ocp
 from specjax.checkpoint import Checkpointer
 from specjax.errors import CheckpointError, ConfigError
 from specjax.experiments.run_record import CONFIG_FILE
+from specjax.files import read_object
 from specjax.models import ModelConfig, init_params, load_eagle3, save_eagle3, save_hf
 from specjax.models.config import Llama3RopeScaling
 from specjax.models.params import Params
@@ -36,11 +36,8 @@ def recorded_config(run_dir: str | Path) -> dict[str, Any]:
   if not path.is_file():
     raise ConfigError(f"run_dir={str(run_dir)!r} is invalid: no {CONFIG_FILE} there (a "
                       "`specjax train` run directory records one when it starts)")
-  try:
-    record = json.loads(path.read_text())
-  except (OSError, ValueError) as err:
-    raise CheckpointError(f"{path} cannot be read as JSON ({err})") from None
-  if not isinstance(record, dict) or not isinstance(record.get("model"), dict):
+  record = read_object(path, CheckpointError, "restore the run's config.json from a copy")
+  if not isinstance(record.get("model"), dict):
     raise CheckpointError(f"{path} holds no model config (a \"model\" object)")
   return record
 
