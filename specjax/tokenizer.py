@@ -217,13 +217,19 @@ class HFTokenizer:
     bos_id: the start-of-sequence id, or None.
     eos_ids: every id that ends a sequence, `eos_id` first (chat models stop on several, e.g.
       generation_config.json's `eos_token_id` list).
+    chat_template: the Jinja chat template of the model directory (`tokenizer_config.json`'s
+      `chat_template`, or `chat_template.jinja`), rendered by `render_chat`; None: none.
+    source: the directory or file it was loaded from (what a run's config records of it).
   """
 
-  tokenizer: tokenizers.Tokenizer
+  tokenizer: tokenizers.Tokenizer = dataclasses.field(metadata={"record": False})
   eos_id: int
   pad_id: int
   bos_id: int | None = None
   eos_ids: tuple[int, ...] = ()
+  chat_template: str | None = dataclasses.field(default=None, repr=False,
+                                                metadata={"record": False})
+  source: str | None = None
 
   def __post_init__(self):
     if not self.eos_ids:
@@ -251,6 +257,32 @@ class HFTokenizer:
     return self.tokenizer.decode(_checked_ids(ids, self.vocab_size, beyond=True),
                                  skip_special_tokens=True)
 
+  def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                  add_generation_prompt: bool = True) -> str:
+    """`messages` (`[{"role": ..., "content": ...}, ...]`) as the text the model was trained on
+    for them: `chat_template` rendered as Hugging Face renders it (Jinja2 in a sandbox, with
+    `bos_token`, `eos_token`, `raise_exception` and `strftime_now`), ending, with
+    `add_generation_prompt`, with the header of the assistant's turn.
+
+    Raises:
+      TokenizerError: no chat template, or it does not render these messages (its own
+        `raise_exception`, a syntax error, a missing field).
+    """
+    if self.chat_template is None:
+      raise TokenizerError(f"{self.source or 'this tokenizer'} has no chat template "
+                           "(tokenizer_config.json's chat_template or chat_template.jinja); "
+                           "give prompts as text, or use a model directory that has one")
+    template = _compiled_template(self.chat_template, self.source)
+    special = lambda i: None if i is None else self.tokenizer.id_to_token(i)
+    try:
+      return template.render(messages=list(messages),
+                             add_generation_prompt=add_generation_prompt,
+                             bos_token=special(self.bos_id) or "",
+                             eos_token=special(self.eos_id), pad_token=special(self.pad_id))
+    except Exception as err:  # jinja2's errors, and whatever the template's filters raise
+      raise TokenizerError(f"the chat template of {self.source or 'this tokenizer'} does not "
+                           f"render {_preview(messages)}: {type(err).__name__}: {err}") from None
+
   @classmethod
   def from_file(cls, path: str | os.PathLike, *, eos_token: str | None = None,
                 pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
@@ -272,9 +304,12 @@ class HFTokenizer:
     `pad_token_id`, `bos_token_id`); the guesses of `from_file`.
     """
     path = Path(path)
-    return cls._build(path / "tokenizer.json", _read_json(path / "tokenizer_config.json"),
-                      _read_json(path / "generation_config.json"), eos_token, pad_token,
-                      bos_token)
+    tok_config = _read_json(path / "tokenizer_config.json")
+    out = cls._build(path / "tokenizer.json", tok_config,
+                     _read_json(path / "generation_config.json"), eos_token, pad_token,
+                     bos_token)
+    return dataclasses.replace(out, chat_template=_chat_template(path, tok_config),
+                               source=str(path))
 
   @classmethod
   def _build(cls, file: Path, tok_config: Mapping[str, Any], gen_config: Mapping[str, Any],
@@ -347,7 +382,60 @@ class HFTokenizer:
       pad_id = eos_id if pad_id is None else pad_id
 
     eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
-    return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids)
+    return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids,
+               source=str(file))
+
+
+def _chat_template(path: Path, tok_config: Mapping[str, Any]) -> str | None:
+  """The chat template of model directory `path`: `chat_template.jinja` (how transformers
+  saves it since 4.43), else `tokenizer_config.json`'s `chat_template` (a string, or a list of
+  named templates of which "default" is the one)."""
+  file = path / "chat_template.jinja"
+  if file.is_file():
+    return file.read_text()
+  value = tok_config.get("chat_template")
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+    value = named.get("default")
+  if value is not None and not isinstance(value, str):
+    raise TokenizerError(f"{path / 'tokenizer_config.json'}: chat_template={value!r:.80} is "
+                         "invalid: allowed a Jinja template string, or a list of "
+                         "{name, template} with a 'default'")
+  return value
+
+
+def _preview(messages: Any) -> str:
+  text = repr(messages)
+  return text if len(text) <= 120 else text[:117] + "..."
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str, where: str | None):
+  """A chat template compiled as Hugging Face compiles it (sandboxed, blocks trimmed, loop
+  controls, a `tojson` that keeps non-ASCII text)."""
+  try:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+  except ImportError:
+    raise TokenizerError("chat templates need jinja2: pip install 'specjax[hf]'") from None
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def strftime_now(fmt):
+    import datetime
+    return datetime.datetime.now().strftime(fmt)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+      x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+  env.globals |= {"raise_exception": raise_exception, "strftime_now": strftime_now}
+  try:
+    return env.from_string(source)
+  except jinja2.exceptions.TemplateError as err:
+    raise TokenizerError(f"the chat template of {where or 'this tokenizer'} is not a valid "
+                         f"Jinja template: {err}") from None
 
 
 def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:

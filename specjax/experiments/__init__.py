@@ -15,8 +15,8 @@
 from specjax.experiments.drafter import run_drafter_training
 from specjax.experiments.drafter_config import (DistillData, DrafterTrainConfig, Eagle3Head,
                                                 HeadEvaluation)
-from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart, override
 from specjax.experiments.export import export_run, load_policy
+from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart, override
 from specjax.experiments.grpo import run
 from specjax.experiments.grpo_config import (Drafting, ExperimentConfig, Pipeline,
                                              RolloutEvaluation, RolloutSettings)

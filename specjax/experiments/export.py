@@ -13,6 +13,7 @@ to its end, that head in the layout vLLM and SGLang load (`OUT/eagle3`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,11 +24,12 @@ import orbax.checkpoint as ocp
 from specjax.checkpoint import Checkpointer
 from specjax.errors import CheckpointError, ConfigError
 from specjax.experiments.run_record import CONFIG_FILE
-from specjax.files import read_object
+from specjax.files import read_object, write_text_atomic
 from specjax.models import ModelConfig, init_params, load_eagle3, save_eagle3, save_hf
 from specjax.models.config import Llama3RopeScaling
 from specjax.models.params import Params
 from specjax.rl.tasks import ArithmeticTask
+from specjax.tokenizer import CharTokenizer, HFTokenizer
 
 
 def recorded_config(run_dir: str | Path) -> dict[str, Any]:
@@ -51,6 +53,34 @@ def recorded_model(record: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
   except TypeError as err:  # a field this version does not know (or lacks)
     raise CheckpointError(f"the recorded model config does not fit this specjax's ModelConfig "
+                          f"({err})") from None
+
+
+# What an HF model directory's tokenizer is made of (copied into an export).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def recorded_tokenizer(record: dict[str, Any], where: Path) -> CharTokenizer | HFTokenizer:
+  """The policy's tokenizer in a recorded config: an HF tokenizer by the directory it was
+  loaded from, a character tokenizer by its alphabet, or the built-in task's."""
+  task = record.get("task")
+  if not isinstance(task, dict):
+    raise CheckpointError(f"{where} holds no task config (a \"task\" object): the tokenizer "
+                          "cannot be exported")
+  tok = task.get("tokenizer")
+  if isinstance(tok, dict) and tok.get("source") is not None:
+    source = Path(tok["source"])
+    if not (source / "tokenizer.json").is_file():
+      raise CheckpointError(f"{where}: the run's tokenizer came from {source}, which holds no "
+                            "tokenizer.json any more; restore it to export the tokenizer")
+    return HFTokenizer.from_dir(source)
+  if isinstance(tok, dict) and "alphabet" in tok:
+    return CharTokenizer(tok["alphabet"])
+  try:
+    return ArithmeticTask(**task).tokenizer
+  except TypeError as err:
+    raise CheckpointError(f"{where}: the run's tokenizer cannot be told from its task record "
                           f"({err})") from None
 
 
@@ -113,14 +143,22 @@ def export_run(run_dir: str | Path, out: str | Path,
   record = recorded_config(run_dir)
   model = recorded_model(record)
   params, _ = load_policy(run_dir, model)
-  if not isinstance(record.get("task"), dict):
-    raise CheckpointError(f"{Path(run_dir) / CONFIG_FILE} holds no task config (a \"task\" "
-                          "object): the tokenizer cannot be exported")
-  tokenizer = ArithmeticTask(**record["task"]).tokenizer
+  tokenizer = recorded_tokenizer(record, Path(run_dir) / CONFIG_FILE)
   out = Path(out)
-  save_hf(params, model, out, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
-          pad_token_id=tokenizer.pad_id)
-  tokenizer.save(out)
+  policy_dir = record.get("policy_dir")
+  extra = None
+  if policy_dir is not None and (Path(policy_dir) / "config.json").is_file():
+    extra = json.loads((Path(policy_dir) / "config.json").read_text())  # its other HF fields
+  eos = list(tokenizer.eos_ids) if len(getattr(tokenizer, "eos_ids", ())) > 1 else tokenizer.eos_id
+  save_hf(params, model, out, extra_config=extra, bos_token_id=tokenizer.bos_id,
+          eos_token_id=eos, pad_token_id=tokenizer.pad_id)
+  if isinstance(tokenizer, HFTokenizer):
+    source = Path(tokenizer.source)
+    for name in TOKENIZER_FILES:
+      if (source / name).is_file():
+        write_text_atomic(out / name, (source / name).read_text())
+  else:
+    tokenizer.save(out)
   log(f"policy of {run_dir} -> {out} (HF {model.family} checkpoint with its tokenizer)")
   head = Path(run_dir) / "eagle3"
   if head.is_dir():

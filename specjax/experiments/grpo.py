@@ -48,33 +48,59 @@ from specjax.experiments.run_record import check_resume, kept_metrics, record_co
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
+from specjax.models.hf import load_hf
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
+from specjax.rl.datasets import host_scores
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
 from specjax.rl.state import TrainConfig, TrainState, init_train_state
-from specjax.rl.tasks import ArithmeticTask, encode_prompt
-from specjax.rl.trainer import make_prime_fn
+from specjax.rl.tasks import Task, decode_completions, task_prompt_ids
+from specjax.rl.trainer import make_prime_fn, make_split_step
 from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
-__all__ = ["ExperimentConfig", "abstract_state", "initial_eagle3_head", "run", "task_records",
-           "warm_start", "with_shardings"]
+__all__ = ["ExperimentConfig", "abstract_state", "host_reward", "initial_eagle3_head",
+           "initial_policy", "run", "task_records", "with_shardings"]
 
 
-def task_records(task: ArithmeticTask, split: str) -> list[dict]:
-  tok = task.tokenizer
-  return [{"prompt": encode_prompt(tok, e.prompt), "reference": e.reference,
-           "answer": e.answer} for e in task.examples(split)]
+def task_records(task: Task, split: str) -> list[dict]:
+  """The prompt records of `task`'s `split` (`PromptReader`'s source); a task rewarded in
+  Python keeps each record's `Example` under "example", which its rewards read."""
+  keep = not task.reward_in_jax
+  return [{"prompt": task_prompt_ids(task, e.prompt), "reference": e.reference,
+           "answer": e.answer, **({"example": e} if keep else {})}
+          for e in task.examples(split)]
 
 
-def warm_start(config: ExperimentConfig, log=print):
-  """The policy's supervised warm start (`config.warm_start`) on the task's training
-  examples; returns parameters (`specjax.experiments.warm_start.warm_start_policy`)."""
+def initial_policy(config: ExperimentConfig, log=print):
+  """The parameters RL starts from: `config.policy_dir`'s checkpoint, or random ones, after
+  the supervised warm start (`config.warm_start`; `warm_start_policy`)."""
+  params = None
+  if config.policy_dir is not None:
+    params, model = load_hf(config.policy_dir)
+    if model != config.model:
+      raise ConfigError(f"policy_dir={config.policy_dir!r} loads as {model}, which differs from "
+                        f"the run's model {config.model} (config.json changed since the run "
+                        "was configured?)")
+    log(f"policy from {config.policy_dir}")
   return warm_start_policy(config.task, config.model, config.warm_start, config.seed, log,
-                           progress=jax.process_index() == 0)
+                           progress=jax.process_index() == 0, params=params)
+
+
+def host_reward(config: ExperimentConfig, records: list[dict]):
+  """The split step's reward (`make_split_step`) of a task rewarded in Python: the rollout's
+  responses decoded, each scored against its prompt's record (`records`, the reader's
+  source), with the per-function means as metrics."""
+  tok, group = config.task.tokenizer, config.grpo.group_size
+
+  def reward(responses, lengths, batch):
+    examples = [records[int(i)]["example"] for i in np.repeat(np.asarray(batch.index), group)]
+    return host_scores(config.task, examples, decode_completions(tok, responses, lengths))
+
+  return reward
 
 
 def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
@@ -283,8 +309,13 @@ def _run(config: ExperimentConfig, log) -> dict:
   optimizer = config.optimizer()
   optimizer_schedule = config.optim.schedule(config.steps)  # what the optimizer steps with
   tok = config.task.tokenizer
-  reward = config.task.reward
   train_records = task_records(config.task, "train")
+  in_jax = config.task.reward_in_jax
+  if not in_jax and jax.process_count() > 1:
+    raise ConfigError(f"task {config.task.name!r} is rewarded in Python, which runs in one "
+                      f"process; this run has {jax.process_count()} (use one process with all "
+                      "its local devices, or a task rewarded in JAX)")
+  reward = config.task.reward if in_jax else host_reward(config, train_records)
   test_records = task_records(config.task, "test")
   test_records = test_records[:config.eval.prompts]
   prompts = config.rollout.prompts_per_step
@@ -304,8 +335,8 @@ def _run(config: ExperimentConfig, log) -> dict:
     log(f"disaggregated async: rollouts on {rollout_mesh.size} device(s), updates on "
         f"{mesh.size}, policy lag {config.pipeline.policy_lag}")
   if restored is None:
-    log(f"policy: {count_params(init_params(config.model, jax.random.key(0))):,} parameters")
-    params = warm_start(config, log)
+    log(f"policy: {count_params(abstract.params):,} parameters")
+    params = initial_policy(config, log)
     head = None
     if tc.eagle3 is not None:
       head = initial_eagle3_head(params, config, log)
@@ -367,9 +398,12 @@ def _run(config: ExperimentConfig, log) -> dict:
   if lead:
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(run_dir / "tensorboard"))
-  if disaggregated is None:
+  if disaggregated is None and in_jax:
     train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
                                     pad_id=tok.pad_id)
+  elif disaggregated is None:
+    train_step = make_split_step(tc, reward, optimizer, pad_id=tok.pad_id,
+                                 state_sharding=shardings)
   if meta["step"] < config.steps:
     log("compiling the GRPO step (the first step's time includes it)")
   position, last_checkpoint = meta["position"], meta["step"]

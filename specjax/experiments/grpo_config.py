@@ -14,22 +14,26 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import optax
+import tyro
 
 from specjax.checks import is_plain_int, is_real, require_field, require_ints, require_reals
 from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftSource, DraftTree,
                               Eagle3Drafter, SamplingConfig, build_drafter, check_drafter_name,
                               drafter_names, needs_checkpoint)
+from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.rl.datasets import DatasetTask
+from specjax.rl.gsm8k import GSM8KTask
 from specjax.rl.losses import GRPOConfig
-from specjax.rl.tasks import ArithmeticTask
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
+from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
 
 # Half of each rollout's acceptance counts start the next: the policy chooses its trees from
@@ -219,6 +223,11 @@ class RolloutEvaluation(Evaluation):
     require_reals(self, ("speedup_seconds",), positive=False, prefix="eval.")
 
 
+# The built-in arithmetic policy (what a run trains from scratch without `policy_dir`).
+DEFAULT_MODEL = ModelConfig(vocab_size=17, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                            head_dim=32, mlp_dim=256, num_mtp_modules=2, max_position=64)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   """Everything of one run; every field can be overridden on the command line
@@ -227,8 +236,16 @@ class ExperimentConfig:
   Attributes:
     run_dir: checkpoints, metrics.jsonl, TensorBoard events and plots go here.
     seed: seeds initialisation, data order and sampling.
-    task: the arithmetic task (prompts, held-out split, JAX reward).
-    model: the policy's architecture (vocab_size at least the task tokenizer's).
+    task: prompts, held-out split and reward: the built-in `ArithmeticTask` (its reward in JAX,
+      inside the fused step), or a task rewarded in Python — `DatasetTask` (the user's data
+      and reward functions), `GSM8KTask`, `CustomTask` —, whose step runs as two programs with
+      the rewards between (sync, one process).
+    model: the policy's architecture (vocab_size at least the task tokenizer's); with
+      `policy_dir`, read from the checkpoint (leave it at its default).
+    policy_dir: an HF checkpoint directory (Llama 3 / Qwen2 / Qwen3 `config.json` and
+      safetensors) the policy starts from instead of random weights; the warm start, if
+      `warm_start.steps` > 0, continues from it. None: a policy of `model`'s shape trained
+      from scratch by the warm start.
     grpo: GRPO hyper-parameters.
     steps: GRPO steps.
     rollout: how each step samples (`RolloutSettings`).
@@ -248,10 +265,12 @@ class ExperimentConfig:
 
   run_dir: str = "runs/arithmetic"
   seed: int = 0
-  task: ArithmeticTask = ArithmeticTask()
-  model: ModelConfig = ModelConfig(vocab_size=17, d_model=128, n_layers=2, n_heads=4,
-                                   n_kv_heads=2, head_dim=32, mlp_dim=256, num_mtp_modules=2,
-                                   max_position=64)
+  # One parser per task kind, from the config's own task (no subcommands): a DatasetTask's
+  # rewards and tokenizer come from the config file, its columns from flags.
+  task: Annotated[ArithmeticTask | DatasetTask | GSM8KTask | CustomTask,
+                  tyro.conf.AvoidSubcommands] = ArithmeticTask()
+  model: ModelConfig = DEFAULT_MODEL
+  policy_dir: str | None = None
   grpo: GRPOConfig = GRPOConfig(group_size=8)
   steps: int = 100
   rollout: RolloutSettings = RolloutSettings()
@@ -269,6 +288,18 @@ class ExperimentConfig:
                     f"must be a {kind.__name__}(...)")
     require_ints(self, ("steps",), 1)
     require_ints(self, ("seed",), 0)
+    if self.policy_dir is not None:
+      self._take_policy_model()
+    if not self.task.reward_in_jax:
+      require_field(self.pipeline, "async_mode", not self.pipeline.async_mode,
+                    f"a task rewarded in Python ({type(self.task).__name__}) trains on-policy: "
+                    "its step runs the rollout, the rewards on the host, then the update "
+                    "(allowed: False)", "pipeline.")
+    if isinstance(self.task, DatasetTask) and self.task.reference_column is None:
+      require_field(self.warm_start, "steps", self.warm_start.steps == 0,
+                    f"the supervised warm start learns references, and task {self.task.name!r} "
+                    "has none (set task.reference_column, or warm_start.steps=0 to start RL "
+                    "from policy_dir's weights)", "warm_start.")
     vocab = self.task.tokenizer.vocab_size
     require_field(self.model, "vocab_size", self.model.vocab_size >= vocab,
                   f"the task's tokenizer has {vocab} ids, which the model must embed "
@@ -284,8 +315,34 @@ class ExperimentConfig:
                   "policy keeps acceptance counts); leave it None or 0 otherwise", "rollout.")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
     if self.drafter.name not in ("none", "eagle3"):
-      build_drafter(self.drafter.name, DraftSource(self.model))[0].validate(self.model,
-                                                                             self.tree)
+      try:
+        build_drafter(self.drafter.name, DraftSource(self.model))[0].validate(self.model,
+                                                                               self.tree)
+      except ConfigError as err:
+        if self.policy_dir is None:
+          raise
+        raise ConfigError(f"drafter.name={self.drafter.name!r} is invalid with policy_dir="
+                          f"{self.policy_dir!r}: {err}. A checkpoint without draft heads "
+                          "drafts with 'ngram', 'eagle3' (a head distilled from the policy, "
+                          "or drafter.eagle3_dir) or 'none'") from None
+
+  def _take_policy_model(self) -> None:
+    """`model` from `policy_dir`'s config.json (the default `model` replaced; another one is
+    a conflict)."""
+    from specjax.models.hf_config import config_from_hf
+    path = Path(self.policy_dir) / "config.json"
+    require_field(self, "policy_dir", path.is_file(),
+                  "no config.json there (expected an HF checkpoint directory: config.json and "
+                  "safetensors)")
+    try:
+      record = json.loads(path.read_text())
+    except ValueError as err:
+      raise ConfigError(f"policy_dir={self.policy_dir!r}: {path} is not JSON ({err})") from None
+    model = config_from_hf(record)
+    require_field(self, "model", self.model in (DEFAULT_MODEL, model),
+                  f"differs from policy_dir's model ({path}); leave model at its default "
+                  "when the policy comes from a checkpoint")
+    object.__setattr__(self, "model", model)
 
   def eagle3_config(self) -> Eagle3Config:
     """The EAGLE-3 head's architecture: `drafter.eagle3_dir`'s, or one sized for `model`."""

@@ -25,12 +25,16 @@ from specjax.decoding.engine import compaction_buckets
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
+from specjax.rl.datasets import host_scores
+from specjax.rl.tasks import decode_completions
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
              samples: int = 8) -> float:
-  """Held-out accuracy (fraction of responses with reward 1): greedy, or the mean over
-  `samples` responses per prompt drawn at the rollout temperature."""
+  """Held-out accuracy (fraction of responses with reward at least the task's
+  `success_reward`, 1 for the built-in tasks): greedy, or the mean over `samples` responses
+  per prompt drawn at the rollout temperature. A Python-reward task's `records` carry their
+  `Example`s (`grpo.task_records`)."""
   tok = config.task.tokenizer
   reader = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id, shuffle=False)
   batch = reader.batch_at(0)
@@ -41,8 +45,14 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
                  max_new_tokens=config.rollout.max_new_tokens, sampling=sampling,
                  eos_id=config.eos_ids,
                  pad_id=tok.pad_id)
-  rewards = config.task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
-  return float((rewards >= 1.0).mean())
+  task = config.task
+  if task.reward_in_jax:
+    rewards = task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
+  else:
+    completions = decode_completions(tok, out.tokens, out.lengths)
+    rewards, _ = host_scores(task, [r["example"] for r in records for _ in range(k)],
+                             completions)
+  return float((np.asarray(rewards) >= getattr(task, "success_reward", 1.0)).mean())
 
 
 def probe_acceptance(params, config: ExperimentConfig, records: list[dict],

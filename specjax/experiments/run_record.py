@@ -26,8 +26,23 @@ ENVIRONMENT_FILE = "environment.json"
 
 
 def config_record(config: Any) -> dict[str, Any]:
-  """`config` (a dataclass) as JSON values: nested dataclasses as objects, others as text."""
-  return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+  """`config` (a dataclass) as JSON values: nested dataclasses as objects (without the fields
+  marked `metadata={"record": False}`, such as a loaded tokenizer's tables), functions by their
+  qualified name (a reward's `module.fn`, the same in every run), others as text."""
+  return json.loads(json.dumps(_recordable(config), default=str))
+
+
+def _recordable(value: Any) -> Any:
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {f.name: _recordable(getattr(value, f.name)) for f in dataclasses.fields(value)
+            if f.metadata.get("record", True)}
+  if isinstance(value, (list, tuple)):
+    return [_recordable(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _recordable(v) for k, v in value.items()}
+  if callable(value) and hasattr(value, "__qualname__"):
+    return f"{getattr(value, '__module__', None) or '?'}.{value.__qualname__}"
+  return value
 
 
 def _flat(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -94,8 +109,11 @@ def check_resume(run_dir: Path, config: Any, resumable: Iterable[str], *, starte
     old = _renamed(_flat(old), renamed)
   else:
     old = _flat(old)
-  old = _flat(config_record(type(config)())) | old
   new = _flat(config_record(config))
+  # A field this config has and the record lacks was added since: it ran as its default. (Only
+  # fields the config has: a task of another kind than the default's has other fields.)
+  defaults = _flat(config_record(type(config)()))
+  old = {k: v for k, v in defaults.items() if k in new} | old
   changed = sorted(k for k in new.keys() | old.keys() if old.get(k) != new.get(k))
   allowed = set(resumable)
   fixed = [k for k in changed if not _may_change(k, allowed)]

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.errors import ConfigError
-from specjax.errors import TaskError
+from specjax.errors import ConfigError, TaskError
 from specjax.rl.tasks import Example, PythonReward, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer
 

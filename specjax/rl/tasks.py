@@ -18,8 +18,8 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +47,15 @@ class Example:
     reference: the reference answer as text (what a Python reward compares against).
     answer: the reference as a number (what a JAX reward compares against); NaN when the
       task has no numeric answer.
+    columns: the dataset row it came from, every column (a `DatasetTask`'s rewards read
+      them); empty for the built-in tasks.
   """
 
   prompt: str
   reference: str
   answer: int | float = math.nan
+  columns: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False,
+                                                 repr=False)
 
 
 @runtime_checkable
@@ -87,6 +91,13 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
   """Prompt ids as the policy sees them: BOS (when the tokenizer has one and the text does not
   already start with it), then the text."""
   return with_bos(tokenizer.encode(text), tokenizer.bos_id)
+
+
+def task_prompt_ids(task: Task, text: str) -> list[int]:
+  """Prompt ids of `task`'s prompt `text`: the task's own `encode_prompt` where it has one (a
+  `DatasetTask` whose chat template writes its special tokens), else `encode_prompt`."""
+  own = getattr(task, "encode_prompt", None)
+  return own(text) if own is not None else encode_prompt(task.tokenizer, text)
 
 
 def decode_completions(tokenizer: Tokenizer, tokens, lengths) -> list[str]:

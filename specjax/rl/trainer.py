@@ -23,12 +23,14 @@ T max new tokens, L = P + T sequence buffer, D tree depth, V vocab).
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from typing import Any, Callable
 
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
@@ -111,35 +113,50 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 
 
 def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
-                    optimizer: optax.GradientTransformation, *, pad_id: int = 0):
+                    optimizer: optax.GradientTransformation, *, pad_id: int = 0,
+                    state_sharding: Any = None):
   """Split mode for host-side (Python) rewards: two compiled programs, the reward between.
 
   Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [B, T] numpy,
   lengths [B] numpy, batch) -> [B]` runs on the host (e.g. decode the responses and call a
-  `PythonReward` with `reader.references(np.repeat(batch.index, G))`). Sync mode only.
+  `PythonReward` with `reader.references(np.repeat(batch.index, G))`); it may also return
+  `([B] rewards, {name: float})`, whose named values join the step's metrics (a
+  `DatasetTask`'s per-function means). Sync mode only.
+
+  With `state_sharding` (`train_state_shardings`, one process) the state stays on its mesh:
+  both programs run with the mesh set, so the model's layout hints hold, and the update's
+  state comes back on `state_sharding`.
   """
   if config.async_mode:
     raise ConfigError("split mode (host-side reward) supports async_mode=False only")
+  mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
 
   @jax.jit
   def rollout_fn(params, tokens, lengths, key, drafter_params, acceptance):
     return rollout(params, config, tokens, lengths, key, pad_id, drafter_params, acceptance,
                    check_values=False)
 
-  # The state is donated: parameters and optimizer moments are replaced by the update.
-  @functools.partial(jax.jit, donate_argnums=0)
-  def update_fn(state, roll, rewards, key, next_key):
+  def update_step(state, roll, rewards, key, next_key):
     roll = score(config, roll, rewards)
     state, metrics = update(state, config, optimizer, roll, key)
     return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
+  # The state is donated: parameters and optimizer moments are replaced by the update.
+  out_shardings = None if mesh is None else (state_sharding, NamedSharding(mesh, P()))
+  update_fn = jax.jit(update_step, donate_argnums=0, out_shardings=out_shardings)
+
   def step(state: TrainState, batch):
     key, k_roll, k_update = step_keys(state.key)
-    roll, responses, lengths, acceptance = rollout_fn(
-        state.params, batch.tokens, batch.lengths, k_roll, state.drafter_weights,
-        state.acceptance)
-    rewards = np.asarray(reward_fn(np.asarray(responses), np.asarray(lengths), batch),
-                         np.float32)
-    return update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update, key)
+    with contextlib.ExitStack() as scope:
+      if mesh is not None:
+        scope.enter_context(jax.sharding.set_mesh(mesh))
+      roll, responses, lengths, acceptance = rollout_fn(
+          state.params, batch.tokens, batch.lengths, k_roll, state.drafter_weights,
+          state.acceptance)
+      scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
+      rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
+      state, metrics = update_fn(_with_acceptance(state, acceptance), roll,
+                                 np.asarray(rewards, np.float32), k_update, key)
+    return state, {**metrics, **extra}
 
   return step

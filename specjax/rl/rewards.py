@@ -1,0 +1,179 @@
+"""Reward functions a user writes in Python, batched, with the dataset's columns.
+
+A `RewardFunction` wraps `fn(prompts, completions, **columns) -> list[float | None]`: one call
+per rollout batch, `prompts` and `completions` the texts of the B rows (each prompt repeated
+for its G samples), and every other parameter a column of the dataset by name (the same row's
+value for each sample), or all columns when `fn` takes `**columns`. A row's None means "this
+function does not score that row" (a format check that applies to some prompts only); the
+row's reward is the weighted sum of the functions that scored it.
+
+`score` calls a tuple of them and returns the total reward per row with one mean per function,
+logged as `reward_<name>` (TensorBoard `reward/<name>`). Whether a function can be called with
+a dataset's columns is checked against its signature (`check_columns`) when the task is built,
+before any model is loaded or trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from specjax.errors import ConfigError, RewardError
+
+# What every reward function is passed besides the dataset's columns.
+TEXT_ARGUMENTS = ("prompts", "completions")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RewardFunction:
+  """One weighted, batched Python reward.
+
+  Attributes:
+    fn: `fn(prompts, completions, **columns) -> list[float | None]` with one entry per
+      completion (see the module docstring).
+    weight: its weight in the total reward (may be negative: a penalty).
+    name: the name of its metric (`reward_<name>`); default `fn.__name__`.
+  """
+
+  fn: Callable[..., Sequence[float | None]]
+  weight: float = 1.0
+  name: str | None = None
+
+  def __post_init__(self):
+    if not callable(self.fn):
+      raise ConfigError(f"reward function {self.fn!r} is invalid: must be a function "
+                        "fn(prompts, completions, **columns) -> list[float | None]")
+    if self.name is None:
+      object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
+    if not (isinstance(self.name, str) and self.name.isidentifier()):
+      raise ConfigError(f"reward function name={self.name!r} is invalid: must be an identifier "
+                        "(it names the metric reward_<name>); pass name=")
+    weight = self.weight
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(
+        weight):
+      raise ConfigError(f"reward function {self.name!r}: weight={weight!r} is invalid: must be "
+                        "a finite number")
+    self._parameters()  # a function whose signature cannot be read fails here
+
+  def _parameters(self) -> tuple[dict[str, inspect.Parameter], bool]:
+    """The function's named parameters and whether it takes `**kwargs`."""
+    try:
+      params = inspect.signature(self.fn).parameters
+    except (TypeError, ValueError) as err:
+      raise ConfigError(f"reward function {self.name!r}: its signature cannot be read ({err}); "
+                        "wrap it in a def fn(prompts, completions, **columns)") from None
+    named = {n: p for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+  def check_columns(self, columns: Iterable[str]) -> None:
+    """Raise a `ConfigError` unless `fn` can be called with `prompts`, `completions` and the
+    dataset `columns` as keywords: every parameter without a default must be one of them,
+    and `prompts` and `completions` must be accepted."""
+    columns = list(columns)
+    named, var_keyword = self._parameters()
+    offered = set(TEXT_ARGUMENTS) | set(columns)
+    if not var_keyword:
+      refused = [a for a in TEXT_ARGUMENTS if a not in named]
+      if refused:
+        raise ConfigError(f"reward function {self.name!r} takes no {' or '.join(refused)} "
+                          "argument: every reward is called as fn(prompts=..., "
+                          "completions=..., **columns); add the parameter (or **kwargs)")
+    missing = [n for n, p in named.items() if p.default is p.empty and n not in offered]
+    if missing:
+      raise ConfigError(f"reward function {self.name!r} needs column(s) {', '.join(missing)}, "
+                        f"which the dataset lacks (its columns: {', '.join(columns)}); give "
+                        "the parameter a default or add the column")
+
+  def arguments(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+    """The columns `fn` is passed: all with `**kwargs`, else those it names."""
+    named, var_keyword = self._parameters()
+    return dict(columns) if var_keyword else {k: v for k, v in columns.items() if k in named}
+
+  def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+               columns: Mapping[str, Sequence[Any]]) -> np.ndarray:
+    """`[B]` float64 rewards, NaN where `fn` returned None."""
+    try:
+      values = self.fn(prompts=list(prompts), completions=list(completions),
+                       **self.arguments(columns))
+    except Exception as err:
+      raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") \
+          from err
+    try:
+      values = list(values)
+    except TypeError:
+      raise RewardError(f"reward function {self.name!r} returned {values!r}: allowed a list "
+                        f"of {len(completions)} numbers or None") from None
+    if len(values) != len(completions):
+      raise RewardError(f"reward function {self.name!r} returned {len(values)} values for "
+                        f"{len(completions)} completions: allowed one per completion")
+    out = np.empty(len(values), np.float64)
+    for i, value in enumerate(values):
+      if value is None:
+        out[i] = np.nan
+        continue
+      try:
+        out[i] = float(value)
+      except (TypeError, ValueError):
+        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample {i} "
+                          f"(completion={completions[i]!r}): allowed a number or None") \
+            from None
+      if not math.isfinite(out[i]):
+        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample {i} "
+                          f"(completion={completions[i]!r}): rewards must be finite (None: "
+                          "not scored)")
+    return out
+
+
+def as_reward_functions(rewards: Any) -> tuple[RewardFunction, ...]:
+  """`rewards` (one function or `RewardFunction`, or a sequence of them) as a tuple of
+  `RewardFunction`s with distinct names."""
+  items = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
+  if not items:
+    raise ConfigError("rewards=() is invalid: give at least one reward function")
+  out = tuple(r if isinstance(r, RewardFunction) else RewardFunction(r) for r in items)
+  names = [r.name for r in out]
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ConfigError(f"reward functions named {', '.join(twice)} appear more than once: each "
+                      "names its metric; pass RewardFunction(fn, name=...) to tell them apart")
+  return out
+
+
+def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
+          completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
+          ) -> tuple[np.ndarray, dict[str, float]]:
+  """The total reward of each row and each function's mean.
+
+  Args:
+    rewards: the functions.
+    prompts, completions: `[B]` texts.
+    columns: the dataset's columns, each `[B]` (the row's prompt's values).
+
+  Returns:
+    `[B]` float32 weighted sums over the functions that scored each row, and
+    `{"reward_<name>": mean over the rows it scored}` (NaN when it scored none).
+
+  Raises:
+    RewardError: a function failed or returned something other than B numbers or None, or no
+      function scored a row.
+  """
+  per_function = {r.name: r(prompts, completions, columns) for r in rewards}
+  stacked = np.stack([per_function[r.name] * r.weight for r in rewards])
+  unscored = np.flatnonzero(np.isnan(stacked).all(axis=0))
+  if unscored.size:
+    i = int(unscored[0])
+    raise RewardError(f"no reward function scored sample {i} (completion={completions[i]!r}; "
+                      f"{unscored.size} such of {len(completions)}): every function returned "
+                      "None; at least one must score each completion")
+  total = np.nansum(stacked, axis=0).astype(np.float32)
+  means = {}
+  for name, values in per_function.items():
+    scored = values[~np.isnan(values)]
+    means[f"reward_{name}"] = float(scored.mean()) if scored.size else math.nan
+  return total, means

@@ -1,0 +1,121 @@
+"""`specjax train` on a user's own HF checkpoint, JSONL data with extra columns and Python
+reward functions, from the command line: per-reward metrics, resume, export that
+transformers loads and decodes as specjax does; bad inputs fail before any model is loaded."""
+
+import dataclasses
+import json
+import random
+import runpy
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.cli import main as cli_main
+from specjax.decoding import SamplingConfig, generate
+from specjax.errors import ConfigError
+from specjax.experiments import Drafting, Pipeline, WarmStart
+from specjax.experiments.export import load_policy
+from specjax.tokenizer import HFTokenizer
+from support import write_tiny_checkpoint
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}f {% endif %}")
+
+CONFIG = """
+from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, RolloutEvaluation,
+                                 RolloutSettings, WarmStart)
+from specjax.rl import GRPOConfig
+from specjax.rl.datasets import DatasetTask
+from specjax.rl.rewards import RewardFunction
+from specjax.tokenizer import HFTokenizer
+
+
+def has_target(prompts, completions, target):
+  return [float(t in c.split()) for c, t in zip(completions, target)]
+
+
+def brevity(completions, difficulty, **_):
+  return [None if d == 0 else -0.1 * len(c.split()) for c, d in zip(completions, difficulty)]
+
+
+def get_config():
+  task = DatasetTask("{data}", HFTokenizer.from_dir("{ckpt}"),
+                     [has_target, RewardFunction(brevity, weight=0.5)], test_fraction=0.25)
+  return ExperimentConfig(
+      run_dir="{run}", task=task, policy_dir="{ckpt}", grpo=GRPOConfig(group_size=2), steps=2,
+      rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4),
+      drafter=Drafting(name="ngram"), warm_start=WarmStart(steps=0),
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0),
+      checkpoint=Checkpointing(every=1))
+"""
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+  root = tmp_path_factory.mktemp("own")
+  ckpt = root / "ckpt"
+  ckpt.mkdir()
+  write_tiny_checkpoint(ckpt)
+  tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+  (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template":
+                                                                      TEMPLATE}))
+  rng = random.Random(0)
+  with open(root / "data.jsonl", "w") as f:
+    for i in range(40):
+      words = " ".join(rng.choice("abcde") for _ in range(3))
+      f.write(json.dumps({"prompt": [{"role": "user", "content": words}],
+                          "target": rng.choice("abcde"), "difficulty": i % 3}) + "\n")
+  config = root / "config.py"
+  config.write_text(CONFIG.replace("{data}", str(root / "data.jsonl"))
+                    .replace("{ckpt}", str(ckpt)).replace("{run}", str(root / "run")))
+  return root
+
+
+def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys):
+  config = str(own / "config.py")
+  cli_main(["train", "--config", config])
+  lines = [json.loads(line) for line in (own / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in lines] == [1, 2]
+  for record in lines:  # one metric per reward function, beside the total
+    assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
+  recorded = json.loads((own / "run" / "config.json").read_text())
+  assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity"]
+  assert recorded["task"]["tokenizer"]["source"] == str(own / "ckpt")
+
+  cli_main(["train", "--config", config, "--steps", "3"])  # resumes, its config unchanged
+  out = capsys.readouterr().out
+  assert "resumed from" in out
+  lines = (own / "run" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+
+  cli_main(["export", str(own / "run"), str(own / "export")])
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  hf_tok = AutoTokenizer.from_pretrained(own / "export")
+  messages = [{"role": "user", "content": "a b c"}]
+  ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+      "input_ids"]
+  tok = HFTokenizer.from_dir(own / "ckpt")
+  assert ids == tok.encode(tok.render_chat(messages))
+  model = AutoModelForCausalLM.from_pretrained(own / "export")
+  theirs = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                          eos_token_id=tok.eos_id)[0, len(ids):].tolist()
+  params, config = load_policy(own / "run")
+  ours = generate(params, config, np.array([ids]), np.array([len(ids)]), jax.random.key(0),
+                  max_new_tokens=6, sampling=SamplingConfig(0.0), eos_id=tok.eos_id,
+                  pad_id=tok.pad_id)
+  assert ours.lengths[0] > 0
+  assert ours.tokens[0, :ours.lengths[0]].tolist() == theirs[:ours.lengths[0]]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(policy_dir="/nowhere"), "policy_dir='/nowhere' is invalid: no config.json"),
+    (dict(drafter=Drafting(name="mtp")), "drafter.name='mtp' is invalid with policy_dir"),
+    (dict(pipeline=Pipeline(async_mode=True)), "rewarded in Python .* trains on-policy"),
+    (dict(warm_start=WarmStart(steps=10)), "warm_start.steps=10 is invalid: .* has none"),
+])
+def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message):
+  config = runpy.run_path(str(own / "config.py"))["get_config"]()
+  with pytest.raises(ConfigError, match=message):
+    dataclasses.replace(config, **change)

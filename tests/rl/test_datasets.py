@@ -1,0 +1,218 @@
+"""The user's own data and rewards: `DatasetTask` (JSONL / JSON / Parquet / rows, chat
+templates) and batched Python `RewardFunction`s, checked when the task is built."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specjax.errors import ConfigError, RewardError, TaskError, TokenizerError
+from specjax.rl.datasets import DatasetTask, read_rows
+from specjax.rl.rewards import RewardFunction, score
+from specjax.tokenizer import CharTokenizer, HFTokenizer
+
+TOK = CharTokenizer("abcdefghij +=0123456789")
+CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+# Llama 3's shape: BOS from the template, a system turn, loop controls, raise_exception.
+LLAMA_LIKE = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message['role']) }}
+    {%- endif %}
+    {%- if loop.index0 > 8 %}{% break %}{% endif %}
+    {{- '<h>' + message['role'] + '</h>\\n\\n' + message['content'] | trim + '<e>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<h>assistant</h>\\n\\n' }}
+{%- endif %}
+"""
+
+
+def _rows(n=40):
+  return [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "level": i % 3} for i in range(n)]
+
+
+def exact(prompts, completions, answer):
+  return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def length_penalty(completions, level, **_):
+  return [None if lv == 0 else -0.1 * len(c) for c, lv in zip(completions, level)]
+
+
+def test_rewards_are_weighted_sums_of_the_functions_that_scored_each_row():
+  fns = (RewardFunction(exact), RewardFunction(length_penalty, weight=2.0, name="short"))
+  total, means = score(fns, ["p"] * 3, ["4", "5", "666"],
+                       {"answer": ["4", "4", "6"], "level": [0, 1, 2]})
+  # Row 0: exact 1, penalty None; row 1: 0 + 2 * -0.1; row 2: 0 + 2 * -0.3.
+  np.testing.assert_allclose(total, [1.0, -0.2, -0.6], rtol=1e-6)
+  assert means["reward_exact"] == pytest.approx(1 / 3)
+  assert means["reward_short"] == pytest.approx(-0.2)  # over the two rows it scored
+
+
+def test_a_row_no_function_scored_is_an_error_naming_it():
+  with pytest.raises(RewardError, match="no reward function scored sample 0"):
+    score((RewardFunction(length_penalty),), ["p"], ["x"], {"level": [0]})
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1.0], "returned 1 values for 2 completions"),
+    ([1.0, "x"], "returned 'x' for sample 1"),
+    ([1.0, float("nan")], "rewards must be finite"),
+    (3.0, "allowed a list"),
+])
+def test_a_reward_returning_the_wrong_thing_is_named(returned, message):
+  fn = RewardFunction(lambda prompts, completions: returned, name="bad")
+  with pytest.raises(RewardError, match=f"'bad'.*{message}"):
+    fn(["p", "q"], ["a", "b"], {})
+
+
+def test_a_reward_that_raises_is_named_with_the_cause():
+  def broken(prompts, completions):
+    raise KeyError("oops")
+  with pytest.raises(RewardError, match="'broken' raised KeyError"):
+    RewardFunction(broken)(["p"], ["a"], {})
+
+
+def test_a_reward_missing_a_column_fails_when_the_task_is_built():
+  def needs_solution(prompts, completions, solution):
+    return [0.0] * len(prompts)
+  with pytest.raises(ConfigError, match=r"'needs_solution' needs column\(s\) solution.*"
+                                        r"its columns: answer, level"):
+    DatasetTask(_rows(), TOK, [needs_solution])
+
+
+def test_a_reward_without_completions_or_prompts_parameters_is_refused():
+  with pytest.raises(ConfigError, match="'no_completions' takes no completions argument"):
+    DatasetTask(_rows(), TOK, [RewardFunction(lambda prompts, answer: [0.0],
+                                              name="no_completions")])
+  with pytest.raises(ConfigError, match="name='<lambda>' is invalid: must be an identifier"):
+    RewardFunction(lambda prompts, completions: [0.0])
+
+
+def test_two_rewards_of_one_name_are_refused():
+  with pytest.raises(ConfigError, match="named exact appear more than once"):
+    DatasetTask(_rows(), TOK, [exact, exact])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_every_file_format_reads_the_same_rows(tmp_path, suffix):
+  rows = _rows()
+  path = tmp_path / f"data{suffix}"
+  if suffix == ".jsonl":
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  elif suffix == ".json":
+    path.write_text(json.dumps(rows))
+  else:
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+  assert read_rows(path) == rows
+  task = DatasetTask(str(path), TOK, [exact])
+  in_memory = DatasetTask(rows, TOK, [exact])
+  for split in ("train", "test"):
+    assert [e.prompt for e in task.examples(split)] == [e.prompt for e in
+                                                       in_memory.examples(split)]
+  assert task.examples("test") and task.examples("train")
+  assert task.columns == ("answer", "level")
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "1+1="}\nnot json\n', "line 2 is not JSON"),
+    ('[1, 2]\n', "line 1 is a JSON list"),
+    ("", "holds no rows"),
+])
+def test_malformed_files_are_located(tmp_path, content, message):
+  path = tmp_path / "data.jsonl"
+  path.write_text(content)
+  with pytest.raises(TaskError, match=message):
+    DatasetTask(str(path), TOK, [exact])
+
+
+def test_a_row_without_the_prompt_column_is_named():
+  rows = _rows()
+  rows[5] = {"question": "1+1=", "answer": "2", "level": 0}
+  with pytest.raises(TaskError, match="row 5 has columns"):
+    DatasetTask(rows, TOK, [exact])
+  with pytest.raises(TaskError, match="no prompt column 'question'"):
+    DatasetTask(_rows(), TOK, [exact], prompt_column="question")
+
+
+def test_a_dataset_without_held_out_prompts_says_how_to_get_some():
+  with pytest.raises(ConfigError, match="no test prompts"):
+    DatasetTask(_rows(2), TOK, [exact], test_fraction=0.01)
+  task = DatasetTask(_rows(4), TOK, [exact], test_source=_rows(2))
+  assert len(task.examples("train")) == 4 and len(task.examples("test")) == 2
+
+
+def _chat_dir(tmp_path, template):
+  tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz<>|_/\n =+0123456789")
+  tok.save(tmp_path)
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template":
+                                                                      template}))
+  return HFTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA_LIKE], ids=["chatml", "llama"])
+def test_chat_templates_render_as_transformers_renders_them(tmp_path, template):
+  from transformers import AutoTokenizer
+  tok = _chat_dir(tmp_path, template)
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1= "}]
+  reference = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True)
+  assert tok.render_chat(messages) == reference
+  assert tok.render_chat(messages, add_generation_prompt=False) == AutoTokenizer \
+      .from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
+
+
+def test_chat_prompts_are_rendered_and_keep_the_templates_special_tokens(tmp_path):
+  tok = _chat_dir(tmp_path, LLAMA_LIKE)
+  rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)}
+          for i in range(30)]
+  task = DatasetTask(rows, tok, [exact], test_fraction=0.3)
+  example = task.examples("train")[0]
+  assert example.prompt.startswith("<s><h>user</h>") and example.prompt.endswith(
+      "<h>assistant</h>\n\n")
+  ids = task.encode_prompt(example.prompt)
+  assert ids[0] == tok.bos_id and ids[1] != tok.bos_id  # the template's BOS, not a second
+  text_task = DatasetTask(_rows(), tok, [exact], chat_template=True)
+  assert text_task.examples("train")[0].prompt.startswith("<s><h>user</h>")
+
+
+def test_a_template_that_does_not_render_a_prompt_fails_when_the_task_is_built(tmp_path):
+  tok = _chat_dir(tmp_path, LLAMA_LIKE)
+  rows = [{"prompt": [{"role": "tool", "content": "x"}], "answer": "1"}] * 3
+  with pytest.raises(TokenizerError, match="does not render.*unknown role tool"):
+    DatasetTask(rows, tok, [exact], test_fraction=0.5)
+  with pytest.raises(TokenizerError, match="not a valid Jinja template"):
+    _chat_dir(tmp_path, "{% for m in messages %}").render_chat([])
+
+
+def test_chat_prompts_need_a_chat_template():
+  rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 3
+  with pytest.raises(TaskError, match="CharTokenizer has none"):
+    DatasetTask(rows, TOK, [exact], test_fraction=0.5)
+  with pytest.raises(TaskError, match="chat_template=False"):
+    DatasetTask(rows, TOK, [exact], test_fraction=0.5, chat_template=False)
+  bad = [{"prompt": [{"content": "no role"}], "answer": "2"}] * 3
+  with pytest.raises(TaskError, match="'role'"):
+    DatasetTask(bad, TOK, [exact], test_fraction=0.5)
+
+
+def test_rewards_see_the_datasets_prompts_and_columns():
+  seen = {}
+
+  def spy(prompts, completions, **columns):
+    seen.update(prompts=prompts, columns=columns)
+    return [1.0] * len(prompts)
+
+  task = DatasetTask(_rows(), TOK, [spy])
+  examples = task.examples("train")[:2]
+  total, means = task.score(examples, ["x", "y"])
+  assert seen["prompts"] == [e.columns["prompt"] for e in examples]
+  assert seen["columns"] == {"answer": [e.columns["answer"] for e in examples],
+                             "level": [e.columns["level"] for e in examples]}
+  assert total.tolist() == [1.0, 1.0] and means == {"reward_spy": 1.0}
