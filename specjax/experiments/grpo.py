@@ -98,7 +98,8 @@ def host_reward(config: ExperimentConfig, records: list[dict]):
 
   def reward(responses, lengths, batch):
     examples = [records[int(i)]["example"] for i in np.repeat(np.asarray(batch.index), group)]
-    return host_scores(config.task, examples, decode_completions(tok, responses, lengths))
+    return host_scores(config.task, examples, decode_completions(tok, responses, lengths),
+                       responses, lengths)
 
   return reward
 

@@ -48,10 +48,11 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
   task = config.task
   if task.reward_in_jax:
     rewards = task.reward(out.tokens, out.lengths, np.repeat(batch.answers, k, 0))
+    rewards = rewards[0] if isinstance(rewards, tuple) else rewards  # (total, parts)
   else:
     completions = decode_completions(tok, out.tokens, out.lengths)
     rewards, _ = host_scores(task, [r["example"] for r in records for _ in range(k)],
-                             completions)
+                             completions, out.tokens, out.lengths)
   return float((np.asarray(rewards) >= getattr(task, "success_reward", 1.0)).mean())
 
 

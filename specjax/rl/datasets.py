@@ -19,10 +19,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from specjax.errors import ConfigError, TaskError
-from specjax.rl.rewards import RewardFunction, as_reward_functions, score
+from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, jax_rewards, score
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer, with_bos
 
@@ -97,10 +98,13 @@ class DatasetTask:
     tokenizer: the policy's tokenizer (`HFTokenizer.from_dir(model_dir)` for a chat model).
     rewards: reward functions `fn(prompts, completions, **columns) -> list[float | None]`
       or `RewardFunction`s (weights, names); `prompts` are the rows' prompts as the dataset
-      holds them (text or messages), `completions` the generated texts.
+      holds them (text or messages), `completions` the generated texts. `JaxReward`s among
+      them score the generated ids in JAX; when all are, the task is rewarded in JAX
+      (`reward_in_jax`) and its rewards trace into the fused train step.
     prompt_column: the column with each row's prompt: text, or chat messages.
     reference_column: a column with the reference response text, which the supervised warm
       start learns (`warm_start.steps > 0` needs one); None: no reference.
+    answer_column: a numeric column, each row's `answers` entry of a `JaxReward`; None: NaN.
     chat_template: None: chat-message prompts are rendered with the tokenizer's chat template
       and text prompts are used as they are; True: text prompts too become one user message,
       rendered; False: the template is never applied (chat-message prompts are an error).
@@ -118,14 +122,13 @@ class DatasetTask:
   rewards: Any
   prompt_column: str = "prompt"
   reference_column: str | None = None
+  answer_column: str | None = None
   chat_template: bool | None = None
   test_source: str | os.PathLike | Sequence[Mapping[str, Any]] | None = None
   test_fraction: float = 0.1
   success_reward: float = 1.0
   seed: int = 0
   name: str = "dataset"
-
-  reward_in_jax = False
 
   def __post_init__(self):
     object.__setattr__(self, "rewards", as_reward_functions(self.rewards))
@@ -146,7 +149,16 @@ class DatasetTask:
                           + ("add rows" if split == "train" or self.test_source is not None
                              else "raise task.test_fraction or give task.test_source"))
     for reward in self.rewards:
-      reward.check_columns(self.columns)
+      if isinstance(reward, JaxReward):
+        reward.check_traceable()
+      else:
+        reward.check_columns(self.columns)
+
+  @property
+  def reward_in_jax(self) -> bool:
+    """Whether every reward is a `JaxReward` (the fused step's `reward(tokens, lengths,
+    answers)`); otherwise the step runs split, the Python rewards on the host."""
+    return all(isinstance(r, JaxReward) for r in self.rewards)
 
   def _describe(self, source: Any = None) -> str:
     source = self.source if source is None else source
@@ -231,7 +243,14 @@ class DatasetTask:
         if self.reference_column not in row:
           raise TaskError(f"{where} has no reference column {self.reference_column!r}")
         reference = str(row[self.reference_column])
-      out.append(Example(prompt=text, reference=reference, columns=dict(row)))
+      answer = math.nan
+      if self.answer_column is not None:
+        value = row.get(self.answer_column)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+          raise TaskError(f"{where}: answer column {self.answer_column!r} holds {value!r}; "
+                          "allowed a number (what a JaxReward compares against)")
+        answer = value
+      out.append(Example(prompt=text, reference=reference, answer=answer, columns=dict(row)))
     return out
 
   @functools.cached_property
@@ -249,28 +268,42 @@ class DatasetTask:
     _check_split(split)
     return self._splits[split]
 
-  def score(self, examples: Sequence[Example], completions: Sequence[str]
-            ) -> tuple[np.ndarray, dict[str, float]]:
+  def reward(self, tokens: jax.Array, lengths: jax.Array, answers: jax.Array
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A task rewarded in JAX (`reward_in_jax`): the weighted total `[B]` of its `JaxReward`s
+    on generated ids and each one's `[B]` values (traceable; the fused step logs their means
+    as `reward_<name>`)."""
+    return jax_rewards([r for r in self.rewards if isinstance(r, JaxReward)], tokens, lengths,
+                       answers)
+
+  def score(self, examples: Sequence[Example], completions: Sequence[str], tokens=None,
+            lengths=None) -> tuple[np.ndarray, dict[str, float]]:
     """`[B]` total rewards of `completions` to `examples` (one per completion) and each reward
-    function's mean (`specjax.rl.rewards.score`)."""
+    function's mean (`specjax.rl.rewards.score`); the `JaxReward`s among them run compiled on
+    the generated ids `tokens [B, T]` and `lengths [B]`."""
     prompts = [e.columns[self.prompt_column] for e in examples]
     columns = {c: [e.columns[c] for e in examples] for c in self.columns}
-    return score(self.rewards, prompts, completions, columns)
+    computed = {}
+    if any(isinstance(r, JaxReward) for r in self.rewards):
+      answers = np.asarray([e.answer for e in examples], np.float32)
+      computed = jax.device_get(_compiled_rewards(self)(tokens, lengths, answers)[1])
+    return score(self.rewards, prompts, completions, columns, computed)
 
-  def reward(self, examples: Sequence[Example], completions: Sequence[str]) -> np.ndarray:
-    """`[B]` total rewards of `completions` to `examples`."""
-    return self.score(examples, completions)[0]
+
+@functools.lru_cache(maxsize=8)
+def _compiled_rewards(task: DatasetTask):
+  return jax.jit(task.reward)
 
 
-def host_scores(task: Any, examples: Sequence[Example], completions: Sequence[str]
-                ) -> tuple[np.ndarray, dict[str, float]]:
-  """Rewards of a Python-reward task for `completions` to `examples`, and per-function means:
-  a `DatasetTask`'s functions, or `task.reward(completions, references)` of the others
-  (`CustomTask`, `GSM8KTask`)."""
+def host_scores(task: Any, examples: Sequence[Example], completions: Sequence[str], tokens,
+                lengths) -> tuple[np.ndarray, dict[str, float]]:
+  """Rewards of a Python-reward task for `completions` to `examples` (generated as `tokens`
+  `[B, T]` with `lengths` `[B]`), and per-function means: a `DatasetTask`'s functions, or
+  `task.reward(completions, references)` of the others (`CustomTask`, `GSM8KTask`)."""
   if isinstance(task, DatasetTask):
-    return task.score(examples, completions)
+    return task.score(examples, completions, tokens, lengths)
   rewards = task.reward(list(completions), [e.reference for e in examples])
   return np.asarray(rewards, np.float32), {}
 
 
-__all__ = ["DatasetTask", "FORMATS", "RewardFunction", "host_scores", "read_rows"]
+__all__ = ["DatasetTask", "FORMATS", "JaxReward", "RewardFunction", "host_scores", "read_rows"]

@@ -77,7 +77,8 @@ def rollout_shardings(roll: Rollout, mesh: Mesh, rules: Rules = DEFAULT_RULES) -
   rollout's statistics replicated."""
   shard = lambda x: logical_sharding(P("batch"), mesh, np.shape(x), rules)
   return roll.replace(**{
-      name: replicated(mesh) if name in _ROLLOUT_STATS else shard(getattr(roll, name))
+      name: replicated(mesh) if name in _ROLLOUT_STATS else jax.tree.map(shard,
+                                                                          getattr(roll, name))
       for name in Rollout.__dataclass_fields__})
 
 

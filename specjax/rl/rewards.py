@@ -11,6 +11,12 @@ row's reward is the weighted sum of the functions that scored it.
 logged as `reward_<name>` (TensorBoard `reward/<name>`). Whether a function can be called with
 a dataset's columns is checked against its signature (`check_columns`) when the task is built,
 before any model is loaded or trained.
+
+A `JaxReward` is written in JAX instead: `fn(tokens [B, T], lengths [B], answers [B]) -> [B]`
+on the generated ids, with each row's numeric answer (a `DatasetTask`'s `answer_column`).
+When every reward of a task is one, the rewards trace into the fused train step (one compiled
+program, no host round trip); beside Python rewards, they run compiled between the rollout and
+the update. `check_traceable` traces one on abstract inputs when the task is built.
 """
 
 from __future__ import annotations
@@ -21,12 +27,31 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import ConfigError, RewardError
 
 # What every reward function is passed besides the dataset's columns.
 TEXT_ARGUMENTS = ("prompts", "completions")
+
+
+def _check_reward(reward: RewardFunction | JaxReward, signature: str) -> None:
+  """Check a reward's function, weight and name (defaulting to the function's)."""
+  if not callable(reward.fn):
+    raise ConfigError(f"reward function {reward.fn!r} is invalid: must be a function "
+                      f"{signature}")
+  if reward.name is None:
+    object.__setattr__(reward, "name", getattr(reward.fn, "__name__", type(reward.fn).__name__))
+  if not (isinstance(reward.name, str) and reward.name.isidentifier()):
+    raise ConfigError(f"reward function name={reward.name!r} is invalid: must be an identifier "
+                      "(it names the metric reward_<name>); pass name=")
+  weight = reward.weight
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(
+      weight):
+    raise ConfigError(f"reward function {reward.name!r}: weight={weight!r} is invalid: must be "
+                      "a finite number")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,19 +70,7 @@ class RewardFunction:
   name: str | None = None
 
   def __post_init__(self):
-    if not callable(self.fn):
-      raise ConfigError(f"reward function {self.fn!r} is invalid: must be a function "
-                        "fn(prompts, completions, **columns) -> list[float | None]")
-    if self.name is None:
-      object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))
-    if not (isinstance(self.name, str) and self.name.isidentifier()):
-      raise ConfigError(f"reward function name={self.name!r} is invalid: must be an identifier "
-                        "(it names the metric reward_<name>); pass name=")
-    weight = self.weight
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(
-        weight):
-      raise ConfigError(f"reward function {self.name!r}: weight={weight!r} is invalid: must be "
-                        "a finite number")
+    _check_reward(self, "fn(prompts, completions, **columns) -> list[float | None]")
     self._parameters()  # a function whose signature cannot be read fails here
 
   def _parameters(self) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -130,13 +143,62 @@ class RewardFunction:
     return out
 
 
-def as_reward_functions(rewards: Any) -> tuple[RewardFunction, ...]:
-  """`rewards` (one function or `RewardFunction`, or a sequence of them) as a tuple of
-  `RewardFunction`s with distinct names."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class JaxReward:
+  """One weighted reward written in JAX, traced into the compiled step.
+
+  Attributes:
+    fn: `fn(tokens [B, T] int32, lengths [B] int32, answers [B]) -> [B]` rewards of the
+      generated ids (`lengths` generated tokens per row, EOS included where one was
+      generated); `answers` are the rows' numeric answers (NaN without an answer column).
+    weight: its weight in the total reward.
+    name: the name of its metric (`reward_<name>`); default `fn.__name__`.
+  """
+
+  fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+  weight: float = 1.0
+  name: str | None = None
+
+  def __post_init__(self):
+    _check_reward(self, "fn(tokens, lengths, answers) -> [B] rewards, in JAX")
+
+  def check_traceable(self, answer_dtype=jnp.float32) -> None:
+    """Raise a `ConfigError` unless `fn` traces on `[2, 4]` ids, `[2]` lengths and answers and
+    returns `[2]` real numbers (before any model exists)."""
+    ids = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    rows = jax.ShapeDtypeStruct((2,), jnp.int32)
+    try:
+      out = jax.eval_shape(self.fn, ids, rows, jax.ShapeDtypeStruct((2,), answer_dtype))
+    except Exception as err:
+      raise ConfigError(f"JAX reward {self.name!r} does not trace on tokens [B, T] int32, "
+                        f"lengths [B] int32 and answers [B] ({type(err).__name__}: {err}); "
+                        "write it in jax.numpy, or make it a Python RewardFunction") from None
+    if not (hasattr(out, "shape") and out.shape == (2,)
+            and jnp.issubdtype(out.dtype, jnp.number)):
+      raise ConfigError(f"JAX reward {self.name!r} returns {out} for 2 rows: allowed one real "
+                        "number per row, shape [B]")
+
+  def __call__(self, tokens, lengths, answers) -> jax.Array:
+    """`[B]` float32 rewards."""
+    return jnp.asarray(self.fn(tokens, lengths, answers), jnp.float32)
+
+
+def jax_rewards(rewards: Sequence[JaxReward], tokens, lengths, answers
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The weighted total `[B]` of `rewards` and each one's `[B]` values by name (traceable)."""
+  parts = {r.name: r(tokens, lengths, answers) for r in rewards}
+  total = sum(r.weight * parts[r.name] for r in rewards)
+  return jnp.asarray(total, jnp.float32), parts
+
+
+def as_reward_functions(rewards: Any) -> tuple[RewardFunction | JaxReward, ...]:
+  """`rewards` (one function, `RewardFunction` or `JaxReward`, or a sequence of them) as a
+  tuple with distinct names; a plain function is a Python `RewardFunction`."""
   items = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
   if not items:
     raise ConfigError("rewards=() is invalid: give at least one reward function")
-  out = tuple(r if isinstance(r, RewardFunction) else RewardFunction(r) for r in items)
+  out = tuple(r if isinstance(r, (RewardFunction, JaxReward)) else RewardFunction(r)
+              for r in items)
   names = [r.name for r in out]
   twice = sorted({n for n in names if names.count(n) > 1})
   if twice:
@@ -146,14 +208,16 @@ def as_reward_functions(rewards: Any) -> tuple[RewardFunction, ...]:
 
 
 def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
-          completions: Sequence[str], columns: Mapping[str, Sequence[Any]]
+          completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
+          computed: Mapping[str, np.ndarray] | None = None
           ) -> tuple[np.ndarray, dict[str, float]]:
   """The total reward of each row and each function's mean.
 
   Args:
-    rewards: the functions.
+    rewards: the functions; a `JaxReward` among them takes its `[B]` values from `computed`.
     prompts, completions: `[B]` texts.
     columns: the dataset's columns, each `[B]` (the row's prompt's values).
+    computed: values of the `JaxReward`s by name (`jax_rewards`).
 
   Returns:
     `[B]` float32 weighted sums over the functions that scored each row, and
@@ -163,7 +227,9 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     RewardError: a function failed or returned something other than B numbers or None, or no
       function scored a row.
   """
-  per_function = {r.name: r(prompts, completions, columns) for r in rewards}
+  computed = computed or {}
+  per_function = {r.name: np.asarray(computed[r.name], np.float64) if isinstance(r, JaxReward)
+                  else r(prompts, completions, columns) for r in rewards}
   stacked = np.stack([per_function[r.name] * r.weight for r in rewards])
   unscored = np.flatnonzero(np.isnan(stacked).all(axis=0))
   if unscored.size:

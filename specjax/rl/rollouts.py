@@ -75,12 +75,16 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
 
 
 
-def score(config: TrainConfig, roll: Rollout, rewards: jax.Array) -> Rollout:
-  """Attach rewards `[B]` and their group advantages."""
+def score(config: TrainConfig, roll: Rollout, rewards: Any) -> Rollout:
+  """Attach rewards `[B]` (or a reward's `([B] total, {name: [B]})`) and their group
+  advantages."""
+  parts = None
+  if isinstance(rewards, tuple):
+    rewards, parts = rewards
   rewards = jnp.asarray(rewards, jnp.float32)
   adv = group_advantages(rewards, config.grpo.group_size,
                          normalize_std=config.grpo.normalize_std, eps=config.grpo.adv_eps)
-  return roll.replace(rewards=rewards, advantages=adv)
+  return roll.replace(rewards=rewards, advantages=adv, reward_parts=parts)
 
 
 
@@ -99,7 +103,7 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
       "acceptance_length": roll.tokens_per_round,
       "accepted_per_depth": roll.accepted_per_depth,
       "rollout_tokens": roll.lengths.sum(),
-  }
+  } | {f"reward_{name}": part.mean() for name, part in (roll.reward_parts or {}).items()}
 
 
 

@@ -32,7 +32,9 @@ from specjax.models.config import ModelConfig
 from specjax.models.params import Params
 from specjax.rl.losses import GRPOConfig
 
-RewardFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# `reward_fn(responses [B, T], lengths [B], answers [B])`: `[B]` rewards, or `([B] total,
+# {name: [B]} per function)`.
+RewardFn = Callable[[jax.Array, jax.Array, jax.Array], Any]
 
 
 
@@ -192,6 +194,8 @@ class Rollout:
     lengths: `[B]` response lengths.
     tokens_per_round: scalar mean acceptance length of the rollout.
     accepted_per_depth: `[D]` acceptance rate per draft depth.
+    reward_parts: `{name: [B]}` each reward function's values, when the reward returns
+      them (a `DatasetTask` rewarded in JAX); logged as `reward_<name>`.
   """
 
   tokens: jax.Array
@@ -203,6 +207,7 @@ class Rollout:
   lengths: jax.Array
   tokens_per_round: jax.Array
   accepted_per_depth: jax.Array
+  reward_parts: dict[str, jax.Array] | None = None
 
 
 

@@ -8,15 +8,21 @@ import random
 import runpy
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax.cli import main as cli_main
 from specjax.decoding import SamplingConfig, generate
 from specjax.errors import ConfigError
-from specjax.experiments import Drafting, Pipeline, WarmStart
+from specjax.experiments import (Drafting, ExperimentConfig, Pipeline, RolloutEvaluation,
+                                 RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
-from specjax.tokenizer import HFTokenizer
+from specjax.models import ModelConfig
+from specjax.rl import GRPOConfig
+from specjax.rl.datasets import DatasetTask
+from specjax.rl.rewards import JaxReward
+from specjax.tokenizer import CharTokenizer, HFTokenizer
 from support import write_tiny_checkpoint
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -119,3 +125,39 @@ def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message
   config = runpy.run_path(str(own / "config.py"))["get_config"]()
   with pytest.raises(ConfigError, match=message):
     dataclasses.replace(config, **change)
+
+
+SUMS = CharTokenizer("0123456789+=")
+SUM_ROWS = [{"prompt": f"{a}+{b}=", "sum": a + b, "text": str(a + b)} for a in range(10)
+            for b in range(10)]
+
+
+def short(tokens, lengths, answers):
+  return (lengths <= 2).astype(jnp.float32)
+
+
+def exact(prompts, completions, text):
+  return [float(c == t) for c, t in zip(completions, text)]
+
+
+@pytest.mark.parametrize("mixed, async_mode", [(False, False), (False, True), (True, False)],
+                         ids=["jax-fused", "jax-async", "python-and-jax"])
+def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
+  rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])
+  task = DatasetTask(SUM_ROWS, SUMS, rewards, reference_column="text", answer_column="sum",
+                     test_fraction=0.2)
+  config = ExperimentConfig(
+      run_dir=str(tmp_path / "run"), task=task,
+      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
+                        max_position=32),
+      grpo=GRPOConfig(group_size=2), steps=2,
+      rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4, tree_widths=(1,)),
+      warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=async_mode),
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0))
+  assert task.reward_in_jax == (not mixed)
+  run(config, log=lambda _: None)
+  for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+    record = json.loads(line)
+    expected = 0.5 * record["reward_short"] + (record["reward_exact"] if mixed else 0.0)
+    assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)

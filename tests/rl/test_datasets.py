@@ -3,12 +3,14 @@ templates) and batched Python `RewardFunction`s, checked when the task is built.
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax.errors import ConfigError, RewardError, TaskError, TokenizerError
 from specjax.rl.datasets import DatasetTask, read_rows
-from specjax.rl.rewards import RewardFunction, score
+from specjax.rl.rewards import JaxReward, RewardFunction, score
 from specjax.tokenizer import CharTokenizer, HFTokenizer
 
 TOK = CharTokenizer("abcdefghij +=0123456789")
@@ -216,3 +218,45 @@ def test_rewards_see_the_datasets_prompts_and_columns():
   assert seen["columns"] == {"answer": [e.columns["answer"] for e in examples],
                              "level": [e.columns["level"] for e in examples]}
   assert total.tolist() == [1.0, 1.0] and means == {"reward_spy": 1.0}
+
+
+def _ends_early(tokens, lengths, answers):
+  return (lengths <= 2).astype(jnp.float32)
+
+
+def test_a_task_whose_rewards_are_all_jax_is_rewarded_in_jax():
+  task = DatasetTask(_rows(), TOK, [JaxReward(_ends_early, weight=0.5)], answer_column="level")
+  assert task.reward_in_jax
+  assert not DatasetTask(_rows(), TOK, [JaxReward(_ends_early), exact]).reward_in_jax
+  assert [e.answer for e in task.examples("train")[:3]] == [
+      r["level"] for r in _rows() if r["prompt"] in
+      {e.prompt for e in task.examples("train")[:3]}]
+  total, parts = jax.jit(task.reward)(jnp.zeros((3, 4), jnp.int32), jnp.array([1, 2, 3]),
+                                      jnp.zeros(3))
+  np.testing.assert_allclose(total, [0.5, 0.5, 0.0])
+  np.testing.assert_allclose(parts["_ends_early"], [1.0, 1.0, 0.0])
+
+
+def test_python_and_jax_rewards_score_together_on_the_host():
+  task = DatasetTask(_rows(), TOK, [JaxReward(_ends_early, weight=2.0), exact],
+                     answer_column="level")
+  examples = task.examples("train")[:2]
+  tokens = np.zeros((2, 4), np.int32)
+  total, means = task.score(examples, [examples[0].columns["answer"], "x"], tokens,
+                            np.array([1, 4], np.int32))
+  np.testing.assert_allclose(total, [2.0 + 1.0, 0.0])
+  assert means == {"reward__ends_early": 0.5, "reward_exact": 0.5}
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda tokens, lengths, answers: float(tokens[0, 0]), "does not trace"),
+    (lambda tokens, lengths, answers: tokens, r"returns .*\(2, 4\)"),
+])
+def test_a_jax_reward_that_cannot_work_fails_when_the_task_is_built(fn, message):
+  with pytest.raises(ConfigError, match=f"JAX reward 'bad' {message}"):
+    DatasetTask(_rows(), TOK, [JaxReward(fn, name="bad")])
+
+
+def test_a_non_numeric_answer_column_is_named():
+  with pytest.raises(TaskError, match="answer column 'answer' holds '0'"):
+    DatasetTask(_rows(), TOK, [exact], answer_column="answer")
