@@ -62,8 +62,8 @@ from specjax.rl.trainer import make_prime_fn, make_split_step
 from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
-__all__ = ["ExperimentConfig", "abstract_state", "host_reward", "initial_eagle3_head",
-           "initial_policy", "run", "task_records", "with_shardings"]
+__all__ = ["ExperimentConfig", "abstract_state", "draft_model_params", "host_reward",
+           "initial_eagle3_head", "initial_policy", "run", "task_records", "with_shardings"]
 
 
 def task_records(task: Task, split: str) -> list[dict]:
@@ -139,6 +139,17 @@ def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3We
   return head
 
 
+def draft_model_params(config: ExperimentConfig, log=print):
+  """The draft model's parameters, from `config.drafter.checkpoint` (frozen during RL)."""
+  params, model = load_hf(config.drafter.checkpoint)
+  expected = config.draft_model_config()
+  if model != expected:
+    raise ConfigError(f"drafter.checkpoint={config.drafter.checkpoint!r} loads as {model}, "
+                      f"not the {expected} its config.json describes")
+  log(f"draft model from {config.drafter.checkpoint}: {count_params(params):,} parameters")
+  return params
+
+
 def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) -> TrainState:
   """The state's structure and shapes, for restoring and planning (no weights are
   materialised); in async mode with the pending rollout of `batch`'s shapes."""
@@ -150,6 +161,8 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
       eagle = tc.eagle3.config
       head = Eagle3Weights(params=init_eagle3(eagle, jax.random.key(0)),
                            d2t=jnp.zeros((eagle.draft_vocab_size,), jnp.int32))
+    elif tc.draft_model is not None:
+      head = init_params(tc.draft_model.config, jax.random.key(0))
     state = init_train_state(tc, init_params(config.model, jax.random.key(0)), optimizer, 0,
                              drafter_params=head)
     return state.replace(acceptance=config.initial_acceptance())
@@ -344,6 +357,8 @@ def _run(config: ExperimentConfig, log) -> dict:
       if lead:
         save_eagle3(run_dir / "eagle3_initial", head.params, tc.eagle3.config,
                     np.asarray(head.d2t))
+    elif tc.draft_model is not None:
+      head = draft_model_params(config, log)
     state = init_train_state(tc, params, optimizer, config.seed, drafter_params=head)
     state = state.replace(acceptance=config.initial_acceptance())
     # Evaluated and measured placed as after RL (`local_copy`): those programs compile once.

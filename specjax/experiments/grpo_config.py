@@ -20,9 +20,9 @@ import optax
 import tyro
 
 from specjax.checks import is_plain_int, is_real, require_field, require_ints, require_reals
-from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftSource, DraftTree,
-                              Eagle3Drafter, SamplingConfig, build_drafter, check_drafter_name,
-                              drafter_names, needs_checkpoint)
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelDrafter, DraftSource,
+                              DraftTree, Eagle3Drafter, SamplingConfig, build_drafter,
+                              check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.models.config import ModelConfig
@@ -35,6 +35,9 @@ from specjax.rl.losses import GRPOConfig
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
 from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
+
+# The drafter whose weights are a second HF checkpoint (`Drafting.checkpoint`).
+DRAFT_MODEL = "draft-model"
 
 # Half of each rollout's acceptance counts start the next: the policy chooses its trees from
 # the first round on, yet follows a drafter whose acceptance moves (docs/experiments.md).
@@ -120,8 +123,8 @@ class Drafting:
 
   Attributes:
     name: a registered drafter (`specjax.decoding.drafter_names`; "none": plain decoding;
-      not one whose weights come from a checkpoint, such as "draft-model", which a run does
-      not load — "eagle3" excepted, whose head is the run's own, below).
+      "draft-model": the HF checkpoint `checkpoint`; "eagle3": the run's own head, below;
+      not another drafter whose weights come from a checkpoint).
     loss_weight: weight of the detached drafter loss on each step's rollouts (0: the drafter
       is not trained online).
     learning_rate: learning rate of an EAGLE-3 head trained online (MTP and Medusa heads
@@ -142,6 +145,9 @@ class Drafting:
     distill_task: distil the head on this task's prompts instead of the run's (same
       tokenizer): a head that starts on another text distribution than the RL task, to
       measure what online training recovers.
+    checkpoint: with name "draft-model", the draft model's HF checkpoint directory (a smaller
+      model of the policy's tokenizer, e.g. a 0.6B drafting for a 4-8B); its weights stay
+      frozen during RL.
   """
 
   name: str = "mtp"
@@ -153,13 +159,18 @@ class Drafting:
   draft_vocab_size: int | None = None
   distill_steps: int = 300
   distill_task: ArithmeticTask | None = None
+  checkpoint: str | None = None
 
   def __post_init__(self):
     check_drafter_name(self.name)
-    usable = [n for n in drafter_names() if n == "eagle3" or not needs_checkpoint(n)]
+    usable = [n for n in drafter_names() if n in ("eagle3", DRAFT_MODEL)
+              or not needs_checkpoint(n)]
     require_field(self, "name", self.name in usable,
-                  f"allowed one of {', '.join(usable)} (a GRPO run loads no draft checkpoint)",
-                  "drafter.")
+                  f"allowed one of {', '.join(usable)} (a GRPO run loads no other drafter's "
+                  "checkpoint)", "drafter.")
+    require_field(self, "checkpoint", (self.checkpoint is not None) == (self.name == DRAFT_MODEL),
+                  f"give it exactly with name={DRAFT_MODEL!r} (the draft model's HF checkpoint "
+                  "directory)", "drafter.")
     require_reals(self, ("loss_weight",), positive=False, prefix="drafter.")
     require_reals(self, ("learning_rate",), positive=True, prefix="drafter.")
     require_ints(self, ("ttt_steps", "distill_steps"), 1, "drafter.")
@@ -314,7 +325,11 @@ class ExperimentConfig:
                   "needs rollout.speculation='adaptive' and a drafter (only the adaptive "
                   "policy keeps acceptance counts); leave it None or 0 otherwise", "rollout.")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
-    if self.drafter.name not in ("none", "eagle3"):
+    if self.drafter.name == DRAFT_MODEL:
+      self._check_draft_model()
+    elif self.drafter.name == "eagle3":
+      self.eagle3_config().check_target(self.model)
+    elif self.drafter.name not in ("none", "eagle3"):
       try:
         build_drafter(self.drafter.name, DraftSource(self.model))[0].validate(self.model,
                                                                                self.tree)
@@ -343,6 +358,37 @@ class ExperimentConfig:
                   f"differs from policy_dir's model ({path}); leave model at its default "
                   "when the policy comes from a checkpoint")
     object.__setattr__(self, "model", model)
+
+  def draft_model_config(self) -> ModelConfig:
+    """The architecture of `drafter.checkpoint`'s draft model (its config.json)."""
+    from specjax.models.hf_config import config_from_hf
+    path = Path(self.drafter.checkpoint) / "config.json"
+    require_field(self.drafter, "checkpoint", path.is_file(), "no config.json there (expected "
+                  "the draft model's HF checkpoint directory)", "drafter.")
+    try:
+      return config_from_hf(json.loads(path.read_text()))
+    except ValueError as err:
+      raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r}: {path} is not a "
+                        f"usable config ({err})") from None
+
+  def _check_draft_model(self) -> None:
+    """The draft model drafts for this policy: same vocabulary, and the same tokenizer where
+    both directories hold one."""
+    drafter = DraftModelDrafter(self.draft_model_config())
+    try:
+      drafter.validate(self.model, self.tree)
+    except ConfigError as err:
+      raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: {err}") \
+          from None
+    ours = getattr(self.task.tokenizer, "tokenizer", None)  # an HFTokenizer's tables
+    theirs = Path(self.drafter.checkpoint) / "tokenizer.json"
+    if ours is not None and theirs.is_file():
+      from specjax.tokenizer import HFTokenizer
+      other = HFTokenizer.from_dir(self.drafter.checkpoint).tokenizer
+      if other.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
+        raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: its "
+                          "tokenizer differs from the policy's (another vocabulary or other "
+                          "ids); a draft model must share the policy's tokenizer")
 
   def eagle3_config(self) -> Eagle3Config:
     """The EAGLE-3 head's architecture: `drafter.eagle3_dir`'s, or one sized for `model`."""
@@ -379,6 +425,8 @@ class ExperimentConfig:
     drafter = self.drafter.name if drafter is None else drafter
     if drafter == "eagle3":  # its head comes from the run (eagle3_dir or distilled), not a file
       draft = Eagle3Drafter(self.eagle3_config())
+    elif drafter == DRAFT_MODEL:  # its weights are loaded when the run starts
+      draft = DraftModelDrafter(self.draft_model_config())
     else:
       draft = build_drafter(drafter, DraftSource(self.model))[0]
     tree, speculation = None, None

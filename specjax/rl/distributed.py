@@ -90,7 +90,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
   - opt_state: Adam's moments (any subtree shaped like the parameters) as their
     parameters; counts and other leaves replicated (`specjax.sharding.opt_state_shardings`).
   - drafter (EAGLE-3): the head by `eagle3_param_axes`, its optimizer state likewise, its
-    draft vocabulary map `d2t [W]` replicated.
+    draft vocabulary map `d2t [W]` replicated; (a draft model): its parameters by
+    `param_axes` of its config.
   - pending (async mode): rows `[B, ...]` over the "batch" axes, statistics replicated.
   - step, key, acceptance (the speculation policy's counts): replicated.
 
@@ -101,10 +102,15 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
                          "the state's params")
   opt = opt_state_shardings(state.opt_state, state.params, params)
   drafter = None
-  if state.drafter is not None:
+  if state.drafter is not None and config.draft_model is not None:
+    drafter = DrafterTrainState(
+        weights=_logical_tree(state.drafter.weights, param_axes(config.draft_model.config),
+                              mesh, rules, "the draft model's params"), opt_state=None)
+  elif state.drafter is not None:
     if config.eagle3 is None:
       raise ConfigError("the state has a drafter train state, but config's rollout drafter is "
-                        f"{config.rollout.drafter!r}, not an Eagle3Drafter")
+                        f"{config.rollout.drafter!r}, not an Eagle3Drafter or a "
+                        "DraftModelDrafter")
     weights = state.drafter.weights
     head = _logical_tree(weights.params, eagle3_param_axes(config.eagle3.config), mesh, rules,
                          "the EAGLE-3 head's params")

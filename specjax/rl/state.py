@@ -23,13 +23,14 @@ from flax import struct
 from specjax.checks import is_int, is_number, require_ints, require_reals
 from specjax.decoding import Adaptive
 from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
-from specjax.models.params import Params
+from specjax.models.params import Params, check_params
 from specjax.rl.losses import GRPOConfig
 
 # `reward_fn(responses [B, T], lengths [B], answers [B])`: `[B]` rewards, or `([B] total,
@@ -175,6 +176,13 @@ class TrainConfig:
     drafter = self.rollout.drafter
     return drafter if isinstance(drafter, Eagle3Drafter) else None
 
+  @property
+  def draft_model(self) -> DraftModelDrafter | None:
+    """The rollout's external draft model, whose (frozen) parameters live in
+    `TrainState.drafter`."""
+    drafter = self.rollout.drafter
+    return drafter if isinstance(drafter, DraftModelDrafter) else None
+
   def drafter_optimizer(self) -> optax.GradientTransformation:
     return optax.adam(self.drafter_training.learning_rate)
 
@@ -213,15 +221,17 @@ class Rollout:
 
 @struct.dataclass
 class DrafterTrainState:
-  """A draft head with parameters of its own (EAGLE-3), trained online beside the policy.
+  """A drafter with parameters of its own, carried beside the policy.
 
   Attributes:
-    weights: the head (`Eagle3Weights`: float parameters and the draft vocabulary map).
-    opt_state: optax state of `weights.params` (`TrainConfig.drafter_optimizer`).
+    weights: an EAGLE-3 head (`Eagle3Weights`: float parameters and the draft vocabulary
+      map), trained online; or an external draft model's parameters, frozen.
+    opt_state: optax state of an EAGLE-3 head's `weights.params`
+      (`TrainConfig.drafter_optimizer`); None for a frozen draft model.
   """
 
-  weights: Eagle3Weights
-  opt_state: optax.OptState
+  weights: Any
+  opt_state: optax.OptState | None
 
 
 
@@ -236,7 +246,8 @@ class TrainState:
     step: scalar int32.
     key: raw PRNG key data (uint32 `[2]`), checkpointable.
     pending: async mode's rollout awaiting its update (None in sync mode).
-    drafter: the EAGLE-3 head of the rollouts and its optimizer state (None otherwise).
+    drafter: the EAGLE-3 head of the rollouts and its optimizer state, or the external
+      draft model's parameters (None for drafters without parameters of their own).
     acceptance: the speculation policy's counts after the last rollout, which the next one
       starts from, scaled by `RolloutConfig.acceptance_carry` (None when that is 0).
   """
@@ -252,7 +263,8 @@ class TrainState:
 
   @property
   def drafter_weights(self) -> Eagle3Weights | None:
-    """The rollout drafter's own parameters (the EAGLE-3 head; None for drafters without)."""
+    """The rollout drafter's own parameters (the EAGLE-3 head, the draft model; None for
+    drafters without)."""
     return None if self.drafter is None else self.drafter.weights
 
 
@@ -262,7 +274,8 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
   """A fresh state; the reference is a copy of `params` when the KL penalty is on.
 
   With an EAGLE-3 rollout drafter, `drafter_params` is its head (trained offline, e.g.
-  `specjax.supervised.eagle3.train_eagle3`, or loaded with `load_eagle3`).
+  `specjax.supervised.eagle3.train_eagle3`, or loaded with `load_eagle3`); with an external
+  draft model (`DraftModelDrafter`), its parameters (`load_hf`), which stay frozen.
   """
   ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
   drafter = None
@@ -272,9 +285,15 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
                         "Eagle3Weights(params, d2t)): the head to draft with and train online")
     drafter = DrafterTrainState(weights=drafter_params,
                                 opt_state=config.drafter_optimizer().init(drafter_params.params))
+  elif config.draft_model is not None:
+    if drafter_params is None:
+      raise ConfigError("a DraftModelDrafter rollout needs init_train_state(..., "
+                        "drafter_params=<the draft model's params>)")
+    check_params(drafter_params, config.draft_model.config, "drafter_params")
+    drafter = DrafterTrainState(weights=drafter_params, opt_state=None)
   elif drafter_params is not None:
-    raise ConfigError("drafter_params is only used with an Eagle3Drafter rollout; the "
-                      f"rollout drafter is {config.rollout.drafter!r}")
+    raise ConfigError("drafter_params is only used with an Eagle3Drafter or DraftModelDrafter "
+                      f"rollout; the rollout drafter is {config.rollout.drafter!r}")
   acceptance = None
   rc = config.rollout
   if rc.acceptance_carry:

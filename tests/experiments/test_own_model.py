@@ -62,7 +62,7 @@ def own(tmp_path_factory):
   root = tmp_path_factory.mktemp("own")
   ckpt = root / "ckpt"
   ckpt.mkdir()
-  write_tiny_checkpoint(ckpt)
+  write_tiny_checkpoint(ckpt, n_layers=2)  # EAGLE-3 reads two inner layers
   tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
   (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template":
                                                                       TEMPLATE}))
@@ -72,47 +72,77 @@ def own(tmp_path_factory):
       words = " ".join(rng.choice("abcde") for _ in range(3))
       f.write(json.dumps({"prompt": [{"role": "user", "content": words}],
                           "target": rng.choice("abcde"), "difficulty": i % 3}) + "\n")
+  draft = root / "draft"  # a second checkpoint of the same tokenizer, drafting for the policy
+  draft.mkdir()
+  write_tiny_checkpoint(draft, seed=1)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (draft / name).write_text((ckpt / name).read_text())
   config = root / "config.py"
   config.write_text(CONFIG.replace("{data}", str(root / "data.jsonl"))
                     .replace("{ckpt}", str(ckpt)).replace("{run}", str(root / "run")))
   return root
 
 
-def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys):
+DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoint", "{draft}"],
+            "eagle3": ["--drafter.name", "eagle3", "--drafter.distill-steps", "20"]}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, drafter):
+  run_dir = own / f"run-{drafter}"
+  flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[drafter]]
+  flags += ["--run-dir", str(run_dir)]
   config = str(own / "config.py")
-  cli_main(["train", "--config", config])
-  lines = [json.loads(line) for line in (own / "run" / "metrics.jsonl").read_text().splitlines()]
+  cli_main(["train", "--config", config, *flags])
+  lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in lines] == [1, 2]
   for record in lines:  # one metric per reward function, beside the total
     assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
-  recorded = json.loads((own / "run" / "config.json").read_text())
+  recorded = json.loads((run_dir / "config.json").read_text())
   assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity"]
   assert recorded["task"]["tokenizer"]["source"] == str(own / "ckpt")
 
-  cli_main(["train", "--config", config, "--steps", "3"])  # resumes, its config unchanged
+  cli_main(["train", "--config", config, *flags, "--steps", "3"])  # resumes, drafter and all
   out = capsys.readouterr().out
   assert "resumed from" in out
-  lines = (own / "run" / "metrics.jsonl").read_text().splitlines()
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
-  cli_main(["export", str(own / "run"), str(own / "export")])
+  export = own / f"export-{drafter}"
+  cli_main(["export", str(run_dir), str(export)])
+  assert (export / "eagle3").is_dir() == (drafter == "eagle3")
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
-  hf_tok = AutoTokenizer.from_pretrained(own / "export")
+  hf_tok = AutoTokenizer.from_pretrained(export)
   messages = [{"role": "user", "content": "a b c"}]
   ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
       "input_ids"]
   tok = HFTokenizer.from_dir(own / "ckpt")
   assert ids == tok.encode(tok.render_chat(messages))
-  model = AutoModelForCausalLM.from_pretrained(own / "export")
+  model = AutoModelForCausalLM.from_pretrained(export)
   theirs = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
                           eos_token_id=tok.eos_id)[0, len(ids):].tolist()
-  params, config = load_policy(own / "run")
+  params, config = load_policy(run_dir)
   ours = generate(params, config, np.array([ids]), np.array([len(ids)]), jax.random.key(0),
                   max_new_tokens=6, sampling=SamplingConfig(0.0), eos_id=tok.eos_id,
                   pad_id=tok.pad_id)
   assert ours.lengths[0] > 0
   assert ours.tokens[0, :ours.lengths[0]].tolist() == theirs[:ours.lengths[0]]
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_path):
+  other = tmp_path / "other"
+  other.mkdir()
+  write_tiny_checkpoint(other)
+  vocab = json.loads((other / "tokenizer.json").read_text())
+  words = vocab["model"]["vocab"]
+  words["a"], words["b"] = words["b"], words["a"]  # the same size, other ids
+  (other / "tokenizer.json").write_text(json.dumps(vocab))
+  config = runpy.run_path(str(own / "config.py"))["get_config"]()
+  with pytest.raises(ConfigError, match="its tokenizer differs from the policy's"):
+    dataclasses.replace(config, drafter=Drafting(name="draft-model", checkpoint=str(other)))
+  with pytest.raises(ConfigError, match="drafter.checkpoint=None is invalid"):
+    dataclasses.replace(config, drafter=Drafting(name="draft-model"))
 
 
 @pytest.mark.parametrize("change, message", [
