@@ -1,4 +1,5 @@
-"""GSM8K: the JSONL reader, answer extraction and the task with its Python reward.
+"""GSM8K: the JSONL reader, answer extraction and the task with its Python reward; and
+`gsm8k_dataset`, the same data as a `DatasetTask` (the user's-data path, math-verify reward).
 
 The reward parses the last number of a completion (signs, "$", thousands commas, decimals;
 `extract_answer`) and compares it with the reference within a relative tolerance
@@ -20,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from specjax.errors import ConfigError, TaskError
+from specjax.rl.datasets import DatasetTask
+from specjax.rl.rewards import math_answer_reward
 from specjax.rl.tasks import Example, PythonReward, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer
 
@@ -196,3 +199,34 @@ class GSM8KTask:
     """`[B]` completions and reference numbers (text) -> `[B]` float32 rewards."""
     return PythonReward(self._score, self.name)(completions, references)
 
+
+
+def gsm8k_dataset(train_file: str | os.PathLike, tokenizer: Tokenizer, *,
+                  test_file: str | os.PathLike | None = None, test_fraction: float = 0.1,
+                  template: str = "Question: {question}\nAnswer:", chat: bool = False,
+                  rewards=None, seed: int = 0) -> DatasetTask:
+  """GSM8K through the user's-data path: a `DatasetTask` of GSM8K-format JSONL (rows
+  `prompt` and `answer`, the final number as text) rewarded by `rewards` (default:
+  `math_answer_reward()`, math-verify's judgement of the completion's final answer).
+
+  Args:
+    train_file, test_file: GSM8K JSONL ("question", "answer" ending "#### 18"); without
+      `test_file`, `test_fraction` of the training questions are held out (a stable hash).
+    tokenizer: the policy's tokenizer.
+    template: the prompt text, "{question}" replaced by the question.
+    chat: render the prompt as one user turn with the tokenizer's chat template.
+    rewards: the reward functions (any `DatasetTask` rewards over the columns `answer`).
+    seed: seeds the hashed split.
+  """
+  if "{question}" not in template:
+    raise ConfigError(f"template={template!r} is invalid: must contain '{{question}}'")
+
+  def rows(path):
+    return [{"prompt": template.replace("{question}", q), "answer": format_number(v)}
+            for q, v in read_gsm8k_jsonl(path)]
+
+  return DatasetTask(rows(train_file), tokenizer,
+                     math_answer_reward() if rewards is None else rewards,
+                     reference_column="answer", chat_template=True if chat else None,
+                     test_source=None if test_file is None else rows(test_file),
+                     test_fraction=test_fraction, seed=seed, name="gsm8k")

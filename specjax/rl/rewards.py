@@ -243,3 +243,31 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     scored = values[~np.isnan(values)]
     means[f"reward_{name}"] = float(scored.mean()) if scored.size else math.nan
   return total, means
+
+
+def math_answer_reward(column: str = "answer", weight: float = 1.0,
+                       name: str = "math_answer") -> RewardFunction:
+  """A reward of 1 for a completion whose final mathematical answer equals the row's `column`
+  (text such as "18", "\\frac{1}{2}", "0.5"), else 0, judged by Hugging Face's `math-verify`
+  (it extracts the answer from free text, \\boxed{} or LaTeX and compares values symbolically,
+  so "1/2", "0.5" and "\\frac{1}{2}" agree).
+
+  Raises:
+    ConfigError: `math-verify` is not installed (`pip install 'specjax[math]'`).
+  """
+  try:
+    import math_verify
+  except ImportError:
+    raise ConfigError("math_answer_reward needs math-verify: pip install 'specjax[math]'") \
+        from None
+
+  def math_answer(prompts, completions, **columns):
+    references = columns[column]
+    return [float(math_verify.verify(math_verify.parse(str(ref)), math_verify.parse(text)))
+            for text, ref in zip(completions, references)]
+
+  # The column it reads, as a named parameter: `check_columns` names it when a dataset lacks it.
+  math_answer.__signature__ = inspect.Signature(
+      [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY)
+       for n in (*TEXT_ARGUMENTS, column)])
+  return RewardFunction(math_answer, weight=weight, name=name)

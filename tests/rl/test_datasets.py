@@ -10,7 +10,8 @@ import pytest
 
 from specjax.errors import ConfigError, RewardError, TaskError, TokenizerError
 from specjax.rl.datasets import DatasetTask, read_rows
-from specjax.rl.rewards import JaxReward, RewardFunction, score
+from specjax.rl.gsm8k import gsm8k_dataset
+from specjax.rl.rewards import JaxReward, RewardFunction, math_answer_reward, score
 from specjax.tokenizer import CharTokenizer, HFTokenizer
 
 TOK = CharTokenizer("abcdefghij +=0123456789")
@@ -260,3 +261,29 @@ def test_a_jax_reward_that_cannot_work_fails_when_the_task_is_built(fn, message)
 def test_a_non_numeric_answer_column_is_named():
   with pytest.raises(TaskError, match="answer column 'answer' holds '0'"):
     DatasetTask(_rows(), TOK, [exact], answer_column="answer")
+
+
+def test_math_answer_reward_judges_values_not_spellings():
+  reward = math_answer_reward()
+  completions = ["so it is 1/2", "\\boxed{0.5}", "I get 3", "she makes $18 every day. #### 18"]
+  values = reward(["p"] * 4, completions, {"answer": ["0.5", "\\frac{1}{2}", "4", "18"]})
+  assert values.tolist() == [1.0, 1.0, 0.0, 1.0]
+  rows = [{"prompt": f"{i}+{i}=", "solution": str(2 * i)} for i in range(30)]
+  with pytest.raises(ConfigError, match=r"'math_answer' needs column\(s\) answer"):
+    DatasetTask(rows, TOK, [reward])
+  assert DatasetTask(rows, TOK, [math_answer_reward("solution")]).columns == ("solution",)
+
+
+def test_gsm8k_is_a_dataset_task_with_the_math_answer_reward(tmp_path):
+  lines = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
+           for i in range(40)]
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  tok = CharTokenizer("abcdefghijklmnopqrstuvwxyzAQW ?:\n0123456789")
+  task = gsm8k_dataset(path, tok, test_fraction=0.25)
+  examples = task.examples("test")[:2]
+  assert examples[0].prompt.startswith("Question: What is") and examples[0].prompt.endswith(
+      "Answer:")
+  assert examples[0].reference == examples[0].columns["answer"]  # what the warm start learns
+  total, means = task.score(examples, [f" the sum is {examples[0].reference}", " 999"])
+  assert total.tolist() == [1.0, 0.0] and means == {"reward_math_answer": 0.5}
