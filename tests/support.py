@@ -105,11 +105,13 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<|eot_id|>"]
 WORDS = ["a", "b", "c", "d", "e", "f"]
 
 
-def write_tiny_checkpoint(path, vocab_size: int = 16, n_layers: int = 1, seed: int = 0):
-  """A random `n_layers` Llama and a word-level tokenizer whose post-processor adds <s> (as
-  Llama 3's does) when asked for special tokens."""
+def write_tiny_checkpoint(path, vocab_size: int = 16, n_layers: int = 1, seed: int = 0,
+                          family: str = "llama"):
+  """A random `n_layers` Llama (or Qwen3, with its q/k norms) and a word-level tokenizer whose
+  post-processor adds <s> (as Llama 3's does) when asked for special tokens."""
   config = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=n_layers, n_heads=2,
-                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=64, family="llama")
+                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=64, family=family,
+                       qk_norm=family == "qwen3")
   params = init_params(config, jax.random.key(seed))
   save_hf(params, config, path)
   vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}

@@ -28,6 +28,7 @@ from support import write_tiny_checkpoint
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}f {% endif %}")
 
+FAMILIES = ("llama", "qwen3")
 CONFIG = """
 from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, RolloutEvaluation,
                                  RolloutSettings, WarmStart)
@@ -60,12 +61,17 @@ def get_config():
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
   root = tmp_path_factory.mktemp("own")
-  ckpt = root / "ckpt"
-  ckpt.mkdir()
-  write_tiny_checkpoint(ckpt, n_layers=2)  # EAGLE-3 reads two inner layers
-  tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
-  (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template":
-                                                                      TEMPLATE}))
+  for family in FAMILIES:
+    ckpt = root / family
+    ckpt.mkdir()
+    write_tiny_checkpoint(ckpt, n_layers=2, family=family)  # EAGLE-3 reads two inner layers
+    tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template":
+                                                                        TEMPLATE}))
+    (root / f"config-{family}.py").write_text(
+        CONFIG.replace("{data}", str(root / "data.jsonl")).replace("{ckpt}", str(ckpt))
+        .replace("{run}", str(root / "run")))
+  ckpt = root / "llama"
   rng = random.Random(0)
   with open(root / "data.jsonl", "w") as f:
     for i in range(40):
@@ -77,9 +83,6 @@ def own(tmp_path_factory):
   write_tiny_checkpoint(draft, seed=1)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     (draft / name).write_text((ckpt / name).read_text())
-  config = root / "config.py"
-  config.write_text(CONFIG.replace("{data}", str(root / "data.jsonl"))
-                    .replace("{ckpt}", str(ckpt)).replace("{run}", str(root / "run")))
   return root
 
 
@@ -87,12 +90,13 @@ DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoi
             "eagle3": ["--drafter.name", "eagle3", "--drafter.distill-steps", "20"]}
 
 
-@pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, drafter):
-  run_dir = own / f"run-{drafter}"
+@pytest.mark.parametrize("family, drafter", [("llama", "draft-model"), ("qwen3", "eagle3")])
+def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, family,
+                                                                         drafter):
+  run_dir = own / f"run-{family}"
   flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[drafter]]
   flags += ["--run-dir", str(run_dir)]
-  config = str(own / "config.py")
+  config = str(own / f"config-{family}.py")
   cli_main(["train", "--config", config, *flags])
   lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in lines] == [1, 2]
@@ -100,7 +104,7 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
     assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
   recorded = json.loads((run_dir / "config.json").read_text())
   assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity"]
-  assert recorded["task"]["tokenizer"]["source"] == str(own / "ckpt")
+  assert recorded["task"]["tokenizer"]["source"] == str(own / family)
 
   cli_main(["train", "--config", config, *flags, "--steps", "3"])  # resumes, drafter and all
   out = capsys.readouterr().out
@@ -108,7 +112,7 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
   lines = (run_dir / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
-  export = own / f"export-{drafter}"
+  export = own / f"export-{family}"
   cli_main(["export", str(run_dir), str(export)])
   assert (export / "eagle3").is_dir() == (drafter == "eagle3")
   import torch
@@ -117,7 +121,7 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
   messages = [{"role": "user", "content": "a b c"}]
   ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
       "input_ids"]
-  tok = HFTokenizer.from_dir(own / "ckpt")
+  tok = HFTokenizer.from_dir(own / family)
   assert ids == tok.encode(tok.render_chat(messages))
   model = AutoModelForCausalLM.from_pretrained(export)
   theirs = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
@@ -138,7 +142,7 @@ def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_
   words = vocab["model"]["vocab"]
   words["a"], words["b"] = words["b"], words["a"]  # the same size, other ids
   (other / "tokenizer.json").write_text(json.dumps(vocab))
-  config = runpy.run_path(str(own / "config.py"))["get_config"]()
+  config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
   with pytest.raises(ConfigError, match="its tokenizer differs from the policy's"):
     dataclasses.replace(config, drafter=Drafting(name="draft-model", checkpoint=str(other)))
   with pytest.raises(ConfigError, match="drafter.checkpoint=None is invalid"):
@@ -152,7 +156,7 @@ def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_
     (dict(warm_start=WarmStart(steps=10)), "warm_start.steps=10 is invalid: .* has none"),
 ])
 def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message):
-  config = runpy.run_path(str(own / "config.py"))["get_config"]()
+  config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
   with pytest.raises(ConfigError, match=message):
     dataclasses.replace(config, **change)
 
