@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specjax"
 LAYERS = {
     "specjax": 0, "specjax.errors": 0, "specjax.checks": 0, "specjax.files": 0,
     "specjax.stragglers": 0,
-    "specjax.tokenizer": 1, "specjax.models": 1,
+    "specjax.tokenizer": 1, "specjax.models": 1, "specjax.optimizers": 1,
     "specjax.sharding": 2, "specjax.checkpoint": 2, "specjax.decoding": 2,
     "specjax.supervised": 3,
     "specjax.rl": 4,

@@ -57,6 +57,12 @@ class Optimization:
     final_lr_fraction: the learning rate at the last step, as a share of the peak.
     weight_decay: AdamW's decoupled weight decay (0: plain Adam).
     max_grad_norm: gradient clipping, the largest global norm of a step's gradient.
+    master_weights: with parameters below float32 (bfloat16), keep float32 master weights
+      in the optimizer state and run clipping and Adam (its moments too) in float32
+      (`specjax.optimizers.float32_master`; 4 more bytes per parameter). False: update the
+      parameters in their own dtype, where a step smaller than the dtype's spacing (a
+      bfloat16 weight near 1 moves by 2^-7 or not at all) is lost. Float32 parameters never
+      get a copy.
   """
 
   learning_rate: float = 1e-4
@@ -64,9 +70,12 @@ class Optimization:
   final_lr_fraction: float = 1.0
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  master_weights: bool = True
 
   def __post_init__(self):
     require_reals(self, ("learning_rate", "max_grad_norm"), positive=True, prefix="optim.")
+    require_field(self, "master_weights", isinstance(self.master_weights, bool),
+                  "must be True or False", "optim.")
     require_reals(self, ("weight_decay",), positive=False, prefix="optim.")
     require_ints(self, ("warmup_steps",), 0, "optim.")
     require_field(self, "final_lr_fraction", is_real(self.final_lr_fraction)

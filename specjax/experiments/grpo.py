@@ -80,7 +80,7 @@ def initial_policy(config: ExperimentConfig, log=print):
   the supervised warm start (`config.warm_start`; `warm_start_policy`)."""
   params = None
   if config.policy_dir is not None:
-    params, model = load_hf(config.policy_dir)
+    params, model = load_hf(config.policy_dir, param_dtype=config.policy_dtype)
     if model != config.model:
       raise ConfigError(f"policy_dir={config.policy_dir!r} loads as {model}, which differs from "
                         f"the run's model {config.model} (config.json changed since the run "

@@ -29,6 +29,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.optimizers import float32_master
 from specjax.rl.datasets import DatasetTask
 from specjax.rl.gsm8k import GSM8KTask
 from specjax.rl.losses import GRPOConfig
@@ -257,6 +258,9 @@ class ExperimentConfig:
       safetensors) the policy starts from instead of random weights; the warm start, if
       `warm_start.steps` > 0, continues from it. None: a policy of `model`'s shape trained
       from scratch by the warm start.
+    policy_dtype: the dtype `policy_dir`'s parameters are loaded and trained in: "float32",
+      "bfloat16" (half the memory; the optimizer then keeps float32 master weights,
+      `optim.master_weights`) or "auto" (the checkpoint's own).
     grpo: GRPO hyper-parameters.
     steps: GRPO steps.
     rollout: how each step samples (`RolloutSettings`).
@@ -282,6 +286,7 @@ class ExperimentConfig:
                   tyro.conf.AvoidSubcommands] = ArithmeticTask()
   model: ModelConfig = DEFAULT_MODEL
   policy_dir: str | None = None
+  policy_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
   grpo: GRPOConfig = GRPOConfig(group_size=8)
   steps: int = 100
   rollout: RolloutSettings = RolloutSettings()
@@ -353,8 +358,13 @@ class ExperimentConfig:
       record = json.loads(path.read_text())
     except ValueError as err:
       raise ConfigError(f"policy_dir={self.policy_dir!r}: {path} is not JSON ({err})") from None
-    model = config_from_hf(record)
-    require_field(self, "model", self.model in (DEFAULT_MODEL, model),
+    require_field(self, "policy_dtype", self.policy_dtype in ("float32", "bfloat16", "auto"),
+                  "allowed 'float32', 'bfloat16' or 'auto' (the checkpoint's)")
+    model = config_from_hf(record, param_dtype=self.policy_dtype)
+    # A config read back (a resume, flags over a config file) already holds the checkpoint's
+    # model, perhaps at another policy_dtype.
+    same = dataclasses.replace(self.model, dtype=model.dtype, param_dtype=model.param_dtype)
+    require_field(self, "model", self.model == DEFAULT_MODEL or same == model,
                   f"differs from policy_dir's model ({path}); leave model at its default "
                   "when the policy comes from a checkpoint")
     object.__setattr__(self, "model", model)
@@ -471,12 +481,16 @@ class ExperimentConfig:
 
     With `drafter.clip_heads_separately` the trunk and the heads are clipped apart
     (`_clip_trunk_and_heads`), so the drafter loss, which reaches only the heads, cannot
-    scale the policy's step; otherwise one global norm covers every parameter.
+    scale the policy's step; otherwise one global norm covers every parameter. Parameters
+    below float32 get float32 master weights (`optim.master_weights`).
     """
     norm = self.optim.max_grad_norm
     clip = (_clip_trunk_and_heads(norm) if self.drafter.clip_heads_separately
             else optax.clip_by_global_norm(norm))
-    return optax.chain(clip, self.optim.adam(self.steps))
+    optimizer = optax.chain(clip, self.optim.adam(self.steps))
+    if self.optim.master_weights and self.model.param_dtype != "float32":
+      return float32_master(optimizer)
+    return optimizer
 
 
 def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:

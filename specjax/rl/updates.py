@@ -146,10 +146,12 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
     grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
     ok = all_finite((mb["advantages"], metrics["loss"], grads))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    # A branch, not a select over both results: the skipped branch allocates nothing.
+    # A branch, not a select over both results: the skipped branch allocates nothing. Its
+    # zero updates have the optimizer's dtypes (float32 for float32 master weights).
+    shapes = jax.eval_shape(optimizer.update, grads, opt_state, params)[0]
     updates, opt_state = jax.lax.cond(
         ok, lambda: optimizer.update(grads, opt_state, params),
-        lambda: (jax.tree.map(jnp.zeros_like, params), opt_state))
+        lambda: (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), opt_state))
     metrics |= _grad_norms(grads)
     if train_eagle:
       new_drafter, drafter_metrics = _eagle3_update(

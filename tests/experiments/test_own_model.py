@@ -19,6 +19,8 @@ from specjax.experiments import (Drafting, ExperimentConfig, Pipeline, RolloutEv
                                  RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
 from specjax.models import ModelConfig
+from specjax.models.hf import load_hf
+from specjax.optimizers import MasterState
 from specjax.rl import GRPOConfig
 from specjax.rl.datasets import DatasetTask
 from specjax.rl.rewards import JaxReward
@@ -195,3 +197,21 @@ def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed
     record = json.loads(line)
     expected = 0.5 * record["reward_short"] + (record["reward_exact"] if mixed else 0.0)
     assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_bfloat16_policy_trains_on_float32_master_weights(own, tmp_path):
+  config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
+  config = dataclasses.replace(config, run_dir=str(tmp_path / "run"), policy_dtype="bfloat16")
+  assert config.model.param_dtype == "bfloat16"
+  assert isinstance(config.optimizer().init(load_policy_params(own / "llama")), MasterState)
+  run(config, log=lambda _: None)
+  params, model = load_policy(tmp_path / "run")
+  assert model.param_dtype == "bfloat16"
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  plain = dataclasses.replace(config, optim=dataclasses.replace(config.optim,
+                                                                master_weights=False))
+  assert not isinstance(plain.optimizer().init(load_policy_params(own / "llama")), MasterState)
+
+
+def load_policy_params(path):
+  return load_hf(path, param_dtype="bfloat16")[0]
