@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +167,29 @@ def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
   return tuple(sizes)
 
 
+# The lowering platforms of each backend `jax.default_backend()` names.
+_PLATFORMS = {"gpu": ("cuda", "rocm")}
+
+
+def host_check(check: Callable[..., None], *args: jax.Array) -> None:
+  """`check(*args)` on the host when the traced program runs (`jax.debug.callback`; a raise
+  fails the call).
+
+  The callback is part of the program lowered for this process's backend (CPU, GPU or TPU,
+  whichever runs it) and left out of a program lowered for another platform, as when a TPU
+  or GPU program is compiled ahead of time on a CPU host (`.lower(lowering_platforms=...)`):
+  a host callback cannot be lowered for a platform other than the one it would call back
+  from, and such a program does not run here. Check those inputs before the call.
+  """
+  def call(*values):
+    jax.debug.callback(check, *values)
+    return ()
+
+  backend = jax.default_backend()
+  jax.lax.platform_dependent(*args, **{p: call for p in _PLATFORMS.get(backend, (backend,))},
+                             default=lambda *values: ())
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLoop:
   """Everything static about a generation call; calling it runs the compiled loop.
@@ -288,7 +311,8 @@ class DecodeLoop:
     Shapes are checked here. Values (unless `values` is False) are checked here when they are
     concrete; under a caller's own `jit` they are checked when the program runs, by one host
     callback per call that raises the same message (the call fails, as it would outside
-    `jit`, instead of returning a row decoded from past its prompt or with NaN log-probs).
+    `jit`, instead of returning a row decoded from past its prompt or with NaN log-probs),
+    on every backend (`host_check`).
     """
     if prompt_tokens.ndim != 2:
       raise ValueError(f"prompt_tokens must be [batch, prompt_len], got shape "
@@ -302,7 +326,7 @@ class DecodeLoop:
         check_prompt_values, vocab_size=self.config.vocab_size,
         shortest=self.drafter.min_prompt_length(self.envelope) if self.speculative else 1)
     if isinstance(prompt_tokens, jax.core.Tracer) or isinstance(prompt_lengths, jax.core.Tracer):
-      jax.debug.callback(check, prompt_tokens, prompt_lengths)
+      host_check(check, prompt_tokens, prompt_lengths)
     else:
       check(prompt_tokens, prompt_lengths)
     needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
