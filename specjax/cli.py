@@ -322,8 +322,9 @@ SIM_COMMANDS = {
 
 
 def plan_command(argv: list[str]) -> int:
-  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]`:
-  print the plan; the mesh flags override the config's mesh axis by axis. Returns the exit
+  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]
+  [--model.remat POLICY]`: print the plan; the mesh flags override the config's mesh axis by
+  axis, `--model.remat` its rematerialisation. Returns the exit
   status (0 fits, 1 does not fit)."""
   parser = argparse.ArgumentParser(
       prog="specjax plan",
@@ -340,6 +341,9 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument(f"--mesh.{axis}", type=int, default=None, dest=axis,
                         help=f"mesh {axis} size (-1: the devices the other axes leave); "
                              "default the config's")
+  parser.add_argument("--model.remat", default=None, dest="remat",
+                      choices=("none", "dots", "full"),
+                      help="per-layer rematerialisation of the update (default the config's)")
   args = parser.parse_args(argv)
   from specjax.experiments.grpo_config import ExperimentConfig
   from specjax.experiments.plan import fake_devices, plan
@@ -357,6 +361,9 @@ def plan_command(argv: list[str]) -> int:
     mesh = None
     if overrides and isinstance(config, ExperimentConfig):
       mesh = dataclasses.replace(config.mesh, **overrides)
+    if args.remat is not None and isinstance(config, ExperimentConfig):
+      config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                     remat=args.remat))
     result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
   except ConfigError as err:
     raise SystemExit(f"specjax plan --config {args.config}: {err}") from None

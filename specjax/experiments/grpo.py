@@ -47,6 +47,7 @@ from specjax.experiments.measure import evaluate, probe_acceptance, rollout_cost
 from specjax.experiments.run_record import check_resume, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock
+from specjax.models.config import RUNTIME_FIELDS
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.hf import load_hf
 from specjax.models.params import count_params, init_params
@@ -81,6 +82,7 @@ def initial_policy(config: ExperimentConfig, log=print):
   params = None
   if config.policy_dir is not None:
     params, model = load_hf(config.policy_dir, param_dtype=config.policy_dtype)
+    model = dataclasses.replace(model, **{f: getattr(config.model, f) for f in RUNTIME_FIELDS})
     if model != config.model:
       raise ConfigError(f"policy_dir={config.policy_dir!r} loads as {model}, which differs from "
                         f"the run's model {config.model} (config.json changed since the run "

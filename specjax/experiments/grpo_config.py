@@ -25,7 +25,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
                               check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
-from specjax.models.config import ModelConfig
+from specjax.models.config import RUNTIME_FIELDS, ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
@@ -362,11 +362,15 @@ class ExperimentConfig:
                   "allowed 'float32', 'bfloat16' or 'auto' (the checkpoint's)")
     model = config_from_hf(record, param_dtype=self.policy_dtype)
     # A config read back (a resume, flags over a config file) already holds the checkpoint's
-    # model, perhaps at another policy_dtype.
+    # model, perhaps at another policy_dtype; how it runs (remat, attention) stays the user's.
+    runtime = {f: getattr(self.model, f) for f in RUNTIME_FIELDS}
+    model = dataclasses.replace(model, **runtime)
     same = dataclasses.replace(self.model, dtype=model.dtype, param_dtype=model.param_dtype)
-    require_field(self, "model", self.model == DEFAULT_MODEL or same == model,
+    default = dataclasses.replace(DEFAULT_MODEL, **runtime)
+    require_field(self, "model", self.model == default or same == model,
                   f"differs from policy_dir's model ({path}); leave model at its default "
-                  "when the policy comes from a checkpoint")
+                  "(but for how it runs: " + ", ".join(RUNTIME_FIELDS) + ") when the policy "
+                  "comes from a checkpoint")
     object.__setattr__(self, "model", model)
 
   def draft_model_config(self) -> ModelConfig:

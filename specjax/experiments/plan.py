@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.checks import is_int, is_number
 from specjax.errors import ConfigError
 from specjax.experiments.grpo import ExperimentConfig, abstract_state, task_records, with_shardings
+from specjax.models.config import REMAT_POLICIES
 from specjax.rl.data import PromptReader
 from specjax.rl.distributed import prompt_batch_shardings, sharded_train_step, train_state_shardings
 from specjax.sharding import MeshConfig, logical_to_mesh
@@ -272,6 +273,10 @@ class Plan:
                  f"rollout {e.rollout_flops / fscale:.1f}, update {e.update_flops / fscale:.1f});"
                  f" compiled {self.compiled_flops / fscale:.1f} {flop} (XLA counts each loop "
                  "body once)")
+    by_remat = ", ".join(f"{policy} {total / GIB:.2f}" for policy, total in
+                         s["total_by_remat"].items())
+    lines.append(f"analytical total on an accelerator by model.remat (GiB): {by_remat}; this "
+                 f"plan: {s['remat']}")
     lines.append(f"lowered in {self.lower_s:.1f}s, compiled in {self.compile_s:.1f}s")
     return "\n".join(lines)
 
@@ -346,14 +351,21 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   grads = _bytes(state.params)
   if state.drafter is not None:
     params += _bytes(state.drafter.weights)
-    opt += _bytes(state.drafter.opt_state)
-    grads += _bytes(state.drafter.weights.params)
+    if state.drafter.opt_state is not None:  # an EAGLE-3 head trains; a draft model is frozen
+      opt += _bytes(state.drafter.opt_state)
+      grads += _bytes(state.drafter.weights.params)
   # The step reads the prompts' tokens, lengths and answers (jit drops the unread `index`).
   other = _bytes((state.step, state.key, state.pending, state.acceptance, batch.tokens,
                   batch.lengths, batch.answers))
 
-  # Update: one minibatch's forward kept for the backward pass.
-  token = model.n_layers * _layer_bytes(e, q, k, h, f, l, c, tq, tk, tf) + c * e
+  # Update: one minibatch's forward kept for the backward pass (`model.remat`: per layer
+  # everything, the projections' outputs, or the layer's input; a rematerialised layer's
+  # whole activations are live again while its backward runs, one layer at a time).
+  layer = _layer_bytes(e, q, k, h, f, l, c, tq, tk, tf)
+  kept = {"none": layer,
+          "dots": c * (3 * e + q * h // tq + 2 * k * h // tk + 2 * f // tf),
+          "full": c * e}[model.remat]
+  token = model.n_layers * kept + (layer if model.remat != "none" else 0) + c * e
   head = (3 * 4 + c) * v // tv  # float32 log-probs, their and the logits' gradients; + cast
   token += head
   eagle_token = 0
@@ -496,8 +508,14 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
       "minibatch_rows_per_device": mb // _split(device_mesh, "batch", mb),
       "drafter": config.drafter.name if tc.rollout.drafter is not None else "none",
       "parameters": count(abstract.params) + (0 if abstract.drafter is None
-                                              else count(abstract.drafter.weights.params)),
+                                              else count(abstract.drafter.weights)),
       "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
+      "remat": config.model.remat,
+      # The accelerator estimate's total under each rematerialisation policy.
+      "total_by_remat": {
+          policy: estimate(dataclasses.replace(config, model=dataclasses.replace(
+              config.model, remat=policy)), tc, state, batch, device_mesh).total
+          for policy in REMAT_POLICIES},
   }
   return Plan(
       name=name, mesh=dict(device_mesh.shape), hbm_gib=float(hbm_gib), shapes=shapes,

@@ -21,6 +21,10 @@ from specjax.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 ATTENTION_IMPLS = ("auto", "dense", "blocked", "pallas", "pallas_interpret")
+# Per-layer rematerialisation of a training forward (`ModelConfig.remat`).
+REMAT_POLICIES = ("none", "dots", "full")
+# How a run is executed rather than what the model is: not part of an HF checkpoint's config.
+RUNTIME_FIELDS = ("attention_impl", "attention_block", "remat")
 # "auto" attention turns blocked from this cache size on (see `ModelConfig.attention_impl`).
 AUTO_BLOCKED_MIN_SLOTS = 2048
 DTYPES = ("float32", "bfloat16", "float16")
@@ -97,6 +101,12 @@ class ModelConfig:
       kernel for decode steps on a GPU ("pallas_interpret": interpreted, any backend) and
       blocked attention where it does not apply. Forwards without a cache are dense.
     attention_block: slots per block of blocked attention.
+    remat: what a forward without a cache (training, the update's log-prob pass) keeps of
+      each layer for the backward pass (`jax.checkpoint` per layer): "none" keeps every
+      activation; "dots" keeps the projections' outputs and recomputes the rest (attention
+      scores and probabilities, norms, the MLP's product); "full" keeps only each layer's
+      input and recomputes the layer in the backward pass (about a third more FLOPs).
+      Decoding (a forward with a cache) never rematerialises. Results are identical.
   """
 
   vocab_size: int
@@ -121,6 +131,7 @@ class ModelConfig:
   family: Literal["llama", "qwen2", "qwen3"] = "llama"
   attention_impl: Literal["auto", "dense", "blocked", "pallas", "pallas_interpret"] = "auto"
   attention_block: int = 256
+  remat: Literal["none", "dots", "full"] = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -149,6 +160,7 @@ class ModelConfig:
     _require(self.family in FAMILIES, "family", self.family, f"one of {FAMILIES}")
     _require(self.attention_impl in ATTENTION_IMPLS, "attention_impl", self.attention_impl,
              f"one of {ATTENTION_IMPLS}")
+    _require(self.remat in REMAT_POLICIES, "remat", self.remat, f"one of {REMAT_POLICIES}")
     _require(
         self.rope_scaling is None or isinstance(self.rope_scaling, Llama3RopeScaling),
         "rope_scaling",

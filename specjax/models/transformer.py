@@ -175,6 +175,12 @@ def causal_mask(batch: int, num_new: int) -> jax.Array:
   return jnp.broadcast_to(tri, (batch, num_new, num_new))
 
 
+# `ModelConfig.remat`: what `jax.checkpoint` saves of a layer for its backward pass ("dots":
+# the projections' outputs; the attention's batched dots are recomputed; "full": nothing).
+_REMAT_POLICY = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                 "full": jax.checkpoint_policies.nothing_saveable}
+
+
 def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, positions: jax.Array,
                cache: KVCache | None, new_mask: jax.Array | None,
                hidden_layers: tuple[int, ...] = ()
@@ -198,9 +204,12 @@ def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, position
     vis = Visibility(lengths=cache.lengths, new_mask=new_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   keys, values, intermediates = [], [], []
+  layer_fn = block
+  if cache is None and config.remat != "none":
+    layer_fn = jax.checkpoint(block, static_argnums=(1,), policy=_REMAT_POLICY[config.remat])
   for i, layer in enumerate(layers):
     kv = None if cache is None else (cache.keys[i], cache.values[i])
-    x, new_kv = block(layer, config, x, positions, vis, kv, slots, inv_freq)
+    x, new_kv = layer_fn(layer, config, x, positions, vis, kv, slots, inv_freq)
     if new_kv is not None:
       keys.append(new_kv[0])
       values.append(new_kv[1])

@@ -5,6 +5,7 @@ process where the command must set the device count itself. The slow tests plan 
 Qwen3-1.7B preset (about 3 minutes of compilation on 2 cores).
 """
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -137,3 +138,15 @@ def test_qwen3_1p7b_compiled_memory_matches_the_estimate(qwen3_1p7b_plan):
   here = result.estimate_here.total  # float32 activations, as XLA:CPU keeps them
   assert 0.9 * here <= result.compiled.total <= 1.12 * here, (
       result.format())
+
+
+def test_the_plan_estimates_each_remat_policy_and_reports_them_side_by_side():
+  config = _tiny()
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=4,
+                                                                 remat="full"))
+  result = plan(config, 8, hbm_gib=1.0, name="tiny")
+  totals = result.shapes["total_by_remat"]
+  assert totals["full"] < totals["dots"] < totals["none"]
+  assert result.estimate.total == totals["full"]
+  assert "by model.remat (GiB): none" in result.format() and "this plan: full" in \
+      result.format()
