@@ -20,9 +20,10 @@ from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, 
 from specjax.experiments.grpo import run
 from specjax.experiments.grpo_config import (Drafting, ExperimentConfig, Pipeline,
                                              RolloutEvaluation, RolloutSettings)
+from specjax.experiments.metrics_log import Logging
 from specjax.experiments.plan import Plan, estimate, plan
 
 __all__ = ["Checkpointing", "DistillData", "Drafting", "DrafterTrainConfig", "Eagle3Head",
-           "Evaluation", "ExperimentConfig", "export_run", "HeadEvaluation", "load_policy",
+           "Evaluation", "ExperimentConfig", "export_run", "HeadEvaluation", "Logging", "load_policy",
            "Optimization", "Pipeline", "Plan", "RolloutEvaluation", "RolloutSettings",
            "WarmStart", "estimate", "override", "plan", "run", "run_drafter_training"]

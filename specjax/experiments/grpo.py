@@ -44,7 +44,8 @@ from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
 from specjax.experiments.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
-from specjax.experiments.run_record import check_resume, kept_metrics, record_config
+from specjax.experiments.metrics_log import MetricsLog
+from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock
 from specjax.models.config import RUNTIME_FIELDS
@@ -414,8 +415,7 @@ def _run(config: ExperimentConfig, log) -> dict:
 
   writer = None
   if lead:
-    from tensorboardX import SummaryWriter
-    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    writer = MetricsLog(run_dir, config.log, config_record(config))
   if disaggregated is None and in_jax:
     train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
                                     pad_id=tok.pad_id)
@@ -449,8 +449,7 @@ def _run(config: ExperimentConfig, log) -> dict:
       if lead:
         out.write((json.dumps(record) + "\n").encode())
         lr = float(optimizer_schedule(step))
-        for name, value in tensorboard_scalars(record, learning_rate=lr).items():
-          writer.add_scalar(name, value, step + 1)
+        writer.scalars(step + 1, tensorboard_scalars(record, learning_rate=lr))
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:

@@ -25,6 +25,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
                               check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
+from specjax.experiments.metrics_log import Logging
 from specjax.models.config import RUNTIME_FIELDS, ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
@@ -50,7 +51,7 @@ DEFAULT_ACCEPTANCE_CARRY = 0.5
 # restore onto any mesh). Every other field defines the policy, its task or its training, and a
 # change would silently alter the run.
 RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint", "eval.speedup_repeats",
-                              "eval.speedup_seconds", "mesh"})
+                              "eval.speedup_seconds", "mesh", "log"})
 
 
 # Where each field of the flat config that runs before the groups recorded now lives.
@@ -276,6 +277,7 @@ class ExperimentConfig:
       the batch axes do not divide is replicated instead.
     pipeline: async (off-policy) and disaggregated rollouts (`Pipeline`).
     checkpoint: checkpoint frequency and retention (`Checkpointing`).
+    log: metrics backends beside metrics.jsonl and TensorBoard (`Logging`: Weights & Biases).
   """
 
   run_dir: str = "runs/arithmetic"
@@ -297,6 +299,7 @@ class ExperimentConfig:
   mesh: MeshConfig = MeshConfig()
   pipeline: Pipeline = Pipeline()
   checkpoint: Checkpointing = Checkpointing()
+  log: Logging = Logging()
 
   def __post_init__(self):
     for name, kind in _GROUPS.items():
@@ -523,4 +526,4 @@ def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
 _GROUPS = {"rollout": RolloutSettings, "drafter": Drafting, "optim": Optimization,
            "warm_start": WarmStart, "eval": RolloutEvaluation, "mesh": MeshConfig,
            "pipeline": Pipeline,
-           "checkpoint": Checkpointing}
+           "checkpoint": Checkpointing, "log": Logging}
