@@ -222,7 +222,7 @@ class HFTokenizer:
     source: the directory or file it was loaded from (what a run's config records of it).
   """
 
-  tokenizer: tokenizers.Tokenizer = dataclasses.field(metadata={"record": False})
+  tokenizer: tokenizers.Tokenizer = dataclasses.field(repr=False, metadata={"record": False})
   eos_id: int
   pad_id: int
   bos_id: int | None = None

@@ -117,14 +117,16 @@ class DatasetTask:
     name: the task's name.
   """
 
-  source: str | os.PathLike | Sequence[Mapping[str, Any]]
+  # Typed Any: a file path or rows, set in a config file (a union would make `specjax train`
+  # parse it as a subcommand).
+  source: Any
   tokenizer: Tokenizer
   rewards: Any
   prompt_column: str = "prompt"
   reference_column: str | None = None
   answer_column: str | None = None
   chat_template: bool | None = None
-  test_source: str | os.PathLike | Sequence[Mapping[str, Any]] | None = None
+  test_source: Any = None
   test_fraction: float = 0.1
   success_reward: float = 1.0
   seed: int = 0
