@@ -101,10 +101,22 @@ def host_reward(config: ExperimentConfig, records: list[dict]):
 
   def reward(responses, lengths, batch):
     examples = [records[int(i)]["example"] for i in np.repeat(np.asarray(batch.index), group)]
-    return host_scores(config.task, examples, decode_completions(tok, responses, lengths),
-                       responses, lengths)
+    completions = decode_completions(tok, responses, lengths)
+    rewards, means = host_scores(config.task, examples, completions, responses, lengths)
+    reward.samples = [(e.prompt, c, float(r)) for e, c, r in
+                      zip(examples[:SAMPLES], completions, rewards)]
+    return rewards, means
 
+  reward.samples = []  # the last batch's first (prompt, completion, reward), for the log
   return reward
+
+
+SAMPLES = 4  # rows of a step written to the log as text
+
+
+def _samples_text(samples) -> str:
+  return "\n\n".join(f"**prompt** {p!r}\n\n**completion** {c!r}\n\n**reward** {r:.3f}"
+                       for p, c, r in samples)
 
 
 def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3Weights:
@@ -450,6 +462,9 @@ def _run(config: ExperimentConfig, log) -> dict:
         out.write((json.dumps(record) + "\n").encode())
         lr = float(optimizer_schedule(step))
         writer.scalars(step + 1, tensorboard_scalars(record, learning_rate=lr))
+        every = config.log.samples_every
+        if every and (step + 1) % every == 0 and getattr(reward, "samples", None):
+          writer.text(step + 1, "samples", _samples_text(reward.samples))
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:

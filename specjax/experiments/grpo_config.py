@@ -455,7 +455,8 @@ class ExperimentConfig:
                             sampling=SamplingConfig(self.rollout.temperature), drafter=draft,
                             tree=tree, speculation=speculation,
                             acceptance_carry=self.carry if speculation else 0.0,
-                            compaction=self.rollout.compaction)
+                            compaction=self.rollout.compaction,
+                            success_reward=getattr(self.task, "success_reward", 1.0))
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
                        drafter_training=DrafterTraining(self.drafter.loss_weight,
                                                         self.drafter.learning_rate,

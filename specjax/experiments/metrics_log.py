@@ -15,7 +15,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping
 
-from specjax.checks import require_field
+from specjax.checks import require_field, require_ints
 from specjax.errors import ConfigError
 from specjax.files import write_text_atomic
 
@@ -31,13 +31,17 @@ class Logging:
       `pip install 'specjax[wandb]'`). The run's config is the W&B run's config.
     wandb_entity: the W&B team or user (None: the account's default).
     wandb_mode: "online", "offline" (synced later with `wandb sync`) or "disabled".
+    samples_every: with a task rewarded in Python, write the first rows' prompts,
+      completions and rewards as TensorBoard text every this many steps (0: never).
   """
 
   wandb_project: str | None = None
   wandb_entity: str | None = None
   wandb_mode: str = "online"
+  samples_every: int = 10
 
   def __post_init__(self):
+    require_ints(self, ("samples_every",), 0, "log.")
     require_field(self, "wandb_mode", self.wandb_mode in ("online", "offline", "disabled"),
                   "allowed 'online', 'offline' or 'disabled'", "log.")
     if self.wandb_project is not None:
@@ -71,6 +75,10 @@ class MetricsLog:
       self._tensorboard.add_scalar(name, value, step)
     if self._wandb is not None:
       self._wandb.log(dict(values), step=step)
+
+  def text(self, step: int, name: str, text: str) -> None:
+    """A text record (markdown) in TensorBoard's text tab."""
+    self._tensorboard.add_text(name, text, step)
 
   def close(self) -> None:
     self._tensorboard.close()

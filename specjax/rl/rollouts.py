@@ -97,7 +97,7 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
   clipped = (roll.lengths >= n) & ~ended
   return {
       "reward_mean": roll.rewards.mean(), "reward_std": roll.rewards.std(),
-      "accuracy": (roll.rewards >= 1.0).mean(),
+      "accuracy": (roll.rewards >= config.rollout.success_reward).mean(),
       "response_length_mean": lengths.mean(), "response_length_max": lengths.max(),
       "response_clip_frac": clipped.mean(),
       "acceptance_length": roll.tokens_per_round,

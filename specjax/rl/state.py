@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -62,6 +63,8 @@ class RolloutConfig:
       with 2 the rollout runs at B rows until at most B / 2 are still generating, then at
       B / 2, then B / 4, so the long tail of a few long responses stops paying for the
       finished rows. 0: every round runs all B rows.
+    success_reward: a response counts as solved (the `accuracy` metric) when its reward is at
+      least this (a `DatasetTask`'s `success_reward`; 1 for the built-in tasks).
   """
 
   max_new_tokens: int
@@ -72,8 +75,12 @@ class RolloutConfig:
   speculation: Adaptive | None = None
   acceptance_carry: float = 0.0
   compaction: int = 0
+  success_reward: float = 1.0
 
   def __post_init__(self):
+    if not (is_number(self.success_reward) and np.isfinite(self.success_reward)):
+      raise ConfigError(f"success_reward={self.success_reward!r} is invalid: must be a finite "
+                        "number")
     if not (is_int(self.compaction) and self.compaction >= 0):
       raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
                         "(halvings of the rollout batch as rows finish)")

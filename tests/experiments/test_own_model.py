@@ -97,13 +97,15 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
                                                                          drafter):
   run_dir = own / f"run-{family}"
   flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[drafter]]
-  flags += ["--run-dir", str(run_dir)]
+  flags += ["--run-dir", str(run_dir), "--log.samples-every", "1"]
   config = str(own / f"config-{family}.py")
   cli_main(["train", "--config", config, *flags])
   lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in lines] == [1, 2]
   for record in lines:  # one metric per reward function, beside the total
     assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
+  events = [f.read_bytes() for f in (run_dir / "tensorboard").rglob("*") if f.is_file()]
+  assert any(b"**completion**" in e for e in events)  # sample completions as text
   recorded = json.loads((run_dir / "config.json").read_text())
   assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity"]
   assert recorded["task"]["tokenizer"]["source"] == str(own / family)
@@ -181,7 +183,7 @@ def exact(prompts, completions, text):
 def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
   rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])
   task = DatasetTask(SUM_ROWS, SUMS, rewards, reference_column="text", answer_column="sum",
-                     test_fraction=0.2)
+                     test_fraction=0.2, success_reward=0.5)
   config = ExperimentConfig(
       run_dir=str(tmp_path / "run"), task=task,
       model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
@@ -197,6 +199,8 @@ def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed
     record = json.loads(line)
     expected = 0.5 * record["reward_short"] + (record["reward_exact"] if mixed else 0.0)
     assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)
+    if not mixed:  # solved: total >= success_reward = 0.5, i.e. a short response
+      assert record["accuracy"] == pytest.approx(record["reward_short"], abs=1e-6)
 
 
 def test_a_bfloat16_policy_trains_on_float32_master_weights(own, tmp_path):
