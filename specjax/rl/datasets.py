@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax.checks import is_real
 from specjax.errors import ConfigError, TaskError
 from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, jax_rewards, score
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
@@ -134,7 +135,16 @@ class DatasetTask:
 
   def __post_init__(self):
     object.__setattr__(self, "rewards", as_reward_functions(self.rewards))
-    if self.test_source is None and not 0 < self.test_fraction < 1:
+    for field in ("prompt_column", "name"):
+      if not (isinstance(getattr(self, field), str) and getattr(self, field)):
+        raise ConfigError(f"task.{field}={getattr(self, field)!r} is invalid: must be a "
+                          "non-empty str")
+    for field in ("reference_column", "answer_column"):
+      if getattr(self, field) is not None and not isinstance(getattr(self, field), str):
+        raise ConfigError(f"task.{field}={getattr(self, field)!r} is invalid: must be a "
+                          "column name (str) or None")
+    fraction = self.test_fraction
+    if self.test_source is None and not (is_real(fraction) and 0 < fraction < 1):
       raise ConfigError(f"task.test_fraction={self.test_fraction!r} is invalid: must be in "
                         "(0, 1) without task.test_source (the held-out prompts)")
     if self.chat_template not in (None, True, False):
@@ -169,7 +179,12 @@ class DatasetTask:
   def _rows(self, source: Any) -> list[Mapping[str, Any]]:
     if isinstance(source, (str, os.PathLike)):
       return read_rows(source)
+    if isinstance(source, (bytes, Mapping)) or not hasattr(source, "__iter__"):
+      raise TaskError(f"task {self.name!r}: source={source!r:.80} is invalid: allowed a "
+                      f"{' / '.join(FORMATS)} file path, or a sequence of rows (dicts)")
     rows = list(source)
+    if not rows:
+      raise TaskError(f"task {self.name!r}: its source holds no rows")
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, Mapping)), None)
     if bad is not None:
       raise TaskError(f"task {self.name!r}: row {bad} is a {type(rows[bad]).__name__}; rows "

@@ -287,3 +287,18 @@ def test_gsm8k_is_a_dataset_task_with_the_math_answer_reward(tmp_path):
   assert examples[0].reference == examples[0].columns["answer"]  # what the warm start learns
   total, means = task.score(examples, [f" the sum is {examples[0].reference}", " 999"])
   assert total.tolist() == [1.0, 0.0] and means == {"reward_math_answer": 0.5}
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(source=[]), TaskError, "holds no rows"),
+    (dict(source=5), TaskError, "source=5 is invalid: allowed a .jsonl"),
+    (dict(source={"prompt": "x"}), TaskError, "source=.* is invalid"),
+    (dict(source="data.csv"), TaskError, "unknown dataset format '.csv'"),
+    (dict(test_fraction="a lot"), ConfigError, "test_fraction='a lot' is invalid"),
+    (dict(prompt_column=3), ConfigError, "prompt_column=3 is invalid"),
+    (dict(answer_column=["a"]), ConfigError, "answer_column=\\['a'\\] is invalid"),
+    (dict(success_reward=float("nan")), ConfigError, "success_reward=nan is invalid"),
+])
+def test_a_task_that_cannot_work_is_named_when_built(change, error, message):
+  with pytest.raises(error, match=message):
+    DatasetTask(**({"source": _rows(), "tokenizer": TOK, "rewards": [exact]} | change))
