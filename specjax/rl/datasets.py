@@ -49,7 +49,11 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
       return pyarrow.parquet.read_table(path).to_pylist()
     except Exception as err:  # pyarrow's ArrowInvalid and friends
       raise TaskError(f"{path}: not a readable Parquet file ({err})") from None
-  text = path.read_text()
+  try:
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as err:
+    raise TaskError(f"{path}: not UTF-8 text (byte {err.start + 1}); JSON and JSONL datasets "
+                    "must be UTF-8") from None
   if path.suffix == ".json":
     try:
       rows = json.loads(text)

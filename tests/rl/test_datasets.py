@@ -126,10 +126,11 @@ def test_every_file_format_reads_the_same_rows(tmp_path, suffix):
     ('{"prompt": "1+1="}\nnot json\n', "line 2 is not JSON"),
     ('[1, 2]\n', "line 1 is a JSON list"),
     ("", "holds no rows"),
+    (b'{"prompt": "\xff"}\n', "not UTF-8 text"),
 ])
 def test_malformed_files_are_located(tmp_path, content, message):
   path = tmp_path / "data.jsonl"
-  path.write_text(content)
+  path.write_bytes(content if isinstance(content, bytes) else content.encode())
   with pytest.raises(TaskError, match=message):
     DatasetTask(str(path), TOK, [exact])
 
