@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from flax import struct
 from specjax.checks import is_int
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures, take_rows)
-from specjax.decoding.inputs import check_prompt_values
+from specjax.decoding.inputs import check_prompt_values, host_check
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
@@ -165,29 +165,6 @@ def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
     if sizes[-1] > 1:
       sizes.append(-(-sizes[-1] // 2))
   return tuple(sizes)
-
-
-# The lowering platforms of each backend `jax.default_backend()` names.
-_PLATFORMS = {"gpu": ("cuda", "rocm")}
-
-
-def host_check(check: Callable[..., None], *args: jax.Array) -> None:
-  """`check(*args)` on the host when the traced program runs (`jax.debug.callback`; a raise
-  fails the call).
-
-  The callback is part of the program lowered for this process's backend (CPU, GPU or TPU,
-  whichever runs it) and left out of a program lowered for another platform, as when a TPU
-  or GPU program is compiled ahead of time on a CPU host (`.lower(lowering_platforms=...)`):
-  a host callback cannot be lowered for a platform other than the one it would call back
-  from, and such a program does not run here. Check those inputs before the call.
-  """
-  def call(*values):
-    jax.debug.callback(check, *values)
-    return ()
-
-  backend = jax.default_backend()
-  jax.lax.platform_dependent(*args, **{p: call for p in _PLATFORMS.get(backend, (backend,))},
-                             default=lambda *values: ())
 
 
 @dataclasses.dataclass(frozen=True)

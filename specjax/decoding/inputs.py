@@ -7,7 +7,7 @@ callback when they are traced under a caller's own `jit`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,3 +70,26 @@ def as_ids(x: Any, name: str, ndim: int) -> jax.Array:
     raise ValueError(f"{name} has shape {x.shape}: must be "
                      f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'}")
   return jnp.asarray(x, jnp.int32)
+
+
+# The lowering platforms of each backend `jax.default_backend()` names.
+_PLATFORMS = {"gpu": ("cuda", "rocm")}
+
+
+def host_check(check: Callable[..., None], *args: jax.Array) -> None:
+  """`check(*args)` on the host when the traced program runs (`jax.debug.callback`; a raise
+  fails the call).
+
+  The callback is part of the program lowered for this process's backend (CPU, GPU or TPU,
+  whichever runs it) and left out of a program lowered for another platform, as when a TPU
+  or GPU program is compiled ahead of time on a CPU host (`.lower(lowering_platforms=...)`):
+  a host callback cannot be lowered for a platform other than the one it would call back
+  from, and such a program does not run here. Check those inputs before the call.
+  """
+  def call(*values):
+    jax.debug.callback(check, *values)
+    return ()
+
+  backend = jax.default_backend()
+  jax.lax.platform_dependent(*args, **{p: call for p in _PLATFORMS.get(backend, (backend,))},
+                             default=lambda *values: ())
