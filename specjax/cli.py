@@ -323,9 +323,9 @@ SIM_COMMANDS = {
 
 def plan_command(argv: list[str]) -> int:
   """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]
-  [--model.remat POLICY]`: print the plan; the mesh flags override the config's mesh axis by
-  axis, `--model.remat` its rematerialisation. Returns the exit
-  status (0 fits, 1 does not fit)."""
+  [--model.remat POLICY] [--lora.rank R]`: print the plan; the mesh flags override the config's
+  mesh axis by axis, `--model.remat` its rematerialisation, `--lora.rank` its LoRA rank (0:
+  full-parameter training). Returns the exit status (0 fits, 1 does not fit)."""
   parser = argparse.ArgumentParser(
       prog="specjax plan",
       description="Compile a config's GRPO train step for N fake CPU devices with abstract "
@@ -344,6 +344,9 @@ def plan_command(argv: list[str]) -> int:
   parser.add_argument("--model.remat", default=None, dest="remat",
                       choices=("none", "dots", "full"),
                       help="per-layer rematerialisation of the update (default the config's)")
+  parser.add_argument("--lora.rank", type=int, default=None, dest="lora_rank",
+                      help="train LoRA adapters of this rank on the frozen policy (0: every "
+                           "parameter); default the config's")
   args = parser.parse_args(argv)
   from specjax.experiments.grpo_config import ExperimentConfig
   from specjax.experiments.plan import fake_devices, plan
@@ -364,6 +367,9 @@ def plan_command(argv: list[str]) -> int:
     if args.remat is not None and isinstance(config, ExperimentConfig):
       config = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                      remat=args.remat))
+    if args.lora_rank is not None and isinstance(config, ExperimentConfig):
+      config = dataclasses.replace(config, lora=dataclasses.replace(config.lora,
+                                                                    rank=args.lora_rank))
     result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
   except ConfigError as err:
     raise SystemExit(f"specjax plan --config {args.config}: {err}") from None

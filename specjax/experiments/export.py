@@ -4,11 +4,12 @@
     specjax export runs/arithmetic_worked exported/   # HF weights + tokenizer (+ EAGLE-3 head)
 
 `load_policy` restores the policy of the run's latest checkpoint (verified against the
-digest the run recorded when it saved), its architecture read from the run's `config.json`.
-`export_run` writes it as an HF checkpoint directory that transformers and `load_hf` load:
-the weights (and MTP / Medusa heads, which transformers ignores), `config.json` with the
-tokenizer's special ids, the tokenizer files, and, for a run that trained an EAGLE-3 head
-to its end, that head in the layout vLLM and SGLang load (`OUT/eagle3`).
+digest the run recorded when it saved), its architecture read from the run's `config.json`
+(a LoRA run's policy: the frozen trunk with its trained adapters merged in). `export_run`
+writes it as an HF checkpoint directory that transformers and `load_hf` load: the weights
+(and MTP / Medusa heads, which transformers ignores), `config.json` with the tokenizer's
+special ids, the tokenizer files, and, for a run that trained an EAGLE-3 head to its end,
+that head in the layout vLLM and SGLang load (`OUT/eagle3`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from specjax.experiments.run_record import CONFIG_FILE
 from specjax.files import read_object, write_text_atomic
 from specjax.models import ModelConfig, init_params, load_eagle3, save_eagle3, save_hf
 from specjax.models.config import Llama3RopeScaling
+from specjax.models.lora import LoraAdapters, LoraConfig
 from specjax.models.params import Params
 from specjax.rl.tasks import ArithmeticTask
 from specjax.tokenizer import CharTokenizer, HFTokenizer
@@ -122,6 +124,9 @@ def load_policy(run_dir: str | Path, model: ModelConfig | None = None, *,
   finally:
     manager.close()
   params = state["state"]["params"]
+  adapters = state["state"].get("adapters")
+  if adapters is not None:  # a LoRA run: its policy is the frozen trunk with them merged
+    params = _merged(params, adapters, directory.parent, field, run_dir)
   expected = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
   shapes = lambda tree: {jax.tree_util.keystr(k): (tuple(x.shape), str(x.dtype))
                          for k, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -133,6 +138,26 @@ def load_policy(run_dir: str | Path, model: ModelConfig | None = None, *,
                       f"{want.get(name, 'nothing')}; pass the RL run's architecture "
                       "(--model.*)")
   return jax.tree.map(jnp.asarray, params), model
+
+
+def _merged(params: Params, adapters: dict[str, Any], run: Path, field: str,
+            run_dir: str | Path) -> Params:
+  """A LoRA run's restored trunk with its restored adapters merged in, by the `lora` config
+  the run recorded (rank, alpha, targets)."""
+  recorded = recorded_config(run).get("lora")
+  try:
+    config = LoraConfig(**recorded)
+  except (TypeError, ConfigError) as err:
+    raise CheckpointError(f"{field}={str(run_dir)!r}: the checkpoint holds LoRA adapters but "
+                          f"the run's config.json records no usable lora config ({recorded!r}:"
+                          f" {err})") from None
+  factors = jax.tree.map(jnp.asarray, adapters["factors"])
+  names = {name for layer in factors["layers"] for name in layer}
+  if names != set(config.targets) or len(factors["layers"]) != len(params["layers"]):
+    raise CheckpointError(f"{field}={str(run_dir)!r}: the checkpoint's adapters ({sorted(names)}"
+                          f", {len(factors['layers'])} layers) are not those of the recorded "
+                          f"{config}")
+  return LoraAdapters(factors=factors, config=config).merge(jax.tree.map(jnp.asarray, params))
 
 
 def export_run(run_dir: str | Path, out: str | Path,

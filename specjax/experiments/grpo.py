@@ -234,13 +234,23 @@ _FINITE_METRICS = ("reward_mean", "reward_std", "loss", "grad_norm")
 _all_finite = jax.jit(all_finite)  # one fused reduction, a scalar to the host
 
 
+_merge = jax.jit(lambda params, adapters: adapters.merge(params))
+
+
+def _policy(state: TrainState):
+  """The state's policy parameters: with LoRA the adapters merged into the trunk (one
+  program), else its parameters themselves."""
+  return state.params if state.adapters is None else _merge(state.params, state.adapters)
+
+
 def _check_finite(step: int, metrics: dict, state: TrainState, config: ExperimentConfig,
                   last_checkpoint: int | None) -> None:
   """Raises FloatingPointError unless `metrics`' rewards, loss and gradient norm and the
   trained weights of `state` are finite, so that a diverged state is never checkpointed."""
   bad = [f"{k}={np.asarray(metrics[k]).tolist()}" for k in _FINITE_METRICS
          if k in metrics and not np.all(np.isfinite(metrics[k]))]
-  weights = {"params": state.params, "drafter": state.drafter_weights}
+  weights = {"params": state.params, "adapters": state.adapters,
+             "drafter": state.drafter_weights}
   if not bool(_all_finite(weights)):
     bad.append("parameters")
   if np.asarray(metrics.get("update_skipped", 0.0)).any():
@@ -364,7 +374,10 @@ def _run(config: ExperimentConfig, log) -> dict:
     log(f"disaggregated async: rollouts on {rollout_mesh.size} device(s), updates on "
         f"{mesh.size}, policy lag {config.pipeline.policy_lag}")
   if restored is None:
-    log(f"policy: {count_params(abstract.params):,} parameters")
+    trained = ("" if abstract.adapters is None else
+               f", {count_params(abstract.adapters):,} of them trained (LoRA rank "
+               f"{config.lora.rank} on {', '.join(config.lora.targets)})")
+    log(f"policy: {count_params(abstract.params):,} parameters{trained}")
     params = initial_policy(config, log)
     head = None
     if tc.eagle3 is not None:
@@ -409,7 +422,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
-    local = local_copy({"params": state.params, "drafter": state.drafter_weights})
+    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
     costs = _shared_costs(lambda: rollout_costs(local["params"], config, reader.batch_at(0),
                                                 local["drafter"], log))
     tc = config.train_config(costs=costs)
@@ -475,7 +488,7 @@ def _run(config: ExperimentConfig, log) -> dict:
 
   log(f"evaluating the trained policy on {len(test_records)} held-out prompts, then timing "
       "its rollouts speculative vs plain")
-  final = local_copy({"params": state.params, "drafter": state.drafter_weights})
+  final = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
              "accuracy_after": evaluate(params, config, test_records),

@@ -30,6 +30,7 @@ from specjax.models.config import RUNTIME_FIELDS, ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
+from specjax.models.lora import LoraConfig
 from specjax.optimizers import float32_master
 from specjax.rl.datasets import DatasetTask
 from specjax.rl.gsm8k import GSM8KTask
@@ -278,6 +279,10 @@ class ExperimentConfig:
     pipeline: async (off-policy) and disaggregated rollouts (`Pipeline`).
     checkpoint: checkpoint frequency and retention (`Checkpointing`).
     log: metrics backends beside metrics.jsonl and TensorBoard (`Logging`: Weights & Biases).
+    lora: low-rank adapters on the policy's projections (`LoraConfig`: `--lora.rank 16`),
+      trained with the trunk frozen, which is also the KL reference: a few per cent of the
+      optimizer memory of full-parameter training. Rank 0 (the default) trains every
+      parameter. Rollouts, evaluations and exports use the merged policy.
   """
 
   run_dir: str = "runs/arithmetic"
@@ -300,6 +305,7 @@ class ExperimentConfig:
   pipeline: Pipeline = Pipeline()
   checkpoint: Checkpointing = Checkpointing()
   log: Logging = Logging()
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     for name, kind in _GROUPS.items():
@@ -332,6 +338,13 @@ class ExperimentConfig:
     require_field(self.rollout, "acceptance_carry", not carry or self._adaptive_with_drafter,
                   "needs rollout.speculation='adaptive' and a drafter (only the adaptive "
                   "policy keeps acceptance counts); leave it None or 0 otherwise", "rollout.")
+    heads = self.model.num_mtp_modules or self.model.num_medusa_heads
+    require_field(self.lora, "rank", not (self.lora.enabled and heads
+                                          and self.drafter.loss_weight),
+                  "with adapters the policy's own parameters are frozen, its MTP / Medusa "
+                  "heads too, so they cannot be trained online: set drafter.loss_weight=0 (the "
+                  "heads draft as they are), or draft with drafter.name='eagle3' or "
+                  f"'{DRAFT_MODEL}' on a model without heads", "lora.")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
     if self.drafter.name == DRAFT_MODEL:
       self._check_draft_model()
@@ -461,7 +474,8 @@ class ExperimentConfig:
                        drafter_training=DrafterTraining(self.drafter.loss_weight,
                                                         self.drafter.learning_rate,
                                                         self.drafter.ttt_steps),
-                       async_mode=self.pipeline.async_mode)
+                       async_mode=self.pipeline.async_mode,
+                       lora=self.lora if self.lora.enabled else None)
 
   @property
   def eos_ids(self) -> int | tuple[int, ...]:
@@ -490,13 +504,16 @@ class ExperimentConfig:
     With `drafter.clip_heads_separately` the trunk and the heads are clipped apart
     (`_clip_trunk_and_heads`), so the drafter loss, which reaches only the heads, cannot
     scale the policy's step; otherwise one global norm covers every parameter. Parameters
-    below float32 get float32 master weights (`optim.master_weights`).
+    below float32 get float32 master weights (`optim.master_weights`). With LoRA the optimizer
+    trains the adapters (float32, no heads): one global norm, no master copy.
     """
     norm = self.optim.max_grad_norm
-    clip = (_clip_trunk_and_heads(norm) if self.drafter.clip_heads_separately
+    clip = (_clip_trunk_and_heads(norm)
+            if self.drafter.clip_heads_separately and not self.lora.enabled
             else optax.clip_by_global_norm(norm))
     optimizer = optax.chain(clip, self.optim.adam(self.steps))
-    if self.optim.master_weights and self.model.param_dtype != "float32":
+    if (self.optim.master_weights and self.model.param_dtype != "float32"
+        and not self.lora.enabled):
       return float32_master(optimizer)
     return optimizer
 
@@ -527,4 +544,4 @@ def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
 _GROUPS = {"rollout": RolloutSettings, "drafter": Drafting, "optim": Optimization,
            "warm_start": WarmStart, "eval": RolloutEvaluation, "mesh": MeshConfig,
            "pipeline": Pipeline,
-           "checkpoint": Checkpointing, "log": Logging}
+           "checkpoint": Checkpointing, "log": Logging, "lora": LoraConfig}

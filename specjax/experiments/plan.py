@@ -137,6 +137,7 @@ class Estimate:
   prefill_logits: int
   rollout_flops: float
   update_flops: float
+  merged_policy: int = 0
 
   @property
   def arguments(self) -> int:
@@ -149,8 +150,9 @@ class Estimate:
 
   @property
   def rollout(self) -> int:
-    """The rollout's temporaries: caches and the prefill's logits."""
-    return self.kv_cache + self.prefill_logits
+    """The rollout's temporaries: caches, the prefill's logits and, with LoRA, the merged
+    projections it decodes with."""
+    return self.kv_cache + self.prefill_logits + self.merged_policy
 
   @property
   def temporaries(self) -> int:
@@ -223,11 +225,15 @@ class Plan:
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
     rows = [
         ("parameters", *both(lambda x: x.parameters),
-         f"{s['parameters'] / 1e9:.3f}B weights, {s['param_dtype']}"),
-        ("optimizer state", *both(lambda x: x.optimizer_state), "Adam moments"),
+         f"{s['parameters'] / 1e9:.3f}B weights, {s['param_dtype']}"
+         + ("" if s["lora"] is None else f", + {s['lora']['trained'] / 1e6:.2f}M LoRA "
+            f"(rank {s['lora']['rank']}), float32")),
+        ("optimizer state", *both(lambda x: x.optimizer_state),
+         "Adam moments" + ("" if s["lora"] is None else " of the adapters")),
         ("state and batch", *both(lambda x: x.state_and_batch), "step, key, pending, prompts"),
         ("= arguments", g(c.arguments), *both(lambda x: x.arguments)[1:], ""),
-        ("gradients", *both(lambda x: x.gradients), "as the parameters"),
+        ("gradients", *both(lambda x: x.gradients),
+         "as the parameters" if s["lora"] is None else "as the adapters"),
         ("activations", *both(lambda x: x.activations),
          f"{s['minibatch_rows_per_device']} rows x L={s['sequence']} per device"),
         ("  minibatch update", *both(lambda x: x.minibatch), "gradients + activations"),
@@ -236,7 +242,11 @@ class Plan:
         ("KV cache", *both(lambda x: x.kv_cache),
          f"{s['rows_per_device']} rows x S={s['cache_slots']} per device, {s['dtype']}"),
         ("prefill logits", *both(lambda x: x.prefill_logits), "float32 [rows, V]"),
-        ("  rollout", *both(lambda x: x.rollout), "KV cache + prefill logits"),
+        *([] if s["lora"] is None else [
+            ("merged policy", *both(lambda x: x.merged_policy),
+             "the adapted projections, merged for decoding")]),
+        ("  rollout", *both(lambda x: x.rollout),
+         "KV cache + prefill logits" + ("" if s["lora"] is None else " + merged policy")),
         ("= temporaries", g(c.temporaries), *both(lambda x: x.temporaries)[1:],
          "analytical: the largest phase"),
         ("outputs not donated", g(c.outputs - c.aliased), blank, blank, "metrics"),
@@ -346,9 +356,14 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   tq, tk, tf, tv = (_split(mesh, "heads", q), _split(mesh, "kv_heads", k),
                     _split(mesh, "mlp", f), _split(mesh, "vocab", v))
 
-  params = _bytes(state.params) + _bytes(state.ref_params)
+  # With LoRA the optimizer trains the adapters alone; the rollout decodes with the adapted
+  # projections merged into a copy of the trunk's.
+  adapters = state.adapters
+  params = _bytes(state.params) + _bytes(state.ref_params) + _bytes(adapters)
   opt = _bytes(state.opt_state)
-  grads = _bytes(state.params)
+  grads = _bytes(state.params if adapters is None else adapters)
+  merged = 0 if adapters is None else sum(
+      _bytes(layer[name]) for layer in state.params["layers"] for name in adapters.config.targets)
   if state.drafter is not None:
     params += _bytes(state.drafter.weights)
     if state.drafter.opt_state is not None:  # an EAGLE-3 head trains; a draft model is frozen
@@ -387,12 +402,14 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
                          for j in range(train_config.drafter_training.ttt_steps))
   # Weights split over fsdp are gathered whole for the forward and kept for the backward
   # (in the compute dtype, split only by tensor); the output head's gradient and the
-  # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered.
+  # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered (with LoRA
+  # they have none).
   layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + 3 * e * f // tf
   gathered = model.n_layers * layer_weights * c if _split(mesh, "embed", e) > 1 else 0
   weight_bytes = np.dtype(model.weight_dtype).itemsize
+  head_grads = 2 * 4 if adapters is None else 0
   activations = (mb_dev * l * max(token, eagle_token) + gathered
-                 + e * v // tv * (weight_bytes + 2 * 4))
+                 + e * v // tv * (weight_bytes + head_grads))
 
   # Rollout: the caches the decode loop carries, and the prefill's logits.
   per_row_slot = 2 * (k // tk) * h * cache_bytes
@@ -409,15 +426,18 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   weights = _matmul_weights(model)
   attention = lambda queries, keys: 4 * model.n_layers * queries * keys * q * h  # QK^T, PV
   passes = 1 + (gc.num_minibatches > 1 or gc.num_epochs > 1) + (gc.beta > 0)
+  # A trained forward costs 3 passes (forward, input and weight gradients); with LoRA's frozen
+  # weights, 2 (the adapters' thin matmuls are not counted).
+  trained_passes = 3 if adapters is None else 2
   rollout_flops = rows * (2 * weights * l + attention(l, l / 2))
-  update_flops = rows * l * 2 * weights * (3 * gc.num_epochs + passes - 1)
-  update_flops += rows * attention(l, l / 2) * (3 * gc.num_epochs + passes - 1)
+  update_flops = rows * l * 2 * weights * (trained_passes * gc.num_epochs + passes - 1)
+  update_flops += rows * attention(l, l / 2) * (trained_passes * gc.num_epochs + passes - 1)
   n = math.prod(mesh.shape.values())
   return Estimate(parameters=params, optimizer_state=opt, state_and_batch=other,
                   gradients=grads, activations=activations, logprob_pass=logprob_pass,
                   kv_cache=kv,
                   prefill_logits=prefill, rollout_flops=rollout_flops / n,
-                  update_flops=update_flops / n)
+                  update_flops=update_flops / n, merged_policy=merged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,6 +531,8 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
                                               else count(abstract.drafter.weights)),
       "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
       "remat": config.model.remat,
+      "lora": None if abstract.adapters is None else {
+          "rank": config.lora.rank, "trained": count(abstract.adapters)},
       # The accelerator estimate's total under each rematerialisation policy.
       "total_by_remat": {
           policy: estimate(dataclasses.replace(config, model=dataclasses.replace(

@@ -28,7 +28,8 @@ Params = dict[str, Any]  # a parameter pytree: nested dicts of arrays (the one d
 _INIT_STD = 0.02
 
 
-def _block_axes(config: ModelConfig) -> dict[str, P]:
+def block_axes(config: ModelConfig) -> dict[str, P]:
+  """Logical axes of one transformer block's parameters."""
   axes = {
       "attn_norm": P("embed"),
       "wq": P("embed", "heads", "head_dim"),
@@ -52,7 +53,7 @@ def param_axes(config: ModelConfig) -> Params:
   """Logical axis names with the same tree structure as `init_params(config, key)`."""
   axes: Params = {
       "embed": P("vocab", "embed"),
-      "layers": [_block_axes(config) for _ in range(config.n_layers)],
+      "layers": [block_axes(config) for _ in range(config.n_layers)],
       "final_norm": P("embed"),
   }
   if not config.tie_embeddings:
@@ -60,7 +61,7 @@ def param_axes(config: ModelConfig) -> Params:
   if config.num_mtp_modules:
     axes["mtp"] = [
         {"h_norm": P("embed"), "e_norm": P("embed"), "proj": P(None, "embed"),
-         "block": _block_axes(config), "out_norm": P("embed")}
+         "block": block_axes(config), "out_norm": P("embed")}
         for _ in range(config.num_mtp_modules)
     ]
   if config.num_medusa_heads:

@@ -21,6 +21,7 @@ from specjax.models.attention import Visibility, attend
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.layout import constrain_rows
+from specjax.models.lora import ATTACHED, low_rank
 from specjax.models.params import Params
 
 
@@ -97,7 +98,8 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
   """One pre-norm transformer block (attention + SwiGLU MLP).
 
   Args:
-    layer: the block's parameters.
+    layer: the block's parameters (with LoRA factors under "lora" when attached:
+      `specjax.models.lora`).
     x: `[B, T, E]` residual stream.
     positions: `[B, T]` absolute positions (for RoPE).
     vis: which slots (cache slots, or the T new tokens without a cache) each query sees.
@@ -110,12 +112,20 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
   """
   dt = config.compute_dtype
   w = lambda name: layer[name].astype(dt)
+  lora = layer.get(ATTACHED, {})  # LoRA factors `LoraAdapters.attach` put there, if any
+
+  def project(spec: str, inputs: jax.Array, name: str, weight: jax.Array) -> jax.Array:
+    out = jnp.einsum(spec, inputs, weight)
+    if name not in lora:
+      return out
+    return out + low_rank(inputs, lora[name], dt).reshape(out.shape)
+
   b, t, _ = x.shape
 
   h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-  q = jnp.einsum("BTE,EQH->BTQH", h, w("wq"))
-  k = jnp.einsum("BTE,EKH->BTKH", h, w("wk"))
-  v = jnp.einsum("BTE,EKH->BTKH", h, w("wv"))
+  q = project("BTE,EQH->BTQH", h, "wq", w("wq"))
+  k = project("BTE,EKH->BTKH", h, "wk", w("wk"))
+  v = project("BTE,EKH->BTKH", h, "wv", w("wv"))
   if config.qkv_bias:
     q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
   if config.qk_norm:
@@ -145,12 +155,12 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
   # transposes the whole wo weight every step to match the attention output's layout.
   attn = attn.reshape(b, t, config.n_heads * config.head_dim)
   wo = w("wo").reshape(config.n_heads * config.head_dim, config.d_model)
-  x = x + jnp.einsum("BTX,XE->BTE", attn, wo)
+  x = x + project("BTX,XE->BTE", attn, "wo", wo)
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-  gate = jnp.einsum("BTE,EF->BTF", h, w("w_gate"))
-  up = jnp.einsum("BTE,EF->BTF", h, w("w_up"))
-  x = x + jnp.einsum("BTF,FE->BTE", jax.nn.silu(gate) * up, w("w_down"))
+  gate = project("BTE,EF->BTF", h, "w_gate", w("w_gate"))
+  up = project("BTE,EF->BTF", h, "w_up", w("w_up"))
+  x = x + project("BTF,FE->BTE", jax.nn.silu(gate) * up, "w_down", w("w_down"))
   return x, new_kv
 
 

@@ -47,6 +47,7 @@ from specjax.checks import is_int
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
+from specjax.models.lora import LoraAdapters
 from specjax.models.params import Params
 from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
@@ -67,10 +68,16 @@ class PolicyWeights:
   Attributes:
     params: policy parameters (trunk and MTP / Medusa heads).
     drafter: the EAGLE-3 head (None for drafters without parameters of their own).
+    adapters: with LoRA, the adapters the rollout merges into `params` (the frozen trunk).
   """
 
   params: Params
   drafter: Eagle3Weights | None = None
+  adapters: LoraAdapters | None = None
+
+  @property
+  def policy(self) -> Params:
+    return self.params if self.adapters is None else self.adapters.merge(self.params)
 
 
 @struct.dataclass
@@ -133,14 +140,14 @@ class DisaggregatedAsync:
                         "first update's data); call start(state) and pass batch to step()")
     config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
     roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
-    weights = PolicyWeights(params=state.params, drafter=state.drafter_weights)
+    weights = self._weights(state)
     side = _RolloutSide(acceptance=state.acceptance, key=state.key)
     every = replicated(roll_mesh)
     side_shardings = jax.tree.map(lambda _: every, side)
 
     def rollout_program(weights: PolicyWeights, side: _RolloutSide, batch, prime: bool):
       key, k_roll = prime_keys(side.key) if prime else step_keys(side.key)[:2]
-      roll, acceptance = scored_rollout(weights.params, weights.drafter, side.acceptance,
+      roll, acceptance = scored_rollout(weights.policy, weights.drafter, side.acceptance,
                                         config, batch, k_roll, reward_fn, pad_id)
       return roll, _RolloutSide(acceptance=None if side.acceptance is None else acceptance,
                                 key=key)
@@ -230,13 +237,16 @@ class DisaggregatedAsync:
   def _weights_on(self, state: TrainState, mesh: Mesh) -> PolicyWeights:
     shardings = train_state_shardings(state.replace(pending=None), mesh, self.config,
                                       self.rules)
-    return PolicyWeights(params=shardings.params, drafter=None if shardings.drafter is None
-                         else shardings.drafter.weights)
+    return self._weights(shardings)
+
+  @staticmethod
+  def _weights(state: TrainState) -> PolicyWeights:
+    return PolicyWeights(params=state.params, drafter=state.drafter_weights,
+                         adapters=state.adapters)
 
   def _weights_of(self, state: TrainState) -> PolicyWeights:
     """The train state's weights, copied onto the rollout mesh."""
-    return transfer(PolicyWeights(params=state.params, drafter=state.drafter_weights),
-                    self._weight_shardings)
+    return transfer(self._weights(state), self._weight_shardings)
 
   def _on_rollout_mesh(self, batch):
     return jax.device_put(batch, prompt_batch_shardings(batch, self.rollout_mesh, self.rules))

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.models.eagle3 import eagle3_param_axes
+from specjax.models.lora import lora_axes
 from specjax.models.params import Params, param_axes
 from specjax.rl.data import PromptBatch, PromptReader
 from specjax.rl.roll_call import roll_call
@@ -86,7 +87,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
                           rules: Rules = DEFAULT_RULES) -> TrainState:
   """A `TrainState` of `NamedSharding`s for `state` (arrays or `jax.ShapeDtypeStruct`s).
 
-  - params, ref_params: the logical axes of `param_axes(config.model)` mapped by `rules`.
+  - params, ref_params: the logical axes of `param_axes(config.model)` mapped by `rules`;
+    LoRA adapters by `lora_axes` (the factors split as their projection's input or output).
   - opt_state: Adam's moments (any subtree shaped like the parameters) as their
     parameters; counts and other leaves replicated (`specjax.sharding.opt_state_shardings`).
   - drafter (EAGLE-3): the head by `eagle3_param_axes`, its optimizer state likewise, its
@@ -100,7 +102,16 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
   """
   params = _logical_tree(state.params, param_axes(config.model), mesh, rules,
                          "the state's params")
-  opt = opt_state_shardings(state.opt_state, state.params, params)
+  adapters = None
+  if state.adapters is not None:
+    if config.lora is None:
+      raise ConfigError("the state has LoRA adapters, but the config has no lora (pass the "
+                        "TrainConfig the state was made with)")
+    adapters = state.adapters.replace(factors=_logical_tree(
+        state.adapters.factors, lora_axes(config.model, config.lora), mesh, rules,
+        "the state's LoRA adapters"))
+  trained = params if adapters is None else adapters
+  opt = opt_state_shardings(state.opt_state, state.trainable, trained)
   drafter = None
   if state.drafter is not None and config.draft_model is not None:
     drafter = DrafterTrainState(
@@ -122,7 +133,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
       step=replicated(mesh), key=replicated(mesh),
       pending=None if state.pending is None else rollout_shardings(state.pending, mesh, rules),
       drafter=drafter,
-      acceptance=jax.tree.map(lambda _: replicated(mesh), state.acceptance))
+      acceptance=jax.tree.map(lambda _: replicated(mesh), state.acceptance),
+      adapters=adapters)
 
 
 def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,

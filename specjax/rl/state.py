@@ -31,6 +31,7 @@ from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+from specjax.models.lora import LoraAdapters, LoraConfig, init_lora
 from specjax.models.params import Params, check_params
 from specjax.rl.losses import GRPOConfig
 
@@ -159,6 +160,9 @@ class TrainConfig:
     rollout: rollout generation.
     drafter_training: the drafter's online training (`DrafterTraining`).
     async_mode: one-step off-policy (see module docstring).
+    lora: train low-rank adapters on the policy's projections (`specjax.models.lora`) with
+      the trunk frozen, or None (rank 0 too) to train every parameter. The frozen trunk is
+      the KL reference (no copy is kept); rollouts decode with the merged policy.
   """
 
   model: ModelConfig
@@ -166,8 +170,21 @@ class TrainConfig:
   rollout: RolloutConfig
   drafter_training: DrafterTraining = DrafterTraining()
   async_mode: bool = False
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
+    if self.lora is not None and not isinstance(self.lora, LoraConfig):
+      raise ConfigError(f"lora={self.lora!r} is invalid: must be a LoraConfig(rank=, alpha=, "
+                        "targets=) or None")
+    if self.lora is not None and not self.lora.enabled:
+      object.__setattr__(self, "lora", None)
+    heads = self.model.num_mtp_modules or self.model.num_medusa_heads
+    if self.lora is not None and heads and self.drafter_training.loss_weight:
+      raise ConfigError(
+          "lora with MTP / Medusa heads trained online cannot work: with adapters the "
+          "policy's parameters, heads included, are frozen. Draft with a draft model or an "
+          "EAGLE-3 head (trained online with its own optimizer), or set "
+          "drafter_training.loss_weight=0 to keep the heads as they are")
     if not isinstance(self.drafter_training, DrafterTraining):
       raise ConfigError(f"drafter_training={self.drafter_training!r} is invalid: must be a "
                         "DrafterTraining(loss_weight=, learning_rate=, ttt_steps=)")
@@ -257,6 +274,8 @@ class TrainState:
       draft model's parameters (None for drafters without parameters of their own).
     acceptance: the speculation policy's counts after the last rollout, which the next one
       starts from, scaled by `RolloutConfig.acceptance_carry` (None when that is 0).
+    adapters: with `TrainConfig.lora`, the trained LoRA adapters of the frozen `params`
+      (`policy` is the two merged); None otherwise.
   """
 
   params: Params
@@ -267,6 +286,18 @@ class TrainState:
   pending: Rollout | None = None
   drafter: DrafterTrainState | None = None
   acceptance: AcceptanceCounts | None = None
+  adapters: LoraAdapters | None = None
+
+  @property
+  def trainable(self) -> Params | LoraAdapters:
+    """What the optimizer trains (and `opt_state` mirrors): the adapters with LoRA, else the
+    parameters."""
+    return self.params if self.adapters is None else self.adapters
+
+  @property
+  def policy(self) -> Params:
+    """The policy's parameters: `params`, with the adapters merged in under LoRA."""
+    return self.params if self.adapters is None else self.adapters.merge(self.params)
 
   @property
   def drafter_weights(self) -> Eagle3Weights | None:
@@ -277,14 +308,29 @@ class TrainState:
 
 
 def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,
-                     seed: int, *, drafter_params: Eagle3Weights | None = None) -> TrainState:
-  """A fresh state; the reference is a copy of `params` when the KL penalty is on.
+                     seed: int, *, drafter_params: Eagle3Weights | None = None,
+                     adapters: LoraAdapters | None = None) -> TrainState:
+  """A fresh state; the reference is a copy of `params` when the KL penalty is on (with LoRA,
+  `params` themselves: they stay frozen).
+
+  With `config.lora`, the optimizer trains `adapters` (default: `init_lora` from `seed`,
+  which start as the base model).
 
   With an EAGLE-3 rollout drafter, `drafter_params` is its head (trained offline, e.g.
   `specjax.supervised.eagle3.train_eagle3`, or loaded with `load_eagle3`); with an external
   draft model (`DraftModelDrafter`), its parameters (`load_hf`), which stay frozen.
   """
-  ref = jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 else None
+  if config.lora is None and adapters is not None:
+    raise ConfigError("adapters are only used with TrainConfig(lora=LoraConfig(rank >= 1))")
+  if config.lora is not None:
+    if adapters is None:
+      adapters = init_lora(config.model, config.lora,
+                           jax.random.fold_in(jax.random.key(seed), 1))
+    elif adapters.config != config.lora:
+      raise ConfigError(f"adapters were made with {adapters.config}, the train config has "
+                        f"{config.lora}")
+  ref = (jax.tree.map(jnp.copy, params) if config.grpo.beta > 0 and adapters is None
+         else None)
   drafter = None
   if config.eagle3 is not None:
     if not isinstance(drafter_params, Eagle3Weights):
@@ -306,7 +352,8 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
   if rc.acceptance_carry:
     menu = rc.speculation.menu
     acceptance = AcceptanceCounts.zeros(len(menu), max(rc.speculation.depth, 1))
-  return TrainState(params=params, opt_state=optimizer.init(params), ref_params=ref,
+  trained = params if adapters is None else adapters
+  return TrainState(params=params, opt_state=optimizer.init(trained), ref_params=ref,
                     step=jnp.zeros((), jnp.int32),
                     key=jax.random.key_data(jax.random.key(seed)), drafter=drafter,
-                    acceptance=acceptance)
+                    acceptance=acceptance, adapters=adapters)

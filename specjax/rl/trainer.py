@@ -64,7 +64,7 @@ def _with_acceptance(state: TrainState, acceptance: AcceptanceCounts) -> TrainSt
 def _state_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
                    reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
   """`scored_rollout` by the state's policy and drafter, and the state with its counts."""
-  roll, acceptance = scored_rollout(state.params, state.drafter_weights, state.acceptance,
+  roll, acceptance = scored_rollout(state.policy, state.drafter_weights, state.acceptance,
                                     config, batch, key, reward_fn, pad_id)
   return roll, _with_acceptance(state, acceptance)
 
@@ -132,8 +132,9 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
   mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
 
   @jax.jit
-  def rollout_fn(params, tokens, lengths, key, drafter_params, acceptance):
-    return rollout(params, config, tokens, lengths, key, pad_id, drafter_params, acceptance,
+  def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance):
+    policy = params if adapters is None else adapters.merge(params)
+    return rollout(policy, config, tokens, lengths, key, pad_id, drafter_params, acceptance,
                    check_values=False)
 
   def update_step(state, roll, rewards, key, next_key):
@@ -151,7 +152,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
       if mesh is not None:
         scope.enter_context(jax.sharding.set_mesh(mesh))
       roll, responses, lengths, acceptance = rollout_fn(
-          state.params, batch.tokens, batch.lengths, k_roll, state.drafter_weights,
+          state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
+          state.drafter_weights,
           state.acceptance)
       scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
       rewards, extra = scored if isinstance(scored, tuple) else (scored, {})

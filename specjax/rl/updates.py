@@ -3,7 +3,9 @@ scored rollout under `lax.scan`, each minibatch's forward also training the draf
 rollout from detached target activations (the MTP / Medusa heads through a detached trunk,
 or an EAGLE-3 head with its own optimizer, on the forward's residual streams and
 distributions with the training-time test it was trained with offline), so the drafter
-follows the policy without its loss reaching the policy gradient.
+follows the policy without its loss reaching the policy gradient. With LoRA
+(`TrainConfig.lora`) the optimizer steps the adapters, attached to the frozen trunk, which is
+also the KL reference.
 
 Shape letters: see `specjax` (B rows, L sequence buffer, V vocab).
 """
@@ -124,11 +126,17 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
         lambda t: sequence_logprobs(params, config.model, t, temperature)[0], chunks)
     return jax.lax.stop_gradient(logp.swapaxes(0, 1).reshape(roll.tokens.shape))
 
+  # With LoRA the optimizer trains the adapters, attached to the frozen trunk for the
+  # factored forward; the trunk is the KL reference.
+  adapted = state.adapters is not None
+  frozen = jax.lax.stop_gradient(state.params)
+  model_params = (lambda trained: trained.attach(frozen)) if adapted else (lambda p: p)
+
   if gc.num_epochs > 1 or gc.num_minibatches > 1:
     # pi_old is the policy at the start of the update, fixed across epochs and minibatches.
-    data["old_logprobs"] = logprobs_by_minibatch(state.params)
+    data["old_logprobs"] = logprobs_by_minibatch(model_params(state.trainable))
   if gc.beta > 0:
-    data["ref_logprobs"] = logprobs_by_minibatch(state.ref_params)
+    data["ref_logprobs"] = logprobs_by_minibatch(frozen if adapted else state.ref_params)
 
   def epoch_batches(k):
     perm = jax.random.permutation(k, rows) if gc.num_minibatches > 1 else jnp.arange(rows)
@@ -140,32 +148,36 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
 
   train_eagle = config.eagle3 is not None and config.drafter_training.loss_weight > 0
 
+  def loss_fn(trained, mb):
+    return _minibatch_loss(model_params(trained), config, mb)
+
   def one(carry, mb):
-    params, opt_state, drafter = carry
+    trained, opt_state, drafter = carry
     mb = jax.tree.map(constrain_rows, mb)  # the gather by `perm` drops the rows' split
-    grads, (metrics, out) = jax.grad(_minibatch_loss, has_aux=True)(params, config, mb)
+    grads, (metrics, out) = jax.grad(loss_fn, has_aux=True)(trained, mb)
     ok = all_finite((mb["advantages"], metrics["loss"], grads))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     # A branch, not a select over both results: the skipped branch allocates nothing. Its
     # zero updates have the optimizer's dtypes (float32 for float32 master weights).
-    shapes = jax.eval_shape(optimizer.update, grads, opt_state, params)[0]
+    shapes = jax.eval_shape(optimizer.update, grads, opt_state, trained)[0]
     updates, opt_state = jax.lax.cond(
-        ok, lambda: optimizer.update(grads, opt_state, params),
+        ok, lambda: optimizer.update(grads, opt_state, trained),
         lambda: (jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), opt_state))
-    metrics |= _grad_norms(grads)
+    metrics |= _grad_norms(grads.factors if adapted else grads)
     if train_eagle:
       new_drafter, drafter_metrics = _eagle3_update(
-          drafter, config, jax.lax.stop_gradient(params["embed"]), mb["tokens"],
-          mb["valid_mask"], out)
+          drafter, config, frozen["embed"] if adapted else jax.lax.stop_gradient(
+              trained["embed"]), mb["tokens"], mb["valid_mask"], out)
       drafter = keep(new_drafter, drafter)
       metrics |= drafter_metrics
     metrics["update_skipped"] = 1.0 - ok.astype(jnp.float32)
-    return (optax.apply_updates(params, updates), opt_state, drafter), metrics
+    return (optax.apply_updates(trained, updates), opt_state, drafter), metrics
 
-  (params, opt_state, drafter), metrics = jax.lax.scan(
-      one, (state.params, state.opt_state, state.drafter), batches)
+  (trained, opt_state, drafter), metrics = jax.lax.scan(
+      one, (state.trainable, state.opt_state, state.drafter), batches)
   metrics = jax.tree.map(lambda x: x.mean(0), metrics)
-  return state.replace(params=params, opt_state=opt_state, drafter=drafter,
+  moved = {"adapters": trained} if adapted else {"params": trained}
+  return state.replace(**moved, opt_state=opt_state, drafter=drafter,
                        step=state.step + 1), metrics
 
 

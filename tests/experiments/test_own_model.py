@@ -18,7 +18,7 @@ from specjax.errors import ConfigError
 from specjax.experiments import (Drafting, ExperimentConfig, Pipeline, RolloutEvaluation,
                                  RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
-from specjax.models import ModelConfig
+from specjax.models import LoraConfig, ModelConfig
 from specjax.models.hf import load_hf
 from specjax.optimizers import MasterState
 from specjax.rl import GRPOConfig
@@ -92,12 +92,16 @@ DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoi
             "eagle3": ["--drafter.name", "eagle3", "--drafter.distill-steps", "20"]}
 
 
-@pytest.mark.parametrize("family, drafter", [("llama", "draft-model"), ("qwen3", "eagle3")])
+@pytest.mark.parametrize("family, drafter, lora", [
+    ("llama", "draft-model", 0), ("qwen3", "eagle3", 0),
+    pytest.param("qwen3", "eagle3", 4, marks=pytest.mark.slow)])
 def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, family,
-                                                                         drafter):
-  run_dir = own / f"run-{family}"
+                                                                         drafter, lora):
+  run_dir = own / f"run-{family}-lora{lora}"
   flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[drafter]]
   flags += ["--run-dir", str(run_dir), "--log.samples-every", "1"]
+  if lora:  # adapters on the frozen checkpoint, at a rate that moves them in three steps
+    flags += ["--lora.rank", str(lora), "--optim.learning-rate", "0.05"]
   config = str(own / f"config-{family}.py")
   cli_main(["train", "--config", config, *flags])
   lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -136,6 +140,14 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
                   pad_id=tok.pad_id)
   assert ours.lengths[0] > 0
   assert ours.tokens[0, :ours.lengths[0]].tolist() == theirs[:ours.lengths[0]]
+  if lora:  # the export is the checkpoint with the adapters merged into its projections
+    base, _ = load_hf(own / family)
+    assert recorded["lora"]["rank"] == lora
+    assert np.array_equal(params["embed"], base["embed"])
+    assert np.array_equal(params["layers"][0]["attn_norm"], base["layers"][0]["attn_norm"])
+    moved = [float(np.abs(params["layers"][i][n] - base["layers"][i][n]).max())
+             for i in range(2) for n in recorded["lora"]["targets"]]
+    assert min(moved) > 0, moved
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_path):
@@ -219,3 +231,15 @@ def test_a_bfloat16_policy_trains_on_float32_master_weights(own, tmp_path):
 
 def load_policy_params(path):
   return load_hf(path, param_dtype="bfloat16")[0]
+
+
+def test_lora_is_configured_from_flags_and_refuses_heads_it_would_freeze(own, capsys):
+  with pytest.raises(ConfigError, match="lora.rank=4 is invalid: with adapters"):
+    ExperimentConfig(lora=LoraConfig(rank=4))  # the default model trains its MTP heads online
+  config = ExperimentConfig(lora=LoraConfig(rank=4, alpha=8.0),
+                            drafter=Drafting(loss_weight=0.0))
+  assert config.train_config().lora == LoraConfig(rank=4, alpha=8.0)
+  assert ExperimentConfig().train_config().lora is None  # rank 0: full-parameter training
+  with pytest.raises(SystemExit):
+    cli_main(["train", "--config", str(own / "config-llama.py"), "--help"])
+  assert "--lora.rank" in capsys.readouterr().out

@@ -14,13 +14,19 @@ properties protected here, on tiny random models:
   the trainer computes are float32, and a train step's metrics are float32.
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-import test_lossless_sampling as lossless
+# The sampling test's models and statistics, importable also when this file runs alone (the
+# whole suite has put tests/decoding on the path by the time this file is collected).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decoding"))
+import test_lossless_sampling as lossless  # noqa: E402
 from specjax.decoding import (DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
                               NGramDrafter, SamplingConfig, generate)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights

@@ -29,7 +29,7 @@ from specjax.errors import ConfigError
 from specjax.experiments import Pipeline
 from specjax.experiments import grpo as experiment
 from specjax.experiments import override
-from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
+from specjax.models import Eagle3Config, LoraConfig, ModelConfig, init_eagle3, init_params
 from specjax.rl import GRPOConfig, PromptReader, encode_prompt
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.rollouts import rollout_metrics, scored_rollout
@@ -216,6 +216,26 @@ def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host
   moved = max(np.abs(np.asarray(final.params[k]) - start[f"['{k}']"]).max()
               for k in ("embed", "unembed"))
   assert moved > 1e-3, moved
+
+
+@pytest.mark.slow
+def test_lag_1_with_lora_moves_the_adapters_and_reproduces_the_fused_async_step():
+  """With LoRA the rollout side merges the adapters it is sent into the frozen trunk."""
+  config = dataclasses.replace(mtp_config(), lora=LoraConfig(rank=4),
+                               drafter_training=DrafterTraining(loss_weight=0.0))
+  data = batches(STEPS + 1)
+  initial = lambda: init_train_state(config, init_params(MODEL, jax.random.key(0)),
+                                     optimizer(), seed=1)
+  state = make_prime_fn(config, reward, pad_id=TOK.pad_id)(initial(), data[0])
+  step = make_train_step(config, reward, optimizer(), pad_id=TOK.pad_id)
+  fused = []
+  for batch in data[1:]:
+    state, metrics = step(state, batch)
+    fused.append(jax.device_get(metrics))
+  history, final, _ = run_disaggregated(config, initial(), data, lag=1)
+  assert_same_run(history, final, fused, state)
+  assert ".adapters.factors['layers'][0]['wq']['b']" in flat(final)
+  assert np.abs(np.asarray(final.adapters.factors["layers"][0]["wq"]["b"])).max() > 1e-4
 
 
 @pytest.mark.slow
