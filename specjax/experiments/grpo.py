@@ -196,7 +196,7 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
 # TensorBoard's sections: a metric goes under the first whose prefix or name it matches, else
 # under train/. metrics.jsonl keeps the plain names.
 _SECTIONS = (("reward/", ("reward_", "accuracy")),
-             ("spec/", ("acceptance_length", "accepted_per_depth")),
+             ("spec/", ("acceptance_length", "accepted_per_depth", "plain_share")),
              ("rollout/", ("response_", "rollout_")),
              ("perf/", ("step_time_s",)))
 

@@ -58,7 +58,7 @@ __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "j
 COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 # Statistics of a whole rollout, not one value per row: replicated like the metrics.
-_ROLLOUT_STATS = ("tokens_per_round", "accepted_per_depth")
+_ROLLOUT_STATS = ("tokens_per_round", "accepted_per_depth", "plain_share")
 
 
 def _logical_tree(tree: Params, axes: Params, mesh: Mesh, rules: Rules, what: str) -> Params:

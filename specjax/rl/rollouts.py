@@ -18,7 +18,7 @@ from specjax.decoding.drafters.eagle3 import Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.models.params import Params
 from specjax.rl.losses import group_advantages
-from specjax.rl.state import RewardFn, Rollout, TrainConfig
+from specjax.rl.state import RewardFn, Rollout, RolloutConfig, TrainConfig
 
 
 def _assemble(prompts, prompt_lengths, response, response_lengths, logprobs, pad_id):
@@ -70,8 +70,22 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   roll = Rollout(tokens=tokens, response_mask=response_mask, valid_mask=valid_mask,
                  behaviour_logprobs=behaviour, rewards=zeros, advantages=zeros,
                  lengths=out.lengths, tokens_per_round=out.stats.tokens_per_round,
-                 accepted_per_depth=out.stats.accepted_per_depth)
+                 accepted_per_depth=out.stats.accepted_per_depth,
+                 plain_share=plain_share(rc, out.stats.tree_rounds))
   return roll, out.tokens, out.lengths, out.stats.acceptance
+
+
+
+def plain_share(rc: RolloutConfig, tree_rounds: jax.Array) -> jax.Array:
+  """The share of a rollout's rounds that decoded plainly, from the rounds each entry of the
+  adaptive menu ran (`GenerationStats.tree_rounds`)."""
+  if rc.drafter is None:
+    return jnp.ones((), jnp.float32)
+  if rc.speculation is None:  # a fixed tree drafts every round
+    return jnp.zeros((), jnp.float32)
+  plain = jnp.asarray([tree.num_nodes == 0 for tree in rc.speculation.menu])
+  rounds = tree_rounds.astype(jnp.float32)
+  return jnp.where(plain, rounds, 0.0).sum() / jnp.maximum(rounds.sum(), 1.0)
 
 
 
@@ -102,6 +116,7 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
       "response_clip_frac": clipped.mean(),
       "acceptance_length": roll.tokens_per_round,
       "accepted_per_depth": roll.accepted_per_depth,
+      **({} if roll.plain_share is None else {"plain_share": roll.plain_share}),
       "rollout_tokens": roll.lengths.sum(),
   } | {f"reward_{name}": part.mean() for name, part in (roll.reward_parts or {}).items()}
 

@@ -228,6 +228,9 @@ class Rollout:
     accepted_per_depth: `[D]` acceptance rate per draft depth.
     reward_parts: `{name: [B]}` each reward function's values, when the reward returns
       them (a `DatasetTask` rewarded in JAX); logged as `reward_<name>`.
+    plain_share: scalar share of the rollout's decoding rounds that drafted nothing (plain
+      decoding): 1 without a drafter, 0 with a fixed tree, what the adaptive policy chose
+      otherwise. None in a rollout made before it was recorded (a resumed async run's).
   """
 
   tokens: jax.Array
@@ -240,6 +243,7 @@ class Rollout:
   tokens_per_round: jax.Array
   accepted_per_depth: jax.Array
   reward_parts: dict[str, jax.Array] | None = None
+  plain_share: jax.Array | None = None
 
 
 

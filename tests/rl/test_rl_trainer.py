@@ -97,6 +97,8 @@ def test_greedy_rollouts_with_and_without_speculation_train_identically():
     for key in ("reward_mean", "response_length_mean", "loss", "kl", "mtp_ce"):
       np.testing.assert_allclose(s[key], p[key], rtol=1e-6, atol=1e-7, err_msg=key)
   assert float(spec_hist[-1]["acceptance_length"]) > 1.0  # speculation really ran
+  # A fixed tree drafts every round; plain rollouts never do.
+  assert [float(h["plain_share"]) for h in spec_hist + plain_hist] == [0.0] * 3 + [1.0] * 3
   for a, b in zip(jax.tree.leaves(spec_state.params), jax.tree.leaves(plain_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -135,12 +137,13 @@ def test_adaptive_rollouts_carry_their_acceptance_counts_from_step_to_step():
   batch = _reader().batch_at(0)
   roll = jax.jit(lambda acceptance: rollout(state0.params, config, batch.tokens, batch.lengths,
                                             jax.random.key(0), TOK.pad_id, None, acceptance))
-  _, _, _, fresh = roll(state0.acceptance)
+  r, _, _, fresh = roll(state0.acceptance)
   assert float(fresh.reached[1:].sum()) >= 1  # no evidence: a chain ran
+  assert float(r.plain_share) < 1.0
   # Evidence that no draft is ever accepted, carried in: every round is plain, no new counts.
   never = state0.acceptance.replace(reached=jnp.full((3, 2), 1e6))
   r, _, _, after = roll(never)
-  assert float(r.tokens_per_round) == 1.0
+  assert float(r.tokens_per_round) == 1.0 and float(r.plain_share) == 1.0
   assert np.all(np.asarray(after.reached) <= 1e6) and float(after.hits.sum()) == 0
   assert int(after.rounds) > 0
 
