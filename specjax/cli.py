@@ -32,6 +32,7 @@ from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, 
                               calibrate, check_draft_source, default_drafter, generate)
 from specjax.decoding.policy import describe
 from specjax.errors import ConfigError, SpecjaxError
+from specjax.hub import local_checkpoint
 from specjax.tokenizer import with_bos
 
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -91,6 +92,8 @@ def generate_command(
     raise SystemExit("pass --checkpoint DIR or --demo")
   if not demo and not prompt:
     raise SystemExit("pass at least one --prompt")
+  if draft_checkpoint is not None:  # a Hub id: its snapshot (specjax.hub)
+    draft_checkpoint = str(local_checkpoint(draft_checkpoint, "--draft-checkpoint"))
   if drafter is None and draft_checkpoint is not None:
     raise ConfigError(f"--draft-checkpoint={draft_checkpoint!r} needs --drafter to say what it "
                       "holds: draft-model (an HF draft model) or eagle3 (an EAGLE-3 head)")
@@ -110,6 +113,7 @@ def generate_command(
     prompt = prompt or DEMO_PROMPTS
     bos_id, eos_id = None, tokenizer.eos_id  # the demo model is trained without BOS
   elif checkpoint is not None:
+    checkpoint = str(local_checkpoint(checkpoint, "--checkpoint"))  # a Hub id: its snapshot
     from specjax.models.hf import eos_token_ids, load_hf
     from specjax.tokenizer import HFTokenizer, check_vocab_fits
     tokenizer = HFTokenizer.from_dir(checkpoint)

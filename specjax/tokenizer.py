@@ -21,6 +21,7 @@ import tokenizers
 from specjax.checks import is_int
 from specjax.errors import ConfigError, TokenizerError
 from specjax.files import read_object, write_text_atomic
+from specjax.hub import local_checkpoint
 
 
 def with_bos(ids: list[int], bos_id: int | None) -> list[int]:
@@ -296,14 +297,14 @@ class HFTokenizer:
   @classmethod
   def from_dir(cls, path: str | os.PathLike, *, eos_token: str | None = None,
                pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
-    """Load `tokenizer.json` of an HF model directory.
+    """Load `tokenizer.json` of an HF model directory (or Hugging Face Hub id: `specjax.hub`).
 
     Each special token comes from, in order: the argument; `tokenizer_config.json`
     (`eos_token`, `pad_token`, `bos_token`; an explicit null BOS means none);
     `generation_config.json` (`eos_token_id` — its whole list goes to `eos_ids` —,
     `pad_token_id`, `bos_token_id`); the guesses of `from_file`.
     """
-    path = Path(path)
+    path = local_checkpoint(path, "path")
     tok_config = _read_json(path / "tokenizer_config.json")
     out = cls._build(path / "tokenizer.json", tok_config,
                      _read_json(path / "generation_config.json"), eos_token, pad_token,

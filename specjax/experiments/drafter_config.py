@@ -10,6 +10,7 @@ import optax
 
 from specjax.checks import is_int, is_real, require_field, require_ints, require_reals
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
+from specjax.hub import local_checkpoint
 from specjax.models import Eagle3Config, ModelConfig
 from specjax.rl.tasks import ArithmeticTask
 
@@ -198,6 +199,9 @@ class DrafterTrainConfig:
     require_ints(self, ("steps", "batch_size"), 1)
     require_field(self.optim, "warmup_steps", self.optim.warmup_steps < self.steps,
                   f"must be below steps={self.steps} (warmup, then cosine decay)", "optim.")
+    if self.target_dir is not None:  # a Hub id becomes its local snapshot (specjax.hub)
+      object.__setattr__(self, "target_dir", str(local_checkpoint(self.target_dir,
+                                                                  "target_dir")))
     require_field(self, "target_rl_run", self.target_dir is None or self.target_rl_run is None,
                   f"must be None with target_dir={self.target_dir!r}: the target is one or "
                   "the other")

@@ -26,6 +26,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.experiments.metrics_log import Logging
+from specjax.hub import local_checkpoint
 from specjax.models.config import RUNTIME_FIELDS, ModelConfig
 from specjax.models.eagle3 import Eagle3Config
 from specjax.models.eagle3_io import eagle3_config_from_hf
@@ -313,8 +314,13 @@ class ExperimentConfig:
                     f"must be a {kind.__name__}(...)")
     require_ints(self, ("steps",), 1)
     require_ints(self, ("seed",), 0)
-    if self.policy_dir is not None:
+    if self.policy_dir is not None:  # a Hub id becomes its local snapshot (specjax.hub)
+      object.__setattr__(self, "policy_dir", str(local_checkpoint(self.policy_dir,
+                                                                  "policy_dir")))
       self._take_policy_model()
+    if self.drafter.name == DRAFT_MODEL and self.drafter.checkpoint is not None:
+      local = str(local_checkpoint(self.drafter.checkpoint, "drafter.checkpoint"))
+      object.__setattr__(self, "drafter", dataclasses.replace(self.drafter, checkpoint=local))
     if not self.task.reward_in_jax:
       require_field(self.pipeline, "async_mode", not self.pipeline.async_mode,
                     f"a task rewarded in Python ({type(self.task).__name__}) trains on-policy: "

@@ -50,6 +50,7 @@ from safetensors.numpy import save_file
 from specjax.checks import is_int
 from specjax.errors import CheckpointError, ConfigError
 from specjax.files import existing, fsync, read_object, replace_directory
+from specjax.hub import local_checkpoint
 from specjax.models.config import ModelConfig
 # config.json translation lives in hf_config; its public names are re-exported from here,
 # where callers have always imported them.
@@ -334,7 +335,8 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
   """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory.
 
   Args:
-    path: directory with `config.json` and `model.safetensors` or sharded
+    path: directory (or Hugging Face Hub id: `specjax.hub`) with `config.json` and
+      `model.safetensors` or sharded
       `model-XXXXX-of-YYYYY.safetensors` + `model.safetensors.index.json`; an optional
       `specjax_heads.safetensors` holds draft heads written by `save_hf`. If `path` is missing
       because a `save_hf` over it was killed mid-swap, the previous export it moved aside is
@@ -353,7 +355,7 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
       unexpected tensor, or one holding NaN / inf.
     ConfigError: an unsupported architecture or option in `config.json`.
   """
-  path = existing(Path(path), CONFIG_FILE)
+  path = existing(local_checkpoint(path, "path"), CONFIG_FILE)
   config_file = path / CONFIG_FILE
   if not config_file.is_file():
     raise CheckpointError(f"{path}: missing {CONFIG_FILE}; expected an HF checkpoint directory")
@@ -390,6 +392,7 @@ def eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
     CheckpointError: malformed JSON.
     ConfigError: an `eos_token_id` that is neither an id nor a list of ids.
   """
+  path = local_checkpoint(path, "path")
   for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
     file = Path(path) / name
     value = _read_json(file).get("eos_token_id") if file.is_file() else None
