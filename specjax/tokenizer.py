@@ -259,11 +259,13 @@ class HFTokenizer:
                                  skip_special_tokens=True)
 
   def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
-                  add_generation_prompt: bool = True) -> str:
+                  add_generation_prompt: bool = True, **variables: Any) -> str:
     """`messages` (`[{"role": ..., "content": ...}, ...]`) as the text the model was trained on
     for them: `chat_template` rendered as Hugging Face renders it (Jinja2 in a sandbox, with
     `bos_token`, `eos_token`, `raise_exception` and `strftime_now`), ending, with
-    `add_generation_prompt`, with the header of the assistant's turn.
+    `add_generation_prompt`, with the header of the assistant's turn. `variables` are the
+    template's own options, as `apply_chat_template(**kwargs)` passes them (Qwen3's
+    `enable_thinking=False`).
 
     Raises:
       TokenizerError: no chat template, or it does not render these messages (its own
@@ -276,7 +278,7 @@ class HFTokenizer:
     template = _compiled_template(self.chat_template, self.source)
     special = lambda i: None if i is None else self.tokenizer.id_to_token(i)
     try:
-      return template.render(messages=list(messages),
+      return template.render(**variables, messages=list(messages),
                              add_generation_prompt=add_generation_prompt,
                              bos_token=special(self.bos_id) or "",
                              eos_token=special(self.eos_id), pad_token=special(self.pad_id))

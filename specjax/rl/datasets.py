@@ -82,6 +82,10 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
   return out
 
 
+# What `HFTokenizer.render_chat` passes a chat template itself (not a template option).
+RENDER_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token")
+
+
 def _is_chat(prompt: Any) -> bool:
   return isinstance(prompt, (list, tuple))
 
@@ -113,6 +117,9 @@ class DatasetTask:
     chat_template: None: chat-message prompts are rendered with the tokenizer's chat template
       and text prompts are used as they are; True: text prompts too become one user message,
       rendered; False: the template is never applied (chat-message prompts are an error).
+    chat_variables: the chat template's own options, as transformers'
+      `apply_chat_template(**kwargs)` passes them: `{"enable_thinking": False}` for a Qwen3
+      that should answer without a thinking block. None: the template's defaults.
     test_source: the held-out rows (same columns); None: `test_fraction` of `source`'s rows,
       chosen by a stable hash of the prompt.
     test_fraction: in (0, 1), without `test_source`.
@@ -131,6 +138,8 @@ class DatasetTask:
   reference_column: str | None = None
   answer_column: str | None = None
   chat_template: bool | None = None
+  # Typed Any, as `source`: a dict of the template's options is set in a config file.
+  chat_variables: Any = None
   test_source: Any = None
   test_fraction: float = 0.1
   success_reward: float = 1.0
@@ -151,6 +160,13 @@ class DatasetTask:
     if self.test_source is None and not (is_real(fraction) and 0 < fraction < 1):
       raise ConfigError(f"task.test_fraction={self.test_fraction!r} is invalid: must be in "
                         "(0, 1) without task.test_source (the held-out prompts)")
+    variables = self.chat_variables
+    if variables is not None and not (
+        isinstance(variables, Mapping) and all(isinstance(k, str) and k.isidentifier()
+                                               and k not in RENDER_NAMES for k in variables)):
+      raise ConfigError(f"task.chat_variables={variables!r} is invalid: must be None or a dict "
+                        "of the chat template's options by name (e.g. {'enable_thinking': "
+                        f"False}}), not one of {', '.join(RENDER_NAMES)}")
     if self.chat_template not in (None, True, False):
       raise ConfigError(f"task.chat_template={self.chat_template!r} is invalid: allowed None, "
                         "True or False")
@@ -227,7 +243,7 @@ class DatasetTask:
       raise TaskError(f"{where} needs a chat template, and the tokenizer "
                       f"{type(self.tokenizer).__name__} has none: use an HFTokenizer of a chat "
                       "model, or text prompts")
-    return render(messages)
+    return render(messages, **dict(self.chat_variables or {}))
 
   def encode_prompt(self, text: str) -> list[int]:
     """The prompt ids of rendered prompt `text`: a chat template writes its own special tokens

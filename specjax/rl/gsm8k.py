@@ -204,7 +204,8 @@ class GSM8KTask:
 def gsm8k_dataset(train_file: str | os.PathLike, tokenizer: Tokenizer, *,
                   test_file: str | os.PathLike | None = None, test_fraction: float = 0.1,
                   template: str = "Question: {question}\nAnswer:", chat: bool = False,
-                  rewards=None, seed: int = 0) -> DatasetTask:
+                  chat_variables: dict | None = None, rewards=None,
+                  seed: int = 0) -> DatasetTask:
   """GSM8K through the user's-data path: a `DatasetTask` of GSM8K-format JSONL (rows
   `prompt` and `answer`, the final number as text) rewarded by `rewards` (default:
   `math_answer_reward()`, math-verify's judgement of the completion's final answer).
@@ -215,6 +216,8 @@ def gsm8k_dataset(train_file: str | os.PathLike, tokenizer: Tokenizer, *,
     tokenizer: the policy's tokenizer.
     template: the prompt text, "{question}" replaced by the question.
     chat: render the prompt as one user turn with the tokenizer's chat template.
+    chat_variables: the template's options (`DatasetTask.chat_variables`), e.g.
+      `{"enable_thinking": False}` for Qwen3.
     rewards: the reward functions (any `DatasetTask` rewards over the columns `answer`).
     seed: seeds the hashed split.
   """
@@ -228,5 +231,6 @@ def gsm8k_dataset(train_file: str | os.PathLike, tokenizer: Tokenizer, *,
   return DatasetTask(rows(train_file), tokenizer,
                      math_answer_reward() if rewards is None else rewards,
                      reference_column="answer", chat_template=True if chat else None,
+                     chat_variables=chat_variables,
                      test_source=None if test_file is None else rows(test_file),
                      test_fraction=test_fraction, seed=seed, name="gsm8k")

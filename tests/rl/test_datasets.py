@@ -172,6 +172,31 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path, template):
       .from_pretrained(tmp_path).apply_chat_template(messages, tokenize=False)
 
 
+# Qwen3's shape: an option of the template's own (`enable_thinking`), which transformers passes
+# through `apply_chat_template(**kwargs)`.
+THINKING = CHATML + ("{%- if add_generation_prompt and enable_thinking is defined and "
+                     "enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{%- endif %}")
+
+
+def test_chat_template_options_render_as_transformers_passes_them(tmp_path):
+  from transformers import AutoTokenizer
+  tok = _chat_dir(tmp_path, THINKING)
+  reference = AutoTokenizer.from_pretrained(tmp_path)
+  messages = [{"role": "user", "content": "1+1="}]
+  for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+    assert tok.render_chat(messages, **variables) == reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **variables)
+  rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(30)]
+  plain = DatasetTask(rows, tok, [exact], chat_template=True)
+  quiet = DatasetTask(rows, tok, [exact], chat_template=True,
+                      chat_variables={"enable_thinking": False})
+  assert not plain.examples("train")[0].prompt.endswith("</think>\n\n")
+  assert quiet.examples("train")[0].prompt.endswith("<think>\n\n</think>\n\n")
+  for bad in ({"messages": []}, {"enable thinking": False}, ["enable_thinking"]):
+    with pytest.raises(ConfigError, match="task.chat_variables=.* is invalid"):
+      DatasetTask(rows, tok, [exact], chat_template=True, chat_variables=bad)
+
+
 def test_chat_prompts_are_rendered_and_keep_the_templates_special_tokens(tmp_path):
   tok = _chat_dir(tmp_path, LLAMA_LIKE)
   rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)}
