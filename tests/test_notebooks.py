@@ -8,10 +8,12 @@ the cell's source and the error. nbclient, nbformat and ipykernel are test depen
 they are missing this module fails to import, it is never skipped.
 """
 
+import json
 import re
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
@@ -20,16 +22,77 @@ from support import DEVICE_COUNT_FLAG, child_env
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
-EXPECTED = {"drafters", "grpo_speculative", "quickstart", "scale"}
+EXPECTED = {"drafters", "grpo_speculative", "gsm8k_own_model", "quickstart", "scale"}
 # Generous against a slow shared machine; the small size needs well under a minute per cell.
 CELL_TIMEOUT_S = 300
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _kernel_env(tmp_path: Path) -> dict[str, str]:
-  env = child_env()
+# A Qwen3-style chat template: ChatML turns, and the empty thinking block that
+# `enable_thinking=False` asks for.
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
+    "is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def _gsm8k_like(path: Path, n: int = 64) -> Path:
+  """GSM8K-format JSONL: word problems whose answers end "#### <number>"."""
+  rng = np.random.default_rng(0)
+  with open(path, "w") as f:
+    for _ in range(n):
+      a, b = (int(x) for x in rng.integers(2, 50, 2))
+      f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples "
+                                      "does he have now?",
+                          "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"}) + "\n")
+  return path
+
+
+def _tiny_qwen3(path: Path, corpus: Path) -> Path:
+  """A random two-layer Qwen3 written by transformers, with a byte-level BPE tokenizer trained on
+  `corpus` and a chat template: a model directory as the Hub serves one."""
+  import torch
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+  raw = Tokenizer(models.BPE())
+  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  raw.decoder = decoders.ByteLevel()
+  texts = [json.loads(line)["question"] for line in corpus.read_text().splitlines()]
+  texts += ["Please reason step by step, and put your final answer within \\boxed{}."]
+  raw.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=specials,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                      pad_token="<|endoftext|>")
+  tokenizer.chat_template = CHAT_TEMPLATE
+  tokenizer.save_pretrained(path)
+  torch.manual_seed(0)
+  config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=None)
+  Qwen3ForCausalLM(config).save_pretrained(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory) -> dict[str, str]:
+  """What gsm8k_own_model runs on in CI: a tiny checkpoint and questions, no network."""
+  root = tmp_path_factory.mktemp("own_model")
+  corpus = _gsm8k_like(root / "gsm8k.jsonl")
+  model = _tiny_qwen3(root / "tiny-qwen3", corpus)
+  return {"SPECJAX_NOTEBOOK_MODEL": str(model), "SPECJAX_NOTEBOOK_GSM8K": str(corpus)}
+
+
+def _kernel_env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+  env = child_env(**(extra or {}))
   env["SPECJAX_NOTEBOOK_SIZE"] = "small"
   env["SPECJAX_NOTEBOOK_DIR"] = str(tmp_path / "files")
+  # Never the network: the Hub is offline, the model and data are the test's.
+  env["HF_HUB_OFFLINE"] = "1"
   # Speculation costs, if a notebook measured them, stay out of the user's cache.
   env["SPECJAX_CACHE_DIR"] = str(tmp_path / "cache")
   return env
@@ -62,14 +125,14 @@ def test_notebook_is_committed_without_outputs_or_execution_counts(path):
       assert cell.execution_count is None, f"{path.name} cell {index} has an execution count"
 
 
-def _execute(path: Path, tmp_path: Path):
-  """`path` run top to bottom in a fresh kernel (cwd `tmp_path`); returns the executed notebook,
-  or fails the test naming the cell that raised."""
+def _execute(path: Path, tmp_path: Path, extra: dict[str, str] | None = None):
+  """`path` run top to bottom in a fresh kernel (cwd `tmp_path`, `extra` in its environment);
+  returns the executed notebook, or fails the test naming the cell that raised."""
   nb = nbformat.read(path, as_version=4)
   client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
                           resources={"metadata": {"path": str(tmp_path)}})
   try:
-    client.execute(env=_kernel_env(tmp_path))
+    client.execute(env=_kernel_env(tmp_path, extra))
   except CellExecutionError as err:
     pytest.fail(_failure(path.name, nb, err), pytrace=False)
   return nb
@@ -77,8 +140,9 @@ def _execute(path: Path, tmp_path: Path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom_at_the_small_size(path, tmp_path):
-  nb = _execute(path, tmp_path)
+def test_notebook_runs_top_to_bottom_at_the_small_size(path, tmp_path, request):
+  extra = request.getfixturevalue("own_model") if path.stem == "gsm8k_own_model" else None
+  nb = _execute(path, tmp_path, extra)
   figures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                 for o in c.outputs)
   assert figures >= 1, f"{path.name} drew no figure"

@@ -131,6 +131,10 @@ def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3We
     return Eagle3Weights(params=head, d2t=jnp.asarray(d2t, jnp.int32))
   tok = config.task.tokenizer
   records = task_records(config.drafter.distill_task or config.task, "train")
+  wanted = config.drafter.distill_prompts
+  if wanted is not None and wanted < len(records):
+    picked = np.random.default_rng(config.seed + 5).choice(len(records), wanted, replace=False)
+    records = [records[i] for i in np.sort(picked)]
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
   # A fixed-length continuation (no EOS) gives the head whole answers and what follows.

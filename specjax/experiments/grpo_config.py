@@ -146,6 +146,10 @@ class Drafting:
     draft_vocab_size: draft vocabulary of a distilled EAGLE-3 head (None: the whole
       vocabulary).
     distill_steps: training steps of a distilled EAGLE-3 head.
+    distill_prompts: how many train prompts the policy answers for a distilled head (a seeded
+      sample of them when the task has more); None: every one. A real dataset (GSM8K's 7,473
+      questions) needs no more than the steps x batch sequences the head trains on, and each
+      answer costs a rollout's decoding.
     distill_task: distil the head on this task's prompts instead of the run's (same
       tokenizer): a head that starts on another text distribution than the RL task, to
       measure what online training recovers.
@@ -162,6 +166,7 @@ class Drafting:
   eagle3_dir: str | None = None
   draft_vocab_size: int | None = None
   distill_steps: int = 300
+  distill_prompts: int | None = None
   distill_task: ArithmeticTask | None = None
   checkpoint: str | None = None
 
@@ -180,6 +185,10 @@ class Drafting:
     require_ints(self, ("ttt_steps", "distill_steps"), 1, "drafter.")
     require_field(self, "clip_heads_separately", isinstance(self.clip_heads_separately, bool),
                   "must be True or False", "drafter.")
+    prompts = self.distill_prompts
+    require_field(self, "distill_prompts", prompts is None or (is_plain_int(prompts)
+                                                                and prompts >= 1),
+                  "must be None (every train prompt) or an int >= 1", "drafter.")
     vocab = self.draft_vocab_size
     require_field(self, "draft_vocab_size", vocab is None or (is_plain_int(vocab) and vocab >= 1),
                   "must be None (the whole vocabulary) or an int >= 1", "drafter.")
