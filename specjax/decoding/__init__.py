@@ -3,7 +3,8 @@
 from specjax.decoding import verify
 from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, DraftModelDrafter,
                                        DraftModelState, DraftSource, Eagle3Drafter, Eagle3State,
-                                       Eagle3Weights, MedusaDrafter, MTPDrafter, MTPState,
+                                       Eagle3Weights, GroupDrafter, GroupState, MedusaDrafter,
+                                       MTPDrafter, MTPState,
                                        NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, build_drafter, check_draft_source,
                                        check_drafter_name, default_drafter, draft_level_by_level,
@@ -25,6 +26,7 @@ __all__ = [
     "DecodeState", "draft_level_by_level", "DraftContext", "Drafter", "drafter_names",
     "DraftModelDrafter", "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter",
     "Eagle3State", "Eagle3Weights", "generate", "GenerationResult", "GenerationStats",
+    "GroupDrafter", "GroupState",
     "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
     "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
     "reported_logprobs", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",

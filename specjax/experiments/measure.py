@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate, generate
+from specjax.decoding import (CostTable, Eagle3Weights, GroupDrafter, SamplingConfig, calibrate,
+                              generate)
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.engine import compaction_buckets
 from specjax.experiments.grpo_config import ExperimentConfig
@@ -65,12 +66,15 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   rc = config.fixed_tree().train_config().rollout
   if rc.drafter is None:
     return 1.0
+  drafter = rc.drafter
+  if isinstance(drafter, GroupDrafter):  # one row per held-out prompt: no siblings to read
+    drafter = dataclasses.replace(drafter, group_size=1)
   tok = config.task.tokenizer
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
   out = generate(params, config.model, batch.tokens, batch.lengths,
                  jax.random.key(config.seed + 2), max_new_tokens=tokens,
-                 sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, pad_id=tok.pad_id,
+                 sampling=rc.sampling, drafter=drafter, tree=rc.tree, pad_id=tok.pad_id,
                  drafter_params=drafter_params)
   return float(out.stats.tokens_per_round)
 

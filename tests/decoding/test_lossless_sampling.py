@@ -21,8 +21,8 @@ import pytest
 import scipy.stats
 
 from support import CyclingPolicy
-from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, MedusaDrafter,
-                              SamplingConfig, generate, verify)
+from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, GroupDrafter,
+                              MedusaDrafter, SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
 from specjax.models import Eagle3Config, ModelConfig, forward, init_eagle3, init_params
@@ -140,6 +140,9 @@ CASES = {
     # Rows stop drafting where the draft is unsure: the chain's length varies by row.
     "sampled_chain_early_stop": (DraftModelDrafter(DRAFT, sampled=True), DraftTree.chain(2)),
     "deterministic_chain_early_stop": (DraftModelDrafter(DRAFT), DraftTree.chain(2)),
+    # Drafts from the other rows of each group of 4 (all rows answer the one prompt): what one
+    # row drafts depends on what its siblings sampled.
+    "group_chain": (GroupDrafter(group_size=4, min_ngram=1, max_ngram=2), DraftTree.chain(2)),
 }
 # Thresholds that cut some chains and not all (the sharper t07 distribution needs a higher).
 STOP_BELOW = {"t1": 0.4, "t07_topk_topp": 0.6}
@@ -216,7 +219,7 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
-                                  "eagle3_sampled_chain", "sampled_switching"])
+                                  "eagle3_sampled_chain", "sampled_switching", "group_chain"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
   if case.startswith("eagle3"):

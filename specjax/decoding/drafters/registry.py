@@ -18,6 +18,7 @@ from typing import Any, Callable
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.drafters.group import GroupDrafter
 from specjax.decoding.drafters.medusa import MedusaDrafter
 from specjax.decoding.drafters.mtp import MTPDrafter
 from specjax.decoding.drafters.ngram import NGramDrafter
@@ -60,6 +61,8 @@ _BUILDERS: dict[str, Builder] = {
     "mtp": lambda source: (MTPDrafter(), None),
     "medusa": lambda source: (MedusaDrafter(), None),
     "ngram": lambda source: (NGramDrafter(), None),
+    # Each row drafts from its own text; a GRPO run sets group_size to its group size.
+    "group": lambda source: (GroupDrafter(), None),
     "draft-model": _draft_model,
     "eagle3": _eagle3,
 }

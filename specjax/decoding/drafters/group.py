@@ -1,0 +1,157 @@
+"""Group drafting: drafts from the other responses to the same prompt, on device, no model.
+
+A GRPO rollout samples G responses to each prompt (rows i * G .. i * G + G - 1, prompt-major),
+and as training converges they say nearly the same thing. A row that is behind, or in the
+long tail after its siblings finished, can draft what a sibling wrote after the text the row
+has just produced: the row's last n tokens are looked up in each sibling of its group (and,
+failing that, in its own prompt and response, as n-gram prompt lookup does), longest n first,
+and the k tokens that followed the best match are the draft. Deterministic drafts, verified by
+matching: lossless like every drafter.
+
+The drafter keeps every row's text of the call in a bank `[B0, L]` that the loop's compaction
+does not shrink, so a row still generating in a small bucket drafts from siblings that have
+finished and left the batch. The bank is refreshed from the live rows at each proposal; rows
+map to their bank row (and so to their group) by their index in the full batch.
+
+Shape letters: see `specjax` (B rows in the current bucket, B0 rows of the call, G group size,
+L sequence buffer); k is the number of draft tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.checks import is_int
+from specjax.decoding.drafters.base import DraftContext, Drafter, Proposal
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+
+
+@struct.dataclass
+class GroupState:
+  """Attributes:
+    bank: `[B0, L]` every row's sequence as of its last proposal (not compacted).
+    bank_len: `[B0]` valid tokens of each bank row.
+    rows: `[B]` each current row's index in the full batch (compacted with the rows).
+  """
+
+  UNBATCHED: ClassVar[tuple[str, ...]] = ("bank", "bank_len")
+
+  bank: jax.Array
+  bank_len: jax.Array
+  rows: jax.Array
+
+
+def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int,
+                 seq: jax.Array, seq_len: jax.Array, n: int, k: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The continuation of the best match of each row's last `n` tokens in its group.
+
+  A sibling's match may sit anywhere with a token after it; the row's own must end before its
+  suffix starts. A match in a sibling beats one in the row itself, and among a row's matches
+  the one closest to the row's own position wins (responses to one prompt run in parallel, so
+  the aligned occurrence is the likely one).
+
+  Args:
+    bank, bank_len: `[B0, L]`, `[B0]` the texts of every row of the call.
+    rows: `[B]` the current rows' indices in the bank; `seq [B, L]`, `seq_len [B]` their texts.
+
+  Returns:
+    `(found [B], tokens [B, k], valid [B, k])`: the continuation and which of its tokens
+    exist (a match near the end of a text has fewer than k after it).
+  """
+  b, l = seq.shape
+  g = group_size
+  members = (rows // g)[:, None] * g + jnp.arange(g)[None, :]  # [B, G] bank rows of the group
+  present = members < bank.shape[0]  # a batch of partial groups has fewer members at its end
+  members = jnp.minimum(members, bank.shape[0] - 1)
+  cand = bank[members]  # [B, G, L]
+  cand_len = jnp.where(present, bank_len[members], 0)  # [B, G]; an absent member matches nothing
+  own = (members == rows[:, None]) & present  # [B, G]
+  suffix_start = seq_len - n
+  match = jnp.ones((b, g, l), bool)
+  for j in range(n):
+    want = jnp.take_along_axis(seq, jnp.maximum(suffix_start + j, 0)[:, None], axis=1)
+    match &= jnp.roll(cand, -j, axis=2) == want[:, :, None]
+  start = jnp.arange(l)[None, None, :]
+  ends = jnp.where(own, jnp.minimum(cand_len, seq_len[:, None]), cand_len)
+  match &= start + n < ends[:, :, None]
+  match &= ~own[:, :, None] | (start < suffix_start[:, None, None])
+  match &= (suffix_start >= 0)[:, None, None]
+  # Siblings first (scores above l), then nearest to the row's own position.
+  distance = jnp.abs(start - suffix_start[:, None, None])
+  score = jnp.where(own[:, :, None], l - distance, 2 * l - distance)
+  score = jnp.where(match, score, -1).reshape(b, g * l)
+  best = jnp.argmax(score, axis=1)
+  found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
+  member, pos = best // l, best % l
+  text = jnp.take_along_axis(cand, member[:, None, None], axis=1)[:, 0]  # [B, L]
+  end = jnp.take_along_axis(ends, member[:, None], axis=1)[:, 0]
+  idx = pos[:, None] + n + jnp.arange(k)[None, :]
+  valid = found[:, None] & (idx < end[:, None])
+  tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
+  return found, tokens, valid
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDrafter(Drafter):
+  """Drafts from the sibling responses of each row's group (module docstring).
+
+  Attributes:
+    group_size: G, consecutive rows answering one prompt (the GRPO group size). 1: each row
+      drafts from its own text only (n-gram prompt lookup).
+    max_ngram, min_ngram: the suffix lengths tried, longest first.
+  """
+
+  group_size: int = 1
+  max_ngram: int = 4
+  min_ngram: int = 2
+
+  def __post_init__(self):
+    if not (is_int(self.group_size) and self.group_size >= 1):
+      raise ConfigError(f"GroupDrafter(group_size={self.group_size!r}) is invalid: must be an "
+                        "int >= 1 (the rows that answer one prompt)")
+    if not (is_int(self.min_ngram) and is_int(self.max_ngram)
+            and 1 <= self.min_ngram <= self.max_ngram):
+      raise ConfigError(f"GroupDrafter(min_ngram={self.min_ngram!r}, max_ngram="
+                        f"{self.max_ngram!r}) is invalid: need 1 <= min_ngram <= max_ngram")
+
+  def validate(self, config: ModelConfig, tree: DraftTree) -> None:
+    if not tree.is_chain():
+      raise ConfigError("GroupDrafter proposes one continuation per row: use "
+                        "DraftTree.chain(k)")
+
+  def init(self, params, config, drafter_params, ctx: DraftContext, tree, max_len, prompt, *,
+           plain_rounds=False) -> GroupState:
+    # Rows i * G .. i * G + G - 1 are a group; a batch that is not a multiple of G (a
+    # calibration bucket, say) ends with a smaller one. Any grouping is lossless: it only
+    # decides what is drafted.
+    b = ctx.seq.shape[0]
+    return GroupState(bank=ctx.seq, bank_len=ctx.seq_len, rows=jnp.arange(b, dtype=jnp.int32))
+
+  def propose(self, params, config, state: GroupState, ctx: DraftContext, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, GroupState]:
+    state = state.replace(bank=state.bank.at[state.rows].set(ctx.seq),
+                          bank_len=state.bank_len.at[state.rows].set(ctx.seq_len))
+    k = tree.num_nodes
+    b = ctx.seq.shape[0]
+    found = jnp.zeros((b,), bool)
+    tokens = jnp.broadcast_to(ctx.root[:, None], (b, k))
+    valid = jnp.zeros((b, k), bool)
+    for n in range(self.max_ngram, self.min_ngram - 1, -1):
+      hit, cont, ok = group_lookup(state.bank, state.bank_len, state.rows, self.group_size,
+                                   ctx.seq, ctx.seq_len, n, k)
+      take = (hit & ~found)[:, None]
+      tokens = jnp.where(take, cont, tokens)
+      valid = jnp.where(take, ok, valid)
+      found |= hit
+    # A draft is a prefix: past the first token the match lacks, nothing is drafted.
+    valid = jnp.cumprod(valid, axis=1).astype(bool)
+    return Proposal(tokens=tokens, drafted=valid), state

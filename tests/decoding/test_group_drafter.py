@@ -1,0 +1,124 @@
+"""Group drafting (`GroupDrafter`): drafts from the other responses to the same prompt.
+
+Lossless (greedy output equals plain decoding, with and without compaction; the sampled case
+is in test_lossless_sampling), what the lookup matches and prefers, and that a row behind its
+sibling drafts the sibling's continuation and has it accepted, also after the sibling left a
+compacted batch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import progression_batch
+
+from specjax.decoding import (DraftSource, DraftTree, GroupDrafter, SamplingConfig, build_drafter,
+                              generate)
+from specjax.decoding.drafters.group import group_lookup
+from specjax.errors import ConfigError
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def _lookup(bank, rows, group_size, n, k, seq=None, seq_len=None):
+  bank = jnp.asarray(bank, jnp.int32)
+  bank_len = jnp.full((bank.shape[0],), bank.shape[1], jnp.int32)
+  rows = jnp.asarray(rows, jnp.int32)
+  seq = bank[rows] if seq is None else jnp.asarray(seq, jnp.int32)
+  seq_len = bank_len[rows] if seq_len is None else jnp.asarray(seq_len, jnp.int32)
+  found, tokens, valid = group_lookup(bank, bank_len, rows, group_size, seq, seq_len, n, k)
+  return np.asarray(found), np.asarray(tokens), np.asarray(valid)
+
+
+def test_a_row_drafts_what_its_sibling_wrote_after_the_same_text():
+  # Row 1 ends "... 5 6"; its sibling row 0 wrote "5 6 7 8 9" further on.
+  bank = [[1, 5, 6, 7, 8, 9, 2, 2],
+          [3, 4, 4, 4, 4, 4, 5, 6]]
+  found, tokens, valid = _lookup(bank, [1], 2, n=2, k=3)
+  assert found[0] and tokens[0].tolist() == [7, 8, 9] and valid[0].all()
+  # Another group's rows are not looked at: alone in its group, row 1 finds nothing.
+  found, _, valid = _lookup(bank, [1], 1, n=2, k=3)
+  assert not found[0] and not valid.any()
+
+
+def test_a_sibling_beats_the_row_itself_and_the_aligned_occurrence_wins():
+  # Row 0's suffix "4 5" occurs in itself (position 1) and twice in row 1 (positions 1, 5).
+  bank = [[9, 4, 5, 0, 0, 0, 4, 5],
+          [8, 4, 5, 1, 2, 4, 5, 3]]
+  found, tokens, valid = _lookup(bank, [0], 2, n=2, k=1)
+  # The sibling's occurrence nearest row 0's own position (6) is at 5: then "3".
+  assert found[0] and tokens[0].tolist() == [3]
+  found, tokens, _ = _lookup(bank, [0], 1, n=2, k=1)  # no sibling: the row's own match
+  assert found[0] and tokens[0].tolist() == [0]
+
+
+def test_a_match_near_the_end_of_a_text_drafts_only_what_follows_it():
+  bank = [[1, 2, 3, 4, 7, 7],
+          [0, 0, 0, 0, 2, 3]]
+  found, tokens, valid = _lookup(bank, [1], 2, n=2, k=4)
+  assert found[0] and tokens[0, :3].tolist() == [4, 7, 7]
+  assert valid[0].tolist() == [True, True, True, False]
+  bank = [[1, 2, 3, 4],
+          [0, 0, 2, 3]]
+  found, tokens, valid = _lookup(bank, [1], 2, n=2, k=4)
+  assert found[0] and tokens[0, 0] == 4 and valid[0].tolist() == [True, False, False, False]
+
+
+def test_a_batch_of_partial_groups_looks_only_at_members_that_exist():
+  bank = [[1, 2, 3, 4], [5, 6, 1, 2], [1, 2, 9, 9]]  # three rows, groups of 2: {0, 1}, {2}
+  found, tokens, _ = _lookup(bank, [1, 2], 2, n=2, k=1)
+  assert found.tolist() == [True, False] and tokens[0, 0] == 3
+
+
+def _progression(models, rows=4):
+  rng = np.random.default_rng(3)
+  return jnp.asarray(progression_batch(rng, rows, 10)), jnp.full((rows,), 10)
+
+
+@pytest.mark.parametrize("compaction", [0, 2])
+def test_greedy_group_drafting_equals_plain_decoding(progression_models, compaction):
+  m = progression_models
+  tokens, lengths = _progression(m, 8)
+  tokens, lengths = jnp.repeat(tokens, 2, 0), jnp.repeat(lengths, 2, 0)
+  lengths = lengths.at[1::2].add(-3)  # each group's second row starts 3 tokens behind
+  kwargs = dict(max_new_tokens=20, sampling=GREEDY, eos_id=int(tokens[0, 9]),
+                compaction=compaction)
+  plain = generate(m["params"], m["config"], tokens, lengths, jax.random.key(0), **kwargs)
+  spec = generate(m["params"], m["config"], tokens, lengths, jax.random.key(0),
+                  drafter=GroupDrafter(group_size=2), tree=DraftTree.chain(4), **kwargs)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  np.testing.assert_array_equal(spec.lengths, plain.lengths)
+  np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
+
+
+def test_a_row_behind_its_sibling_has_the_siblings_text_accepted(progression_models):
+  """Row 1's prompt is row 0's prompt; row 0's prompt continues with row 1's greedy answer,
+  so every draft of row 1 from row 0 is right: greedy, it emits a whole chain per round."""
+  m = progression_models
+  tokens, lengths = _progression(m, 1)
+  answer = generate(m["params"], m["config"], tokens, lengths, jax.random.key(0),
+                    max_new_tokens=16, sampling=GREEDY)
+  ahead = jnp.concatenate([tokens, answer.tokens], 1)  # prompt + its own answer
+  pair = jnp.concatenate([ahead, jnp.pad(tokens, ((0, 0), (0, 16)))], 0)
+  pair_lengths = jnp.array([26, 10])
+  out = generate(m["params"], m["config"], pair, pair_lengths, jax.random.key(0),
+                 max_new_tokens=16, sampling=GREEDY, drafter=GroupDrafter(group_size=2),
+                 tree=DraftTree.chain(4))
+  np.testing.assert_array_equal(out.tokens[1], answer.tokens[0])
+  rounds = np.asarray(out.stats.row_rounds)
+  assert rounds[1] <= 16 / 5 + 1, rounds  # 5 tokens a round: 4 drafts + the target's own
+  alone = generate(m["params"], m["config"], pair[1:], pair_lengths[1:], jax.random.key(0),
+                   max_new_tokens=16, sampling=GREEDY, drafter=GroupDrafter(group_size=1),
+                   tree=DraftTree.chain(4))
+  assert int(alone.stats.row_rounds[0]) > rounds[1]  # without its sibling it is slower
+
+
+def test_the_group_drafter_is_registered_and_checks_its_settings():
+  drafter, params = build_drafter("group", DraftSource(target=None))
+  assert isinstance(drafter, GroupDrafter) and params is None and drafter.group_size == 1
+  with pytest.raises(ConfigError, match=r"group_size=0\) is invalid"):
+    GroupDrafter(group_size=0)
+  with pytest.raises(ConfigError, match="need 1 <= min_ngram <= max_ngram"):
+    GroupDrafter(min_ngram=3, max_ngram=2)
+  with pytest.raises(ConfigError, match="use DraftTree.chain"):
+    GroupDrafter().validate(None, DraftTree.from_widths((2, 1)))
