@@ -1,16 +1,15 @@
 """Speculative decoding: sampling, draft trees, drafters, lossless verification, `generate`."""
 
 from specjax.decoding import verify
-from specjax.decoding.drafters import (AcceptedWindow, DraftContext, Drafter, DraftModelDrafter,
-                                       DraftModelState, DraftSource, Eagle3Drafter, Eagle3State,
-                                       Eagle3Weights, GroupDrafter, GroupState, MedusaDrafter,
-                                       MTPDrafter, MTPState,
-                                       NGramDrafter, NoState, Proposal, RoundResult,
+from specjax.decoding.calibrate import calibrate
+from specjax.decoding.drafters import (AcceptedWindow, DraftContext, DraftModelDrafter,
+                                       DraftModelState, DraftSource, Drafter, Eagle3Drafter,
+                                       Eagle3State, Eagle3Weights, FallbackDrafter, FallbackState,
+                                       GroupDrafter, GroupState, MTPDrafter, MTPState,
+                                       MedusaDrafter, NGramDrafter, NoState, Proposal, RoundResult,
                                        TargetFeatures, build_drafter, check_draft_source,
                                        check_drafter_name, default_drafter, draft_level_by_level,
-                                       drafter_names,
-                                       needs_checkpoint, register_drafter)
-from specjax.decoding.calibrate import calibrate
+                                       drafter_names, needs_checkpoint, register_drafter)
 from specjax.decoding.engine import DecodeLoop, DecodeState
 from specjax.decoding.generation import generate
 from specjax.decoding.policy import AcceptanceCounts, Adaptive, CostTable
@@ -26,7 +25,7 @@ __all__ = [
     "DecodeState", "draft_level_by_level", "DraftContext", "Drafter", "drafter_names",
     "DraftModelDrafter", "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter",
     "Eagle3State", "Eagle3Weights", "generate", "GenerationResult", "GenerationStats",
-    "GroupDrafter", "GroupState",
+    "FallbackDrafter", "FallbackState", "GroupDrafter", "GroupState",
     "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
     "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
     "reported_logprobs", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",

@@ -21,8 +21,9 @@ import tyro
 
 from specjax.checks import is_plain_int, is_real, require_field, require_ints, require_reals
 from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelDrafter, DraftSource,
-                              DraftTree, Eagle3Drafter, GroupDrafter, SamplingConfig, build_drafter,
+                              DraftTree, Eagle3Drafter, SamplingConfig, build_drafter,
                               check_drafter_name, drafter_names, needs_checkpoint)
+from specjax.decoding.drafters.group import with_group_size
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.experiments.metrics_log import Logging
@@ -474,8 +475,7 @@ class ExperimentConfig:
       draft = DraftModelDrafter(self.draft_model_config())
     else:
       draft = build_drafter(drafter, DraftSource(self.model))[0]
-    if isinstance(draft, GroupDrafter):  # the rollout's rows: G answers to each prompt
-      draft = dataclasses.replace(draft, group_size=self.grpo.group_size)
+    draft = with_group_size(draft, self.grpo.group_size)
     tree, speculation = None, None
     if draft is not None and self.rollout.speculation == "adaptive":
       speculation = self.adaptive(costs)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding import (CostTable, Eagle3Weights, GroupDrafter, SamplingConfig, calibrate,
-                              generate)
+from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate, generate
 from specjax.decoding.calibrate import default_cache_dir
+from specjax.decoding.drafters.group import with_group_size
 from specjax.decoding.engine import compaction_buckets
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
@@ -66,9 +66,7 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   rc = config.fixed_tree().train_config().rollout
   if rc.drafter is None:
     return 1.0
-  drafter = rc.drafter
-  if isinstance(drafter, GroupDrafter):  # one row per held-out prompt: no siblings to read
-    drafter = dataclasses.replace(drafter, group_size=1)
+  drafter = with_group_size(rc.drafter, 1)  # one row per held-out prompt: no siblings
   tok = config.task.tokenizer
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)

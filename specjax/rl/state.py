@@ -26,7 +26,7 @@ from specjax.decoding import Adaptive
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
-from specjax.decoding.drafters.group import GroupDrafter
+from specjax.decoding.drafters.group import group_sizes
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -174,11 +174,11 @@ class TrainConfig:
   lora: LoraConfig | None = None
 
   def __post_init__(self):
-    drafter = self.rollout.drafter
-    if isinstance(drafter, GroupDrafter) and drafter.group_size not in (1, self.grpo.group_size):
-      raise ConfigError(f"GroupDrafter(group_size={drafter.group_size}) does not match "
-                        f"grpo.group_size={self.grpo.group_size}: a rollout's rows are the G "
-                        "answers to each prompt, consecutive (1: each row drafts from itself)")
+    for g in group_sizes(self.rollout.drafter):
+      if g not in (1, self.grpo.group_size):
+        raise ConfigError(f"GroupDrafter(group_size={g}) does not match grpo.group_size="
+                          f"{self.grpo.group_size}: a rollout's rows are the G answers to each "
+                          "prompt, consecutive (1: each row drafts from itself)")
     if self.lora is not None and not isinstance(self.lora, LoraConfig):
       raise ConfigError(f"lora={self.lora!r} is invalid: must be a LoraConfig(rank=, alpha=, "
                         "targets=) or None")

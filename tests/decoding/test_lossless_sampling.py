@@ -21,8 +21,8 @@ import pytest
 import scipy.stats
 
 from support import CyclingPolicy
-from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, GroupDrafter,
-                              MedusaDrafter, SamplingConfig, generate, verify)
+from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, FallbackDrafter,
+                              GroupDrafter, MedusaDrafter, SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
 from specjax.models import Eagle3Config, ModelConfig, forward, init_eagle3, init_params
@@ -143,6 +143,10 @@ CASES = {
     # Drafts from the other rows of each group of 4 (all rows answer the one prompt): what one
     # row drafts depends on what its siblings sampled.
     "group_chain": (GroupDrafter(group_size=4, min_ngram=1, max_ngram=2), DraftTree.chain(2)),
+    # The group's whole drafts where it has them, Medusa's elsewhere, row by row.
+    "group_medusa_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
+                                                        max_ngram=2), MedusaDrafter()),
+                           DraftTree.chain(2)),
 }
 # Thresholds that cut some chains and not all (the sharper t07 distribution needs a higher).
 STOP_BELOW = {"t1": 0.4, "t07_topk_topp": 0.6}

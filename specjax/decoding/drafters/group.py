@@ -28,6 +28,7 @@ from flax import struct
 
 from specjax.checks import is_int
 from specjax.decoding.drafters.base import DraftContext, Drafter, Proposal
+from specjax.decoding.drafters.fallback import FallbackDrafter
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -98,6 +99,26 @@ def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_si
   valid = found[:, None] & (idx < end[:, None])
   tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
   return found, tokens, valid
+
+
+def group_sizes(drafter: Drafter | None) -> tuple[int, ...]:
+  """The group sizes of the `GroupDrafter`s in `drafter` (itself, or a `FallbackDrafter`'s)."""
+  if isinstance(drafter, GroupDrafter):
+    return (drafter.group_size,)
+  if isinstance(drafter, FallbackDrafter):
+    return group_sizes(drafter.primary) + group_sizes(drafter.fallback)
+  return ()
+
+
+def with_group_size(drafter: Drafter | None, group_size: int) -> Drafter | None:
+  """`drafter` with every `GroupDrafter` in it (itself, or a `FallbackDrafter`'s) reading
+  groups of `group_size` rows: a GRPO rollout's G answers to each prompt."""
+  if isinstance(drafter, GroupDrafter):
+    return dataclasses.replace(drafter, group_size=group_size)
+  if isinstance(drafter, FallbackDrafter):
+    return dataclasses.replace(drafter, primary=with_group_size(drafter.primary, group_size),
+                               fallback=with_group_size(drafter.fallback, group_size))
+  return drafter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.drafters.fallback import FallbackDrafter
 from specjax.decoding.drafters.group import GroupDrafter
 from specjax.decoding.drafters.medusa import MedusaDrafter
 from specjax.decoding.drafters.mtp import MTPDrafter
@@ -63,6 +64,8 @@ _BUILDERS: dict[str, Builder] = {
     "ngram": lambda source: (NGramDrafter(), None),
     # Each row drafts from its own text; a GRPO run sets group_size to its group size.
     "group": lambda source: (GroupDrafter(), None),
+    # Group drafts where a whole one exists, the model's MTP modules elsewhere.
+    "group+mtp": lambda source: (FallbackDrafter(GroupDrafter(), MTPDrafter()), None),
     "draft-model": _draft_model,
     "eagle3": _eagle3,
 }

@@ -1,0 +1,111 @@
+"""Two drafters, row by row: a free one where it has a whole draft, a model where it has not.
+
+`FallbackDrafter(primary, fallback)` asks both drafters every round; a row whose `primary`
+proposal drafts every node of the tree takes it, the other rows take `fallback`'s. Made for
+group drafting (`GroupDrafter` as primary: long, exact drafts where a sibling has already
+written the text) in front of a model drafter (MTP, EAGLE-3, a draft model: a guess at every
+position). Both must draft deterministically (drafts verified by matching: a sampled draft's
+distribution would have to be the one its tokens came from, row by row), and both keep their
+state up to date every round: whichever drafted, the accepted path is the same text.
+
+`stats`-wise the round is one proposal; `propose` also reports, through the state, how many
+rows took the primary's draft (`FallbackState.primary_rows`), for a caller that wants the
+split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.decoding.drafters.base import Drafter, Proposal, take_rows
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
+from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
+
+
+@struct.dataclass
+class FallbackState:
+  """Attributes:
+    primary: the primary drafter's state.
+    fallback: the fallback drafter's state.
+    primary_rows: `[B]` whether each row took the primary's draft in the last proposal.
+  """
+
+  primary: Any
+  fallback: Any
+  primary_rows: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackDrafter(Drafter):
+  """`primary`'s draft for rows where it drafts the whole tree, else `fallback`'s (module
+  docstring).
+
+  Attributes:
+    primary: a drafter that may leave nodes out (`Proposal.drafted`), e.g. `GroupDrafter`.
+    fallback: a drafter that always drafts, e.g. `MTPDrafter()`.
+  """
+
+  primary: Drafter
+  fallback: Drafter
+
+  def __post_init__(self):
+    for name in ("primary", "fallback"):
+      if not isinstance(getattr(self, name), Drafter):
+        raise ConfigError(f"FallbackDrafter({name}={getattr(self, name)!r}) is invalid: must be "
+                          "a Drafter")
+    for name in ("primary", "fallback"):
+      if getattr(self, name).sampled:
+        raise ConfigError(f"FallbackDrafter's {name} samples its drafts; both must draft "
+                          "deterministically (their drafts are verified by matching)")
+
+  def hidden_layers(self, config: ModelConfig) -> tuple[int, ...]:
+    first, second = self.primary.hidden_layers(config), self.fallback.hidden_layers(config)
+    if first and second:
+      raise ConfigError("FallbackDrafter: only one of its drafters may read the target's "
+                        f"hidden layers (the primary reads {first}, the fallback {second})")
+    return first or second
+
+  def validate(self, config: ModelConfig, tree: DraftTree) -> None:
+    self.primary.validate(config, tree)
+    self.fallback.validate(config, tree)
+
+  def min_prompt_length(self, tree: DraftTree) -> int:
+    return max(self.primary.min_prompt_length(tree), self.fallback.min_prompt_length(tree))
+
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
+           plain_rounds=False) -> FallbackState:
+    init = lambda d: d.init(params, config, drafter_params, ctx, tree, max_len, prompt,
+                            plain_rounds=plain_rounds)
+    return FallbackState(primary=init(self.primary), fallback=init(self.fallback),
+                         primary_rows=jnp.zeros(ctx.seq.shape[:1], bool))
+
+  def propose(self, params, config, state: FallbackState, ctx, tree: DraftTree,
+              sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, FallbackState]:
+    k_primary, k_fallback = jax.random.split(key)
+    first, primary = self.primary.propose(params, config, state.primary, ctx, tree, sampling,
+                                          k_primary)
+    second, fallback = self.fallback.propose(params, config, state.fallback, ctx, tree,
+                                             sampling, k_fallback)
+    b, n = first.tokens.shape
+    drafted = (jnp.ones((b, n), bool) if first.drafted is None else first.drafted)
+    use = drafted.all(axis=1)
+    tokens = jnp.where(use[:, None], first.tokens, second.tokens)
+    out = None if second.drafted is None else jnp.where(use[:, None], True, second.drafted)
+    return (Proposal(tokens=tokens, drafted=out),
+            FallbackState(primary=primary, fallback=fallback, primary_rows=use))
+
+  def update(self, params, config, state: FallbackState, result) -> FallbackState:
+    return state.replace(primary=self.primary.update(params, config, state.primary, result),
+                         fallback=self.fallback.update(params, config, state.fallback, result))
+
+  def take_rows(self, state: FallbackState, rows: jax.Array) -> FallbackState:
+    return FallbackState(primary=self.primary.take_rows(state.primary, rows),
+                         fallback=self.fallback.take_rows(state.fallback, rows),
+                         primary_rows=take_rows(state.primary_rows, rows))
