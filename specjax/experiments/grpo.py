@@ -114,6 +114,25 @@ def host_reward(config: ExperimentConfig, records: list[dict]):
 SAMPLES = 4  # rows of a step written to the log as text
 
 
+# Rows of each step's rollout shown in the log's sample completions.
+SAMPLE_ROWS = 4
+
+
+def _decoded_samples(samples: dict | None, tok) -> list[tuple[str, str, float]]:
+  """A fused step's `metrics["samples"]` as (prompt, completion, reward) texts."""
+  if samples is None:
+    return []
+  out = []
+  for tokens, mask, reward in zip(samples["tokens"], samples["response_mask"],
+                                  samples["rewards"]):
+    response = np.flatnonzero(mask)
+    start = response[0] if len(response) else len(tokens)
+    prompt = [int(t) for t in tokens[:start] if t != tok.pad_id]
+    out.append((tok.decode(prompt), tok.decode([int(t) for t in tokens[response]]),
+                float(reward)))
+  return out
+
+
 def _samples_text(samples) -> str:
   return "\n\n".join(f"**prompt** {p!r}\n\n**completion** {c!r}\n\n**reward** {r:.3f}"
                        for p, c, r in samples)
@@ -447,7 +466,8 @@ def _run(config: ExperimentConfig, log) -> dict:
     writer = MetricsLog(run_dir, config.log, config_record(config))
   if disaggregated is None and in_jax:
     train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
-                                    pad_id=tok.pad_id)
+                                    pad_id=tok.pad_id,
+                                    samples=SAMPLE_ROWS if config.log.samples_every else 0)
   elif disaggregated is None:
     train_step = make_split_step(tc, reward, optimizer, pad_id=tok.pad_id,
                                  state_sharding=shardings)
@@ -470,6 +490,7 @@ def _run(config: ExperimentConfig, log) -> dict:
         state = disaggregated.state()
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - start
+      samples = metrics.pop("samples", None)  # a fused step's first rows, for the log
       _check_finite(step + 1, metrics, state, config, last_checkpoint)
       position = reader.next_position(position)
       record = {"step": step + 1, "position": position, **_jsonable(metrics),
@@ -480,8 +501,11 @@ def _run(config: ExperimentConfig, log) -> dict:
         lr = float(optimizer_schedule(step))
         writer.scalars(step + 1, tensorboard_scalars(record, learning_rate=lr))
         every = config.log.samples_every
-        if every and (step + 1) % every == 0 and getattr(reward, "samples", None):
-          writer.text(step + 1, "samples", _samples_text(reward.samples))
+        if every and (step + 1) % every == 0:
+          shown = (reward.samples if getattr(reward, "samples", None)
+                   else _decoded_samples(samples, tok))
+          if shown:
+            writer.text(step + 1, "samples", _samples_text(shown))
       bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                       accept=f"{record['acceptance_length']:.2f}")
       if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:

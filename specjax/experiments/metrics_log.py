@@ -31,8 +31,8 @@ class Logging:
       `pip install 'specjax[wandb]'`). The run's config is the W&B run's config.
     wandb_entity: the W&B team or user (None: the account's default).
     wandb_mode: "online", "offline" (synced later with `wandb sync`) or "disabled".
-    samples_every: with a task rewarded in Python, write the first rows' prompts,
-      completions and rewards as TensorBoard text every this many steps (0: never).
+    samples_every: write the first rows' prompts, completions and rewards as TensorBoard
+      text (and a W&B HTML panel) every this many steps (0: never).
   """
 
   wandb_project: str | None = None
@@ -77,8 +77,14 @@ class MetricsLog:
       self._wandb.log(dict(values), step=step)
 
   def text(self, step: int, name: str, text: str) -> None:
-    """A text record (markdown) in TensorBoard's text tab."""
+    """A text record (markdown): TensorBoard's text tab, and with W&B a `wandb.Html` panel
+    (the markdown as preformatted text) under the same name."""
     self._tensorboard.add_text(name, text, step)
+    if self._wandb is not None:
+      import html
+
+      import wandb
+      self._wandb.log({name: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
   def close(self) -> None:
     self._tensorboard.close()

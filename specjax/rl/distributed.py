@@ -139,13 +139,14 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
 
 def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
                        optimizer: optax.GradientTransformation, state_shardings: TrainState,
-                       batch_shardings: Any, *, pad_id: int = 0):
+                       batch_shardings: Any, *, pad_id: int = 0, samples: int = 0):
   """`make_train_step`'s fused step compiled for a mesh: the state stays on
   `state_shardings` (`train_state_shardings`), the batch arrives on `batch_shardings`
-  (`prompt_batch_shardings`), and the metrics come back replicated, so every process reads
-  them without a gather."""
+  (`prompt_batch_shardings`), and the metrics (with `samples`, the first rows of the
+  rollout) come back replicated, so every process reads them without a gather."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False)
+  step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False,
+                         samples=samples)
   # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
   return _on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                                 out_shardings=(state_shardings, replicated(mesh)),

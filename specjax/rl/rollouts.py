@@ -76,6 +76,14 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
 
 
 
+def rollout_samples(roll: Rollout, rows: int) -> dict[str, jax.Array]:
+  """The first `rows` rows of a rollout as a step returns them for a log: `tokens [rows, L]`
+  (prompt, response, padding), `response_mask [rows, L]`, `rewards [rows]`."""
+  return {"tokens": roll.tokens[:rows], "response_mask": roll.response_mask[:rows],
+          "rewards": roll.rewards[:rows]}
+
+
+
 def plain_share(rc: RolloutConfig, tree_rounds: jax.Array) -> jax.Array:
   """The share of a rollout's rounds that decoded plainly, from the rounds each entry of the
   adaptive menu ran (`GenerationStats.tree_rounds`)."""

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
-from specjax.rl.rollouts import rollout, rollout_metrics, score, scored_rollout
+from specjax.rl.rollouts import (rollout, rollout_metrics, rollout_samples, score,
+                                 scored_rollout)
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.updates import update
 
@@ -72,12 +73,15 @@ def _state_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array
 
 def make_train_step(config: TrainConfig, reward_fn: RewardFn,
                     optimizer: optax.GradientTransformation, *, pad_id: int = 0,
-                    jit: bool = True, state_sharding: Any = None, batch_sharding: Any = None
+                    jit: bool = True, state_sharding: Any = None, batch_sharding: Any = None,
+                    samples: int = 0
                     ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
   """The fused step `(state, batch) -> (state, metrics)`; batch has tokens, lengths, answers.
 
   `reward_fn(responses [B, T], lengths [B], answers [B]) -> [B]` must be JAX. In async mode the
-  state must hold a pending rollout first (`make_prime_fn`).
+  state must hold a pending rollout first (`make_prime_fn`). With `samples`, the metrics also
+  hold `metrics["samples"]`: the trained rollout's first rows (`rollout_samples`), for a log
+  of sample completions.
   """
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -86,6 +90,8 @@ def make_train_step(config: TrainConfig, reward_fn: RewardFn,
     train_on = state.pending if config.async_mode else roll
     new_state, metrics = update(state, config, optimizer, train_on, k_update)
     metrics |= rollout_metrics(config, train_on)
+    if samples:
+      metrics["samples"] = rollout_samples(train_on, samples)
     new_state = new_state.replace(key=key, pending=roll if config.async_mode else None)
     return new_state, metrics
 

@@ -30,6 +30,11 @@ class Run:
 
 def init(**kwargs):
   return Run(**kwargs)
+
+
+class Html:
+  def __init__(self, data):
+    self.data = data
 '''
 
 
@@ -56,7 +61,7 @@ def _config(run_dir, steps):
       rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=3, tree_widths=(1,)),
       warm_start=WarmStart(steps=5), eval=RolloutEvaluation(prompts=2, speedup_repeats=1,
                                                            speedup_seconds=0),
-      log=Logging(wandb_project="specjax-test", wandb_mode="offline"))
+      log=Logging(wandb_project="specjax-test", wandb_mode="offline", samples_every=2))
 
 
 def test_a_run_logs_every_step_to_wandb_and_a_resume_continues_its_run(fake_wandb, tmp_path):
@@ -68,6 +73,10 @@ def test_a_run_logs_every_step_to_wandb_and_a_resume_continues_its_run(fake_wand
   assert all(i["resume"] == "allow" and i["project"] == "specjax-test" for i in inits)
   assert inits[0]["config"]["grpo"]["group_size"] == 2  # the run's config
   logged = [c for c in fake_wandb.calls if c[0] == "log"]
+  # Step 2's sample completions (every 2 steps) go to W&B as an HTML panel beside its scalars.
+  samples = [c for c in logged if "samples" in c[2]]
+  assert [c[1] for c in samples] == [2] and "**completion**" in samples[0][2]["samples"].data
+  logged = [c for c in logged if "samples" not in c[2]]
   assert [c[1] for c in logged] == [1, 2, 3]
   assert {"reward/mean", "spec/acceptance_length", "train/learning_rate"} <= logged[0][2].keys()
   assert [c[0] for c in fake_wandb.calls].count("finish") == 2

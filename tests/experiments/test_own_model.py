@@ -15,8 +15,8 @@ import pytest
 from specjax.cli import main as cli_main
 from specjax.decoding import SamplingConfig, generate
 from specjax.errors import ConfigError
-from specjax.experiments import (Drafting, ExperimentConfig, Pipeline, RolloutEvaluation,
-                                 RolloutSettings, WarmStart, run)
+from specjax.experiments import (Drafting, ExperimentConfig, Logging, Pipeline,
+                                 RolloutEvaluation, RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
 from specjax.models import LoraConfig, ModelConfig
 from specjax.models.hf import load_hf
@@ -204,9 +204,13 @@ def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed
       grpo=GRPOConfig(group_size=2), steps=2,
       rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4, tree_widths=(1,)),
       warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=async_mode),
-      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0))
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0),
+      log=Logging(samples_every=1))
   assert task.reward_in_jax == (not mixed)
   run(config, log=lambda _: None)
+  # Sample completions in the log, from the fused step's rows or from the host rewards.
+  events = [f.read_bytes() for f in (tmp_path / "run" / "tensorboard").rglob("*") if f.is_file()]
+  assert any(b"**completion**" in e and b"**prompt** '" in e for e in events)
   for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
     record = json.loads(line)
     expected = 0.5 * record["reward_short"] + (record["reward_exact"] if mixed else 0.0)
