@@ -26,7 +26,7 @@ from specjax.checkpoint import Checkpointer
 from specjax.errors import CheckpointError, ConfigError
 from specjax.experiments.run_record import CONFIG_FILE
 from specjax.files import read_object, write_text_atomic
-from specjax.models import ModelConfig, init_params, load_eagle3, save_eagle3, save_hf
+from specjax.models import ModelConfig, init_params, load_eagle3, load_hf, save_eagle3, save_hf
 from specjax.models.config import Llama3RopeScaling
 from specjax.models.lora import LoraAdapters, LoraConfig
 from specjax.models.params import Params
@@ -160,11 +160,24 @@ def _merged(params: Params, adapters: dict[str, Any], run: Path, field: str,
   return LoraAdapters(factors=factors, config=config).merge(jax.tree.map(jnp.asarray, params))
 
 
+def _write_tokenizer(tokenizer: CharTokenizer | HFTokenizer, out: Path) -> None:
+  """The policy's tokenizer files into the model directory `out`: an HF tokenizer's own
+  (its chat template included), or a character tokenizer as `tokenizer.json`."""
+  if isinstance(tokenizer, HFTokenizer):
+    source = Path(tokenizer.source)
+    for name in TOKENIZER_FILES:
+      if (source / name).is_file():
+        write_text_atomic(out / name, (source / name).read_text())
+  else:
+    tokenizer.save(out)
+
+
 def export_run(run_dir: str | Path, out: str | Path,
                log: Callable[[str], None] = print) -> Path:
   """Write the latest policy of the `specjax train` run in `run_dir` to `out` as an HF
-  checkpoint directory with its tokenizer, and the run's final EAGLE-3 head (if it trained
-  one to the end) to `out/eagle3`. Returns `out`."""
+  checkpoint directory with its tokenizer, the run's final EAGLE-3 head (if it trained one to
+  the end) to `out/eagle3`, and a draft model it distilled online to `out/draft_model`.
+  Returns `out`."""
   record = recorded_config(run_dir)
   model = recorded_model(record)
   params, _ = load_policy(run_dir, model)
@@ -177,14 +190,15 @@ def export_run(run_dir: str | Path, out: str | Path,
   eos = list(tokenizer.eos_ids) if len(getattr(tokenizer, "eos_ids", ())) > 1 else tokenizer.eos_id
   save_hf(params, model, out, extra_config=extra, bos_token_id=tokenizer.bos_id,
           eos_token_id=eos, pad_token_id=tokenizer.pad_id)
-  if isinstance(tokenizer, HFTokenizer):
-    source = Path(tokenizer.source)
-    for name in TOKENIZER_FILES:
-      if (source / name).is_file():
-        write_text_atomic(out / name, (source / name).read_text())
-  else:
-    tokenizer.save(out)
+  _write_tokenizer(tokenizer, out)
   log(f"policy of {run_dir} -> {out} (HF {model.family} checkpoint with its tokenizer)")
+  draft = Path(run_dir) / "draft_model"
+  if draft.is_dir():  # a draft model distilled online (`drafter.draft_model_learning_rate`)
+    draft_params, draft_config = load_hf(draft, param_dtype="auto")
+    save_hf(draft_params, draft_config, out / "draft_model", bos_token_id=tokenizer.bos_id,
+            eos_token_id=eos, pad_token_id=tokenizer.pad_id)
+    _write_tokenizer(tokenizer, out / "draft_model")
+    log(f"the draft model distilled during the run -> {out / 'draft_model'}")
   head = Path(run_dir) / "eagle3"
   if head.is_dir():
     config, head_params, d2t = load_eagle3(head, model)

@@ -50,7 +50,7 @@ from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock
 from specjax.models.config import RUNTIME_FIELDS
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
-from specjax.models.hf import load_hf
+from specjax.models.hf import load_hf, save_hf
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
@@ -177,14 +177,20 @@ def initial_eagle3_head(params, config: ExperimentConfig, log=print) -> Eagle3We
   return head
 
 
+# Where a run that distilled its draft model online keeps it (an HF checkpoint directory).
+DRAFT_MODEL_DIR = "draft_model"
+
+
 def draft_model_params(config: ExperimentConfig, log=print):
-  """The draft model's parameters, from `config.drafter.checkpoint` (frozen during RL)."""
+  """The draft model's parameters as `config.drafter.checkpoint` holds them (`log=None`:
+  silently)."""
   params, model = load_hf(config.drafter.checkpoint)
   expected = config.draft_model_config()
   if model != expected:
     raise ConfigError(f"drafter.checkpoint={config.drafter.checkpoint!r} loads as {model}, "
                       f"not the {expected} its config.json describes")
-  log(f"draft model from {config.drafter.checkpoint}: {count_params(params):,} parameters")
+  if log is not None:
+    log(f"draft model from {config.drafter.checkpoint}: {count_params(params):,} parameters")
   return params
 
 
@@ -532,6 +538,11 @@ def _run(config: ExperimentConfig, log) -> dict:
         params, config, test_records,
         drafter_params=Eagle3Weights(params=frozen, d2t=jnp.asarray(d2t, jnp.int32)))
     save_eagle3(run_dir / "eagle3", head.params, tc.eagle3.config, np.asarray(head.d2t))
+  if tc.trains_draft_model and lead:
+    # The draft model as it came, on the final policy; the distilled one kept for export.
+    summary["probe_acceptance_after_frozen"] = probe_acceptance(
+        params, config, test_records, drafter_params=draft_model_params(config, log=None))
+    save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
   summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs)
   if lead:
     history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]

@@ -155,8 +155,11 @@ class Drafting:
       tokenizer): a head that starts on another text distribution than the RL task, to
       measure what online training recovers.
     checkpoint: with name "draft-model", the draft model's HF checkpoint directory (a smaller
-      model of the policy's tokenizer, e.g. a 0.6B drafting for a 4-8B); its weights stay
-      frozen during RL.
+      model of the policy's tokenizer, e.g. a 0.6B drafting for a 4-8B).
+    draft_model_learning_rate: with name "draft-model", distil the draft model from the policy
+      online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6; its loss is the KL
+      divergence from the policy's next-token distributions, times `loss_weight`); 0 keeps
+      it frozen. The trained draft model is saved as `run_dir/draft_model` at the end.
   """
 
   name: str = "mtp"
@@ -170,6 +173,7 @@ class Drafting:
   distill_prompts: int | None = None
   distill_task: ArithmeticTask | None = None
   checkpoint: str | None = None
+  draft_model_learning_rate: float = 0.0
 
   def __post_init__(self):
     check_drafter_name(self.name)
@@ -181,7 +185,12 @@ class Drafting:
     require_field(self, "checkpoint", (self.checkpoint is not None) == (self.name == DRAFT_MODEL),
                   f"give it exactly with name={DRAFT_MODEL!r} (the draft model's HF checkpoint "
                   "directory)", "drafter.")
-    require_reals(self, ("loss_weight",), positive=False, prefix="drafter.")
+    require_reals(self, ("loss_weight", "draft_model_learning_rate"), positive=False,
+                  prefix="drafter.")
+    require_field(self, "draft_model_learning_rate",
+                  not self.draft_model_learning_rate or self.name == DRAFT_MODEL,
+                  f"trains an external draft model: needs name={DRAFT_MODEL!r} (an EAGLE-3 "
+                  "head trains at drafter.learning_rate)", "drafter.")
     require_reals(self, ("learning_rate",), positive=True, prefix="drafter.")
     require_ints(self, ("ttt_steps", "distill_steps"), 1, "drafter.")
     require_field(self, "clip_heads_separately", isinstance(self.clip_heads_separately, bool),
@@ -488,9 +497,9 @@ class ExperimentConfig:
                             compaction=self.rollout.compaction,
                             success_reward=getattr(self.task, "success_reward", 1.0))
     return TrainConfig(model=self.model, grpo=self.grpo, rollout=rollout,
-                       drafter_training=DrafterTraining(self.drafter.loss_weight,
-                                                        self.drafter.learning_rate,
-                                                        self.drafter.ttt_steps),
+                       drafter_training=DrafterTraining(
+                           self.drafter.loss_weight, self.drafter.learning_rate,
+                           self.drafter.ttt_steps, self.drafter.draft_model_learning_rate),
                        async_mode=self.pipeline.async_mode,
                        lora=self.lora if self.lora.enabled else None)
 

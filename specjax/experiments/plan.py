@@ -67,6 +67,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from specjax.checks import is_int, is_number
+from specjax.decoding import Eagle3Weights
 from specjax.errors import ConfigError
 from specjax.experiments.grpo import ExperimentConfig, abstract_state, task_records, with_shardings
 from specjax.models.config import REMAT_POLICIES
@@ -366,9 +367,10 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
       _bytes(layer[name]) for layer in state.params["layers"] for name in adapters.config.targets)
   if state.drafter is not None:
     params += _bytes(state.drafter.weights)
-    if state.drafter.opt_state is not None:  # an EAGLE-3 head trains; a draft model is frozen
+    if state.drafter.opt_state is not None:  # an EAGLE-3 head, or a draft model distilled
       opt += _bytes(state.drafter.opt_state)
-      grads += _bytes(state.drafter.weights.params)
+      weights = state.drafter.weights
+      grads += _bytes(weights.params if isinstance(weights, Eagle3Weights) else weights)
   # The step reads the prompts' tokens, lengths and answers (jit drops the unread `index`).
   other = _bytes((state.step, state.key, state.pending, state.acceptance, batch.tokens,
                   batch.lengths, batch.answers))

@@ -93,7 +93,7 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
     parameters; counts and other leaves replicated (`specjax.sharding.opt_state_shardings`).
   - drafter (EAGLE-3): the head by `eagle3_param_axes`, its optimizer state likewise, its
     draft vocabulary map `d2t [W]` replicated; (a draft model): its parameters by
-    `param_axes` of its config.
+    `param_axes` of its config, and its optimizer state (when distilled online) likewise.
   - pending (async mode): rows `[B, ...]` over the "batch" axes, statistics replicated.
   - step, key, acceptance (the speculation policy's counts): replicated.
 
@@ -114,9 +114,11 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
   opt = opt_state_shardings(state.opt_state, state.trainable, trained)
   drafter = None
   if state.drafter is not None and config.draft_model is not None:
-    drafter = DrafterTrainState(
-        weights=_logical_tree(state.drafter.weights, param_axes(config.draft_model.config),
-                              mesh, rules, "the draft model's params"), opt_state=None)
+    weights = _logical_tree(state.drafter.weights, param_axes(config.draft_model.config),
+                            mesh, rules, "the draft model's params")
+    opt_state = (None if state.drafter.opt_state is None else  # distilled online
+                 opt_state_shardings(state.drafter.opt_state, state.drafter.weights, weights))
+    drafter = DrafterTrainState(weights=weights, opt_state=opt_state)
   elif state.drafter is not None:
     if config.eagle3 is None:
       raise ConfigError("the state has a drafter train state, but config's rollout drafter is "

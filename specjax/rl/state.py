@@ -34,6 +34,7 @@ from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.lora import LoraAdapters, LoraConfig, init_lora
 from specjax.models.params import Params, check_params
+from specjax.optimizers import float32_master
 from specjax.rl.losses import GRPOConfig
 
 # `reward_fn(responses [B, T], lengths [B], answers [B])`: `[B]` rewards, or `([B] total,
@@ -138,14 +139,20 @@ class DrafterTraining:
       against the policy's; an EAGLE-3 head has its own optimizer and this scales its loss.
     learning_rate: Adam learning rate of an EAGLE-3 head trained online.
     ttt_steps: training-time-test steps of the EAGLE-3 loss (its draft depth).
+    draft_model_learning_rate: Adam learning rate of an external draft model distilled online
+      from the policy (its loss: the KL divergence from the policy's next-token
+      distributions on each minibatch, times `loss_weight`); 0, the default, keeps it frozen.
+      A pretrained small model wants a fine-tuning rate (1e-5 .. 1e-6), not a head's.
   """
 
   loss_weight: float = 1.0
   learning_rate: float = 1e-3
   ttt_steps: int = 3
+  draft_model_learning_rate: float = 0.0
 
   def __post_init__(self):
-    require_reals(self, ("loss_weight",), positive=False, prefix="drafter_training.")
+    require_reals(self, ("loss_weight", "draft_model_learning_rate"), positive=False,
+                  prefix="drafter_training.")
     require_reals(self, ("learning_rate",), positive=True, prefix="drafter_training.")
     require_ints(self, ("ttt_steps",), 1, "drafter_training.")
 
@@ -208,13 +215,27 @@ class TrainConfig:
 
   @property
   def draft_model(self) -> DraftModelDrafter | None:
-    """The rollout's external draft model, whose (frozen) parameters live in
-    `TrainState.drafter`."""
+    """The rollout's external draft model, whose parameters (frozen, or distilled online:
+    `trains_draft_model`) live in `TrainState.drafter`."""
     drafter = self.rollout.drafter
     return drafter if isinstance(drafter, DraftModelDrafter) else None
 
   def drafter_optimizer(self) -> optax.GradientTransformation:
     return optax.adam(self.drafter_training.learning_rate)
+
+  @property
+  def trains_draft_model(self) -> bool:
+    """Whether the external draft model is distilled from the policy online."""
+    dt = self.drafter_training
+    return self.draft_model is not None and dt.loss_weight > 0 and dt.draft_model_learning_rate > 0
+
+  def draft_model_optimizer(self) -> optax.GradientTransformation:
+    """Adam at `draft_model_learning_rate`, on float32 master weights when the draft model's
+    parameters are of a lower precision (a bfloat16 step of 1e-5 would not move them)."""
+    adam = optax.adam(self.drafter_training.draft_model_learning_rate)
+    if self.draft_model.config.param_dtype != "float32":
+      return float32_master(adam)
+    return adam
 
 
 
@@ -259,9 +280,11 @@ class DrafterTrainState:
 
   Attributes:
     weights: an EAGLE-3 head (`Eagle3Weights`: float parameters and the draft vocabulary
-      map), trained online; or an external draft model's parameters, frozen.
+      map), trained online; or an external draft model's parameters (frozen, or distilled
+      from the policy online).
     opt_state: optax state of an EAGLE-3 head's `weights.params`
-      (`TrainConfig.drafter_optimizer`); None for a frozen draft model.
+      (`TrainConfig.drafter_optimizer`), or of a draft model distilled online
+      (`TrainConfig.draft_model_optimizer`); None for a frozen draft model.
   """
 
   weights: Any
@@ -353,7 +376,9 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
       raise ConfigError("a DraftModelDrafter rollout needs init_train_state(..., "
                         "drafter_params=<the draft model's params>)")
     check_params(drafter_params, config.draft_model.config, "drafter_params")
-    drafter = DrafterTrainState(weights=drafter_params, opt_state=None)
+    opt_state = (config.draft_model_optimizer().init(drafter_params)
+                 if config.trains_draft_model else None)
+    drafter = DrafterTrainState(weights=drafter_params, opt_state=opt_state)
   elif drafter_params is not None:
     raise ConfigError("drafter_params is only used with an Eagle3Drafter or DraftModelDrafter "
                       f"rollout; the rollout drafter is {config.rollout.drafter!r}")

@@ -2,8 +2,9 @@
 scored rollout under `lax.scan`, each minibatch's forward also training the drafter on the
 rollout from detached target activations (the MTP / Medusa heads through a detached trunk,
 or an EAGLE-3 head with its own optimizer, on the forward's residual streams and
-distributions with the training-time test it was trained with offline), so the drafter
-follows the policy without its loss reaching the policy gradient. With LoRA
+distributions with the training-time test it was trained with offline, or an external draft
+model distilled towards the forward's distributions), so the drafter follows the policy
+without its loss reaching the policy gradient. With LoRA
 (`TrainConfig.lora`) the optimizer steps the adapters, attached to the frozen trunk, which is
 also the KL reference.
 
@@ -94,6 +95,37 @@ def _eagle3_update(drafter: DrafterTrainState, config: TrainConfig, embed_table:
 
 
 
+def _draft_model_update(drafter: DrafterTrainState, config: TrainConfig, tokens: jax.Array,
+                        mask: jax.Array, out: ForwardOutput
+                        ) -> tuple[DrafterTrainState, dict[str, jax.Array]]:
+  """One optimizer step of the external draft model towards the policy: the KL divergence
+  from the policy's next-token distribution (its forward's detached logits, at the rollout
+  temperature) to the draft model's, at every position whose next token is in the rollout
+  (`mask [B, L]`), and the share of them where their most likely tokens agree."""
+  draft = config.draft_model.config
+  temperature = config.rollout.sampling.logprob_temperature
+  target = jax.nn.log_softmax(out.logits[:, :-1] / temperature, -1)  # [B, L - 1, V]
+  weight = mask[:, 1:].astype(jnp.float32)
+  count = jnp.maximum(weight.sum(), 1.0)
+  b, l = tokens.shape
+
+  def loss_fn(params):
+    logits = forward(params, draft, tokens, jnp.broadcast_to(jnp.arange(l), (b, l))).logits
+    logq = jax.nn.log_softmax(logits[:, :-1] / temperature, -1)
+    kl = (jnp.exp(target) * (target - logq)).sum(-1)
+    agree = jnp.argmax(logq, -1) == jnp.argmax(target, -1)
+    metrics = {"draft_model_kl": (kl * weight).sum() / count,
+               "draft_model_accuracy": (agree * weight).sum() / count}
+    return config.drafter_training.loss_weight * metrics["draft_model_kl"], metrics
+
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(drafter.weights)
+  updates, opt_state = config.draft_model_optimizer().update(grads, drafter.opt_state,
+                                                             drafter.weights)
+  return (DrafterTrainState(weights=optax.apply_updates(drafter.weights, updates),
+                            opt_state=opt_state), metrics)
+
+
+
 def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTransformation,
            roll: Rollout, key: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
   """`num_epochs x num_minibatches` GRPO updates on a scored rollout.
@@ -147,6 +179,7 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
   batches = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
 
   train_eagle = config.eagle3 is not None and config.drafter_training.loss_weight > 0
+  train_draft_model = config.trains_draft_model
 
   def loss_fn(trained, mb):
     return _minibatch_loss(model_params(trained), config, mb)
@@ -168,6 +201,11 @@ def update(state: TrainState, config: TrainConfig, optimizer: optax.GradientTran
       new_drafter, drafter_metrics = _eagle3_update(
           drafter, config, frozen["embed"] if adapted else jax.lax.stop_gradient(
               trained["embed"]), mb["tokens"], mb["valid_mask"], out)
+      drafter = keep(new_drafter, drafter)
+      metrics |= drafter_metrics
+    if train_draft_model:
+      new_drafter, drafter_metrics = _draft_model_update(drafter, config, mb["tokens"],
+                                                         mb["valid_mask"], out)
       drafter = keep(new_drafter, drafter)
       metrics |= drafter_metrics
     metrics["update_skipped"] = 1.0 - ok.astype(jnp.float32)

@@ -88,7 +88,9 @@ def own(tmp_path_factory):
   return root
 
 
-DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoint", "{draft}"],
+# The draft model is distilled from the policy online; the EAGLE-3 head distilled, then trained.
+DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoint", "{draft}",
+                            "--drafter.draft-model-learning-rate", "1e-3"],
             "eagle3": ["--drafter.name", "eagle3", "--drafter.distill-steps", "20"]}
 
 
@@ -108,6 +110,7 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
   assert [r["step"] for r in lines] == [1, 2]
   for record in lines:  # one metric per reward function, beside the total
     assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
+    assert ("draft_model_kl" in record) == (drafter == "draft-model")
   events = [f.read_bytes() for f in (run_dir / "tensorboard").rglob("*") if f.is_file()]
   assert any(b"**completion**" in e for e in events)  # sample completions as text
   recorded = json.loads((run_dir / "config.json").read_text())
@@ -123,6 +126,11 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
   export = own / f"export-{family}"
   cli_main(["export", str(run_dir), str(export)])
   assert (export / "eagle3").is_dir() == (drafter == "eagle3")
+  if drafter == "draft-model":  # distilled during the run: exported beside the policy
+    trained, _ = load_hf(export / "draft_model")
+    original, _ = load_hf(own / "draft")
+    assert not np.array_equal(trained["embed"], original["embed"])
+    assert (export / "draft_model" / "tokenizer.json").is_file()
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
   hf_tok = AutoTokenizer.from_pretrained(export)
