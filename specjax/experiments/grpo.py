@@ -114,10 +114,6 @@ def host_reward(config: ExperimentConfig, records: list[dict]):
 SAMPLES = 4  # rows of a step written to the log as text
 
 
-# Rows of each step's rollout shown in the log's sample completions.
-SAMPLE_ROWS = 4
-
-
 def _decoded_samples(samples: dict | None, tok) -> list[tuple[str, str, float]]:
   """A fused step's `metrics["samples"]` as (prompt, completion, reward) texts."""
   if samples is None:
@@ -473,7 +469,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   if disaggregated is None and in_jax:
     train_step = sharded_train_step(tc, reward, optimizer, shardings, batch_shardings,
                                     pad_id=tok.pad_id,
-                                    samples=SAMPLE_ROWS if config.log.samples_every else 0)
+                                    samples=SAMPLES if config.log.samples_every else 0)
   elif disaggregated is None:
     train_step = make_split_step(tc, reward, optimizer, pad_id=tok.pad_id,
                                  state_sharding=shardings)
