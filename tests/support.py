@@ -125,6 +125,52 @@ def write_tiny_checkpoint(path, vocab_size: int = 16, n_layers: int = 1, seed: i
   return params, config
 
 
+# A Qwen3-style chat template: ChatML turns, and the empty thinking block that
+# `enable_thinking=False` asks for.
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
+    "is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def write_hf_checkpoint(path: Path, texts: list[str], family: str = "qwen3", seed: int = 0,
+                        n_layers: int = 2, tokenizer_from: Path | None = None) -> Path:
+  """A random `n_layers` Qwen3 or Llama written by transformers, as the Hub serves a model: a
+  byte-level BPE tokenizer trained on `texts` (or `tokenizer_from`'s files) with a chat
+  template and <|im_end|> as EOS."""
+  import torch
+  from tokenizers import decoders, trainers
+  from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                            Qwen3Config, Qwen3ForCausalLM)
+  path.mkdir(parents=True, exist_ok=True)
+  if tokenizer_from is not None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_from)
+  else:
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+  tokenizer.save_pretrained(path)
+  torch.manual_seed(seed)
+  kinds = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+  config_class, model_class = kinds[family]
+  config = config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=n_layers, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                        tie_word_embeddings=family == "qwen3",
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+  model_class(config).save_pretrained(path)
+  return path
+
+
 def edit_config(path: Path, **changes) -> None:
   """Change fields of the `config.json` in checkpoint directory `path`."""
   file = path / "config.json"

@@ -18,7 +18,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from support import DEVICE_COUNT_FLAG, child_env
+from support import DEVICE_COUNT_FLAG, child_env, write_hf_checkpoint
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
@@ -26,15 +26,6 @@ EXPECTED = {"drafters", "grpo_speculative", "gsm8k_own_model", "quickstart", "sc
 # Generous against a slow shared machine; the small size needs well under a minute per cell.
 CELL_TIMEOUT_S = 300
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
-
-
-# A Qwen3-style chat template: ChatML turns, and the empty thinking block that
-# `enable_thinking=False` asks for.
-CHAT_TEMPLATE = (
-    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
-    "is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
 def _gsm8k_like(path: Path, n: int = 64) -> Path:
@@ -49,41 +40,14 @@ def _gsm8k_like(path: Path, n: int = 64) -> Path:
   return path
 
 
-def _tiny_qwen3(path: Path, corpus: Path) -> Path:
-  """A random two-layer Qwen3 written by transformers, with a byte-level BPE tokenizer trained on
-  `corpus` and a chat template: a model directory as the Hub serves one."""
-  import torch
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-  raw = Tokenizer(models.BPE())
-  raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  raw.decoder = decoders.ByteLevel()
-  texts = [json.loads(line)["question"] for line in corpus.read_text().splitlines()]
-  texts += ["Please reason step by step, and put your final answer within \\boxed{}."]
-  raw.train_from_iterator(texts, trainers.BpeTrainer(
-      vocab_size=300, special_tokens=specials,
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>")
-  tokenizer.chat_template = CHAT_TEMPLATE
-  tokenizer.save_pretrained(path)
-  torch.manual_seed(0)
-  config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=None)
-  Qwen3ForCausalLM(config).save_pretrained(path)
-  return path
-
-
 @pytest.fixture(scope="module")
 def own_model(tmp_path_factory) -> dict[str, str]:
   """What gsm8k_own_model runs on in CI: a tiny checkpoint and questions, no network."""
   root = tmp_path_factory.mktemp("own_model")
   corpus = _gsm8k_like(root / "gsm8k.jsonl")
-  model = _tiny_qwen3(root / "tiny-qwen3", corpus)
+  texts = [json.loads(line)["question"] for line in corpus.read_text().splitlines()]
+  texts.append("Please reason step by step, and put your final answer within \\boxed{}.")
+  model = write_hf_checkpoint(root / "tiny-qwen3", texts)
   return {"SPECJAX_NOTEBOOK_MODEL": str(model), "SPECJAX_NOTEBOOK_GSM8K": str(corpus)}
 
 

@@ -1,11 +1,17 @@
-"""`specjax train` on a user's own HF checkpoint, JSONL data with extra columns and Python
-reward functions, from the command line: per-reward metrics, resume, export that
-transformers loads and decodes as specjax does; bad inputs fail before any model is loaded."""
+"""`specjax train` on a user's own HF checkpoint (a tiny Qwen3 or Llama written by
+transformers, with a byte-level BPE tokenizer and a chat template), JSONL data with extra
+columns, two Python reward functions and a JAX one, from the command line: per-reward metrics,
+resume (also after kill -9), export that transformers loads and decodes as specjax does; bad
+inputs fail before any model is loaded."""
 
 import dataclasses
 import json
 import random
 import runpy
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +31,7 @@ from specjax.rl import GRPOConfig
 from specjax.rl.datasets import DatasetTask
 from specjax.rl.rewards import JaxReward
 from specjax.tokenizer import CharTokenizer, HFTokenizer
-from support import write_tiny_checkpoint
-
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
-            "{% if add_generation_prompt %}f {% endif %}")
+from support import ROOT, child_env, write_hf_checkpoint
 
 FAMILIES = ("llama", "qwen3")
 CONFIG = """
@@ -36,7 +39,7 @@ from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, Roll
                                  RolloutSettings, WarmStart)
 from specjax.rl import GRPOConfig
 from specjax.rl.datasets import DatasetTask
-from specjax.rl.rewards import RewardFunction
+from specjax.rl.rewards import JaxReward, RewardFunction
 from specjax.tokenizer import HFTokenizer
 
 
@@ -48,9 +51,14 @@ def brevity(completions, difficulty, **_):
   return [None if d == 0 else -0.1 * len(c.split()) for c, d in zip(completions, difficulty)]
 
 
+def parity(tokens, lengths, answers):  # in JAX, on the generated ids: differs within groups
+  return (tokens[:, 0] % 2).astype("float32")
+
+
 def get_config():
   task = DatasetTask("{data}", HFTokenizer.from_dir("{ckpt}"),
-                     [has_target, RewardFunction(brevity, weight=0.5)], test_fraction=0.25)
+                     [has_target, RewardFunction(brevity, weight=0.5),
+                      JaxReward(parity, weight=0.25)], test_fraction=0.25)
   return ExperimentConfig(
       run_dir="{run}", task=task, policy_dir="{ckpt}", grpo=GRPOConfig(group_size=2), steps=2,
       rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4),
@@ -63,28 +71,20 @@ def get_config():
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
   root = tmp_path_factory.mktemp("own")
-  for family in FAMILIES:
-    ckpt = root / family
-    ckpt.mkdir()
-    write_tiny_checkpoint(ckpt, n_layers=2, family=family)  # EAGLE-3 reads two inner layers
-    tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template":
-                                                                        TEMPLATE}))
-    (root / f"config-{family}.py").write_text(
-        CONFIG.replace("{data}", str(root / "data.jsonl")).replace("{ckpt}", str(ckpt))
-        .replace("{run}", str(root / "run")))
-  ckpt = root / "llama"
   rng = random.Random(0)
-  with open(root / "data.jsonl", "w") as f:
-    for i in range(40):
-      words = " ".join(rng.choice("abcde") for _ in range(3))
-      f.write(json.dumps({"prompt": [{"role": "user", "content": words}],
-                          "target": rng.choice("abcde"), "difficulty": i % 3}) + "\n")
-  draft = root / "draft"  # a second checkpoint of the same tokenizer, drafting for the policy
-  draft.mkdir()
-  write_tiny_checkpoint(draft, seed=1)
-  for name in ("tokenizer.json", "tokenizer_config.json"):
-    (draft / name).write_text((ckpt / name).read_text())
+  rows = [{"prompt": [{"role": "user", "content": " ".join(rng.choice("abcde")
+                                                            for _ in range(3))}],
+           "target": rng.choice("abcde"), "difficulty": i % 3} for i in range(40)]
+  (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  texts = [r["prompt"][0]["content"] for r in rows] + ["a b c d e"] * 20
+  for family in FAMILIES:  # two layers: EAGLE-3 reads two inner layers
+    write_hf_checkpoint(root / family, texts, family=family)
+    (root / f"config-{family}.py").write_text(
+        CONFIG.replace("{data}", str(root / "data.jsonl")).replace("{ckpt}", str(root / family))
+        .replace("{run}", str(root / "run")))
+  # A second, smaller checkpoint of the same tokenizer, drafting for the policy.
+  write_hf_checkpoint(root / "draft", texts, family="llama", seed=1, n_layers=1,
+                      tokenizer_from=root / "llama")
   return root
 
 
@@ -109,12 +109,14 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
   lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in lines] == [1, 2]
   for record in lines:  # one metric per reward function, beside the total
-    assert {"reward_has_target", "reward_brevity", "reward_mean"} <= record.keys()
+    assert {"reward_has_target", "reward_brevity", "reward_parity",
+            "reward_mean"} <= record.keys()
     assert ("draft_model_kl" in record) == (drafter == "draft-model")
   events = [f.read_bytes() for f in (run_dir / "tensorboard").rglob("*") if f.is_file()]
   assert any(b"**completion**" in e for e in events)  # sample completions as text
   recorded = json.loads((run_dir / "config.json").read_text())
-  assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity"]
+  assert [r["name"] for r in recorded["task"]["rewards"]] == ["has_target", "brevity",
+                                                              "parity"]
   assert recorded["task"]["tokenizer"]["source"] == str(own / family)
 
   cli_main(["train", "--config", config, *flags, "--steps", "3"])  # resumes, drafter and all
@@ -159,9 +161,8 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_path):
-  other = tmp_path / "other"
-  other.mkdir()
-  write_tiny_checkpoint(other)
+  other = write_hf_checkpoint(tmp_path / "other", [], family="llama", n_layers=1,
+                              tokenizer_from=own / "llama")
   vocab = json.loads((other / "tokenizer.json").read_text())
   words = vocab["model"]["vocab"]
   words["a"], words["b"] = words["b"], words["a"]  # the same size, other ids
@@ -239,6 +240,37 @@ def test_a_bfloat16_policy_trains_on_float32_master_weights(own, tmp_path):
   plain = dataclasses.replace(config, optim=dataclasses.replace(config.optim,
                                                                 master_weights=False))
   assert not isinstance(plain.optimizer().init(load_policy_params(own / "llama")), MasterState)
+
+
+def _metric_steps(run_dir) -> list[int]:
+  return [json.loads(line)["step"] for line in
+          (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_step_resumes_from_its_last_checkpoint(own, tmp_path):
+  """kill -9 during training, then the same command: it continues from the last checkpoint
+  (every step is one), drafter and all, and its metrics run on without a gap or a repeat."""
+  run_dir = tmp_path / "run"
+  command = [sys.executable, "-m", "specjax.cli", "train", "--config",
+             str(own / "config-llama.py"), "--run-dir", str(run_dir), "--steps", "6",
+             *[f.replace("{draft}", str(own / "draft")) for f in DRAFTERS["draft-model"]]]
+  run = subprocess.Popen(command, env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not ((run_dir / "metrics.jsonl").exists() and len(_metric_steps(run_dir)) >= 2):
+    assert run.poll() is None, run.stdout.read()
+    assert time.time() < deadline, "no second step in 300 s"
+    time.sleep(0.02)
+  run.send_signal(signal.SIGKILL)
+  run.wait()
+  killed_at = max(_metric_steps(run_dir))
+  assert 2 <= killed_at < 6
+  resumed = subprocess.run(command, env=child_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+  assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+  assert "resumed from" in resumed.stdout
+  assert _metric_steps(run_dir) == [1, 2, 3, 4, 5, 6]
 
 
 def load_policy_params(path):

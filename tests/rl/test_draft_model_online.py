@@ -5,7 +5,6 @@ stays frozen by default, and its optimizer state shards like its weights."""
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
