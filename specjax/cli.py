@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import runpy
 import sys
@@ -223,7 +224,8 @@ def train_command(argv: list[str]) -> dict:
     check_same_config(config_record(config))
   except ConfigError as err:
     raise SystemExit(f"specjax train: {err}") from None
-  summary = run(config)
+  # Flushed: a run piped into a file or `tee` says what it is doing when it does it.
+  summary = run(config, log=functools.partial(print, flush=True))
   if jax.process_index() != 0:
     return summary
   print(summary_table(summary))
@@ -374,6 +376,8 @@ def plan_command(argv: list[str]) -> int:
     if args.lora_rank is not None and isinstance(config, ExperimentConfig):
       config = dataclasses.replace(config, lora=dataclasses.replace(config.lora,
                                                                     rank=args.lora_rank))
+    print(f"compiling {args.config}'s train step for {args.devices} fake CPU device(s), with "
+          "abstract parameters (a minute or two for a billion-parameter model)", flush=True)
     result = plan(config, devices, mesh, args.hbm_gib, name=args.config)
   except ConfigError as err:
     raise SystemExit(f"specjax plan --config {args.config}: {err}") from None

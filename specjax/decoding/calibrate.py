@@ -284,6 +284,10 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
       except (ValueError, TypeError, ConfigError, OSError):
         pass  # a damaged, stale or unreadable file: measure again and overwrite it
 
+  if verbose:
+    print(f"measuring what a round of each of the {len(menu)} menu entries costs at batch "
+          f"{', '.join(map(str, batches))} (compiles each; about a minute per batch size on a "
+          "CPU; cached for the next call)", flush=True)
   key = jax.random.key(0)
   alone_loop = loop.drafter_free(prompt_len)
   timed = [(loop, i) for i in range(len(menu))] + [(alone_loop, 0)]  # the last: no drafter

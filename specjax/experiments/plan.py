@@ -498,7 +498,10 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
                         batch_size=config.rollout.prompts_per_step, pad_id=tok.pad_id,
                         shuffle=False)
   host_batch = reader.batch_at(0)
-  abstract = abstract_state(config, tc, optimizer, host_batch)
+  # The step planned drafts the fixed tree (adaptive costs need real weights to measure), and
+  # a fixed-tree step keeps no acceptance counts: an adaptive config's are left out (a few
+  # bytes).
+  abstract = abstract_state(config, tc, optimizer, host_batch).replace(acceptance=None)
   shardings = train_state_shardings(abstract, device_mesh, tc)
   batch_shardings = prompt_batch_shardings(host_batch, device_mesh)
   state = with_shardings(abstract, shardings)
