@@ -4,7 +4,7 @@
     python benchmarks/accelerator.py --smoke --json out.json  # tiny model on CPU, < 60 s (CI)
     python benchmarks/accelerator.py --sections spec,rl       # only some sections
 
-It downloads nothing: every model has random weights built here. Four sections, each a table
+It downloads nothing: every model has random weights built here. Six sections, each a table
 of ratios measured side by side in this run (see "Performance doctrine" in DESIGN.md):
 
 1. `decode`: one cached decode step (T=1, cache donated, written in place) at batch 1, 4, 16,
@@ -30,6 +30,18 @@ of ratios measured side by side in this run (see "Performance doctrine" in DESIG
    + Adam), each its own program, beside the fused step (`make_train_step`). The policy has
    plain random weights; `--rl-layers` shrinks it when the full model does not fit the budget,
    and the table says which model ran.
+5. `attention`: the decode step of section 1 at batch 1, 16 and 64 under each attention
+   implementation (`ModelConfig.attention_impl`: auto, dense, blocked, pallas), timed side by
+   side, beside the step's weight products alone (`decode_step.make_matmuls_only`): what the
+   attention and its loop cost on top of the matmuls. Blocked attention loops over the live
+   blocks of each layer with a data-dependent trip count ("auto" picks it from 2048 slots).
+6. `memory`: the one-device GRPO presets (`configs/qwen3_0p6b_grpo.py`, `qwen3_1p7b_one_device.py`,
+   `arithmetic_tiny.py` for `--smoke`) planned for THIS device (`specjax.experiments.plan`:
+   the fused step compiled on abstract inputs, nothing allocated): the device compiler's
+   per-device bytes beside the analytical estimate in the model's compute dtype, under
+   `model.remat` full and none and with LoRA, and the saving full remat buys in both. On a
+   CPU the compiled column is XLA:CPU's (see the README's Plans); on a GPU or TPU it is the
+   figure the planner's accelerator column predicts.
 
 Timing: programs are compiled and warmed up first; repeats are interleaved across the columns
 of a row so that noise hits them alike; medians, with the interquartile range (`iqr%`) of the
@@ -40,8 +52,9 @@ latency is spread over them rather than added to each.
 Budget: `--budget-s` (420 by default, so that a section started just before it still ends
 within 8 minutes) is checked before each section and before each batch or program inside
 one; what is left is skipped with a message, and the JSON (written after every section) says
-so. A section that raises is reported as failed and the next one runs. The model config of every section comes from `model_config`, whose keyword overrides are
-where a flag that changes the model (an attention implementation, say) goes.
+so. A section that raises is reported as failed and the next one runs. The model config of
+every section but `memory` comes from `model_config`, whose keyword overrides are where a
+flag that changes the model (an attention implementation, say) goes.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ import dataclasses
 import functools
 import json
 import math
+import runpy
 import statistics
 import sys
 import time
@@ -72,20 +86,24 @@ import decode_step as ds  # noqa: E402
 from specjax.decoding import (DecodeLoop, DraftTree, Drafter, Proposal,  # noqa: E402
                               SamplingConfig, generate)
 from specjax.errors import ConfigError  # noqa: E402
+from specjax.experiments.plan import GIB  # noqa: E402
+from specjax.experiments.plan import plan as compile_plan  # noqa: E402
 from specjax.models import ModelConfig, count_params, init_params  # noqa: E402
 from specjax.models.config import ATTENTION_IMPLS  # noqa: E402
+from specjax.models.lora import LoraConfig  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
 from specjax.rl.rollouts import rollout, score
 from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
 from specjax.rl.trainer import make_train_step
 from specjax.rl.updates import sequence_logprobs, update
+from specjax.sharding import MeshConfig
 
-SECTIONS = ("decode", "verify", "spec", "rl")
+SECTIONS = ("decode", "verify", "spec", "attention", "rl", "memory")  # memory last: the dearest
 LAYER_OUT_SCALE = 1e-3  # keeps the residual stream the current token's embedding (section 3)
 # JSON fields that may be zero or negative; every other number a section writes is > 0.
 SIGNED_FIELDS = ("draft", "changed", "extra_cache_sized_ops", "cache_sized_ops", "iqr",
-                 "plain_iqr", "spec_iqr", "spread")
+                 "plain_iqr", "spec_iqr", "spread", "lora", "savings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +126,25 @@ class Plan:
   inner: int = 10            # back-to-back calls per sample of a short program
   spec_repeats: int = 5      # timed generate calls per arm
   bandwidth_mb: int = 512
+  attention_batches: tuple[int, ...] = (1, 16, 64)
+  attention_impls: tuple[str, ...] = ("auto", "dense", "blocked", "pallas")
+  # Section 6: (config file under configs/, model.remat, LoRA rank or 0), in the order run.
+  memory: tuple[tuple[str, str, int], ...] = (
+      ("qwen3_0p6b_grpo.py", "full", 0), ("qwen3_0p6b_grpo.py", "none", 0),
+      ("qwen3_1p7b_one_device.py", "full", 0), ("qwen3_0p6b_grpo.py", "full", 16),
+      ("qwen3_1p7b_one_device.py", "none", 0), ("qwen3_1p7b_one_device.py", "full", 16))
 
 
 FULL = Plan()
 # One batch size for sections 2 and 3: a CPU compiles each program for seconds.
 SMOKE = Plan(decode_batches=(1, 2), verify_batches=(2,), verify_tokens=(2, 4),
-             spec_batches=(2,), chain=3, max_len=64, committed=32, prompt_len=8, max_new=16,
-             rl_prompts=1, rl_group=2, repeats=3, inner=2, spec_repeats=2, bandwidth_mb=16)
+             spec_batches=(2,), attention_batches=(2,),
+             attention_impls=("auto", "dense", "blocked"), chain=3, max_len=64, committed=32, prompt_len=8, max_new=16,
+             rl_prompts=1, rl_group=2, repeats=3, inner=2, spec_repeats=2, bandwidth_mb=16,
+             memory=(("arithmetic_tiny.py", "full", 0), ("arithmetic_tiny.py", "none", 0),
+                     ("arithmetic_tiny.py", "full", 4)))
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ONE_DEVICE = MeshConfig(data=1, fsdp=1, tensor=1)
 
 
 def model_config(smoke: bool, **overrides) -> ModelConfig:
@@ -558,6 +588,113 @@ def section_rl(ctx: Context) -> dict:
   return out
 
 
+def memory_config(name: str, remat: str, lora_rank: int):
+  """`configs/<name>`'s experiment with `model.remat` and a LoRA rank (0: none) set, as
+  `specjax plan --config configs/<name> --model.remat R --lora.rank N` plans it (with LoRA,
+  a model's own MTP / Medusa heads draft as they are, as `ExperimentConfig` requires)."""
+  config = runpy.run_path(str(CONFIGS / name))["get_config"]()
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=remat))
+  if lora_rank:
+    heads = config.model.num_mtp_modules or config.model.num_medusa_heads
+    drafter = dataclasses.replace(config.drafter, loss_weight=0.0) if heads else config.drafter
+    config = dataclasses.replace(config, lora=LoraConfig(rank=lora_rank), drafter=drafter)
+  return config
+
+
+def section_attention(ctx: Context) -> dict:
+  c, plan = ctx.config, ctx.plan
+  steps = {impl: ctx.step if impl == c.attention_impl
+           else ds.make_step(c.replace(attention_impl=impl)) for impl in plan.attention_impls}
+  matmuls = ds.make_matmuls_only(c)
+  out: dict[str, Any] = {"rows": [], "impls": list(plan.attention_impls)}
+  for b in plan.attention_batches:
+    if ctx.clock.over():
+      out["partial"] = f"budget exceeded before batch {b}"
+      break
+    t0 = time.perf_counter()
+    tokens, positions = ds.step_inputs(b, 1, plan.committed, c.vocab_size)
+    x = jnp.zeros((b, 1, c.d_model), c.compute_dtype)
+    # One cache per implementation: each step donates the one it is given.
+    caches = {impl: filled_cache(c, b, plan.max_len, plan.committed,
+                                 jax.random.fold_in(ctx.key, b)) for impl in steps}
+    for impl, step in steps.items():  # compile, warm up
+      for _ in range(2):
+        caches[impl], _ = time_steps(step, ctx.params, caches[impl], tokens, positions, 1)
+    jax.block_until_ready(matmuls(ctx.params, x))
+
+    def time_matmuls() -> float:
+      start = time.perf_counter()
+      for _ in range(plan.inner):
+        y = matmuls(ctx.params, x)
+      jax.block_until_ready(y)
+      return (time.perf_counter() - start) / plan.inner
+
+    times: dict[str, list[float]] = {name: [] for name in (*steps, "matmuls")}
+    for _ in range(plan.repeats):
+      for impl, step in steps.items():
+        caches[impl], dt = time_steps(step, ctx.params, caches[impl], tokens, positions,
+                                      plan.inner)
+        times[impl].append(dt)
+      times["matmuls"].append(time_matmuls())
+    del caches
+    medians = {name: _median_iqr(ts) for name, ts in times.items()}
+    row = {"batch": b, "matmuls_ms": 1e3 * medians["matmuls"][0],
+           "ms": {impl: 1e3 * medians[impl][0] for impl in steps},
+           "iqr": {impl: medians[impl][1] for impl in steps}}
+    out["rows"].append(row)
+    shown = ", ".join(f"{impl} {ms:.3f}" for impl, ms in row["ms"].items())
+    ctx.log(f"  attention B={b}: {shown} ms; matmuls {row['matmuls_ms']:.3f} ms "
+            f"({time.perf_counter() - t0:.0f}s)")
+  return out
+
+
+def gib(n: float) -> float:
+  return n / GIB
+
+
+def device_gib() -> float | None:
+  """The device's memory as JAX's allocator reports it (None where it does not)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return gib(limit) if limit else None
+
+
+def section_memory(ctx: Context) -> dict:
+  device = jax.devices()[0]
+  hbm = device_gib() or 80.0
+  out: dict[str, Any] = {"rows": [], "platform": device.platform,
+                         "device_kind": device.device_kind, "hbm_gib": hbm}
+  for name, remat, rank in ctx.plan.memory:
+    label = f"{name} remat={remat}" + (f" lora={rank}" if rank else "")
+    if ctx.clock.over():
+      out["partial"] = f"budget exceeded before {label}"
+      break
+    ctx.log(f"  memory {label}")
+    p = compile_plan(memory_config(name, remat, rank), [device], mesh=ONE_DEVICE, hbm_gib=hbm,
+             name=name)
+    c, e = p.compiled, p.estimate
+    out["rows"].append({
+        "config": name, "remat": remat, "lora": rank, "parameters": p.shapes["parameters"],
+        "compiled_gib": gib(c.total), "arguments_gib": gib(c.arguments),
+        "temporaries_gib": gib(c.temporaries), "estimate_gib": gib(e.total),
+        "estimate_f32_gib": gib(p.estimate_here.total), "estimate_arguments_gib": gib(e.arguments),
+        "x_estimate": c.total / max(e.total, 1), "fits": p.fits, "compile_s": p.compile_s,
+        "lower_s": p.lower_s, "largest": [[shape, gib(size)] for shape, size in p.largest]})
+  # What full remat saves, compiled and predicted, for each (config, lora) run both ways.
+  by = {(r["config"], r["lora"], r["remat"]): r for r in out["rows"]}
+  out["savings"] = []
+  for (config, rank, remat), none in by.items():
+    full = by.get((config, rank, "full"))
+    if remat != "none" or full is None:
+      continue
+    compiled = none["compiled_gib"] - full["compiled_gib"]
+    predicted = none["estimate_gib"] - full["estimate_gib"]
+    out["savings"].append({"config": config, "lora": rank, "compiled_gib": compiled,
+                           "predicted_gib": predicted,
+                           "saving_error": compiled / predicted - 1 if predicted else 0.0})
+  return out
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -652,9 +789,47 @@ def print_rl(out: dict, plan: Plan) -> None:
            if step and "vs_split" in step else ""))
 
 
-PRINTERS = {"decode": print_decode, "verify": print_verify, "spec": print_spec, "rl": print_rl}
+def print_attention(out: dict, plan: Plan) -> None:
+  impls = out["impls"]
+  print(f"\n(5) decode step (T=1, {plan.committed} of {plan.max_len} slots committed) by "
+        f"attention implementation, ms, beside the step's weight products alone (matmuls)")
+  print(f"{'B':>4} {'matmuls':>8} |" + "".join(f"{impl:>9}" for impl in impls)
+        + " | " + "".join(f"{'x ' + impl:>10}" for impl in impls))
+  for r in out["rows"]:
+    print(f"{r['batch']:>4} {r['matmuls_ms']:8.3f} |"
+          + "".join(f"{r['ms'][impl]:9.3f}" for impl in impls) + " | "
+          + "".join(f"{r['ms'][impl] / r['matmuls_ms']:10.2f}" for impl in impls))
+  print("x impl = the step / its matmuls: what attention, norms, the cache write and (blocked) "
+        "the per-layer loop over live blocks add. pallas falls back to blocked where its GPU "
+        "kernel does not apply (a warning says so)")
+
+
+def print_memory(out: dict, plan: Plan) -> None:
+  where = f"{out['device_kind']} ({out['platform']}), {out['hbm_gib']:.1f} GiB"
+  print(f"\n(6) GRPO presets planned for this device, {where}: the fused step compiled by "
+        f"this backend on abstract inputs (nothing allocated), GiB per device, beside the "
+        f"analytical estimate (accelerator: activations in the compute dtype; f32: in float32)")
+  print(f"{'config':<26} {'remat':<5} {'lora':>4} {'params':>7} {'compiled':>9} "
+        f"{'args':>7} {'temps':>7} | {'estimate':>9} {'f32':>7} {'x est':>6} {'fits':>5} "
+        f"{'compile s':>9}")
+  for r in out["rows"]:
+    print(f"{r['config']:<26} {r['remat']:<5} {r['lora'] or '-':>4} "
+          f"{r['parameters'] / 1e9:6.2f}B {r['compiled_gib']:9.2f} {r['arguments_gib']:7.2f} "
+          f"{r['temporaries_gib']:7.2f} | {r['estimate_gib']:9.2f} "
+          f"{r['estimate_f32_gib']:7.2f} {r['x_estimate']:6.2f} {str(r['fits']):>5} "
+          f"{r['compile_s']:9.1f}")
+  for r in out["savings"]:
+    print(f"full remat saves on {r['config']}" + (f" (LoRA {r['lora']})" if r["lora"] else "")
+          + f": compiled {r['compiled_gib']:.2f} GiB, predicted {r['predicted_gib']:.2f} GiB "
+          f"({100 * r['saving_error']:+.0f}%)")
+  print("x est = compiled / estimate. args: the state and batch (exact on every backend); "
+        "temps: the largest phase's buffers as this backend's scheduler keeps them")
+
+
+PRINTERS = {"decode": print_decode, "verify": print_verify, "spec": print_spec,
+            "attention": print_attention, "memory": print_memory, "rl": print_rl}
 RUNNERS = {"decode": section_decode, "verify": section_verify, "spec": section_spec,
-           "rl": section_rl}
+           "attention": section_attention, "memory": section_memory, "rl": section_rl}
 
 
 # ----------------------------------------------------------------------------- main

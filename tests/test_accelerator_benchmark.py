@@ -61,3 +61,12 @@ def test_smoke_run_writes_every_section_with_finite_positive_numbers(tmp_path):
     assert 1.0 < row["acc_len"] <= plan.chain + 1
   rl = {r["program"] for r in report["sections"]["rl"]["rows"]}
   assert rl == {"rollout", "logprobs", "update", "step"}
+  attention = report["sections"]["attention"]["rows"]
+  assert [r["batch"] for r in attention] == list(plan.attention_batches)
+  assert all(set(r["ms"]) == set(plan.attention_impls) for r in attention)
+  # Every preset row compiled, and each (config, LoRA) planned both ways has its saving.
+  memory = report["sections"]["memory"]
+  assert [(r["config"], r["remat"], r["lora"]) for r in memory["rows"]] == list(plan.memory)
+  assert [(r["config"], r["lora"]) for r in memory["savings"]] == [("arithmetic_tiny.py", 0)]
+  for r in memory["rows"]:
+    assert r["arguments_gib"] == r["estimate_arguments_gib"], r  # the state, exact anywhere

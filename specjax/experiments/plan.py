@@ -75,7 +75,7 @@ from specjax.rl.data import PromptReader
 from specjax.rl.distributed import prompt_batch_shardings, sharded_train_step, train_state_shardings
 from specjax.sharding import MeshConfig, logical_to_mesh
 
-__all__ = ["Compiled", "Estimate", "Plan", "estimate", "fake_devices", "plan"]
+__all__ = ["Compiled", "Estimate", "Plan", "estimate", "estimate_config", "fake_devices", "plan"]
 
 GIB = 2**30
 
@@ -178,12 +178,14 @@ class Plan:
     hbm_gib: memory per device to fit in.
     shapes: the step's sizes (rows, prompt buffer, new tokens, cache slots, minibatch rows,
       rows per device, parameter counts, dtypes).
-    compiled: per-device bytes of the step as XLA:CPU compiled it.
+    compiled: per-device bytes of the step as the devices' backend compiled it (XLA:CPU for
+      fake CPU devices).
     compiled_flops: per device, XLA's count (each loop body once).
     estimate: the analytical per-device bytes and FLOPs on an accelerator, activations in
       the model's compute dtype.
     estimate_here: the same with activations in float32, as XLA:CPU computes bfloat16 and
-      float16 (equal to `estimate` for a float32 model): what `compiled` is compared with.
+      float16 (equal to `estimate` for a float32 model): what `compiled` is compared with on
+      fake CPU devices (`compared`).
     largest: the largest arrays of the compiled program (HLO shape, bytes per device): where
       compiled and analytical disagree, these name the term.
     lower_s: seconds to trace and lower.
@@ -201,6 +203,7 @@ class Plan:
   largest: tuple[tuple[str, int], ...]
   lower_s: float
   compile_s: float
+  platform: str = "cpu"
 
   @property
   def devices(self) -> int:
@@ -212,9 +215,15 @@ class Plan:
     return self.compiled.total <= self.hbm_gib * GIB
 
   @property
+  def compared(self) -> Estimate:
+    """The estimate the compiled program is held against: float32 activations on XLA:CPU,
+    the compute dtype on an accelerator."""
+    return self.estimate_here if self.platform == "cpu" else self.estimate
+
+  @property
   def ratio(self) -> float:
-    """Compiled total / analytical total per device, both with XLA:CPU's dtypes."""
-    return self.compiled.total / max(self.estimate_here.total, 1)
+    """Compiled total / analytical total per device (`compared`)."""
+    return self.compiled.total / max(self.compared.total, 1)
 
   def format(self) -> str:
     """The plan as a table: compiled and analytical bytes per device, side by side."""
@@ -224,6 +233,8 @@ class Plan:
     blank = f"{'':>9}"
     both = lambda f: (blank, g(f(h)), g(f(e)))
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+    backend = f"XLA:{self.platform.upper()}"
+    compared = "XLA:CPU" if self.platform == "cpu" else s["dtype"]
     rows = [
         ("parameters", *both(lambda x: x.parameters),
          f"{s['parameters'] / 1e9:.3f}B weights, {s['param_dtype']}"
@@ -257,22 +268,25 @@ class Plan:
     ]
     width = max(len(r[0]) for r in rows)
     lines = [
-        f"plan: {self.name} on {self.devices} fake CPU devices, mesh {mesh}",
+        f"plan: {self.name} on {self.devices} "
+        + ("fake CPU devices" if self.platform == "cpu" else f"{self.platform} device(s)")
+        + f", mesh {mesh}",
         f"step: {s['prompts']} prompts x G={s['group_size']} = {s['rows']} rows, P={s['prompt']} "
         f"T={s['new_tokens']} (L={s['sequence']}), drafter {s['drafter']}, "
         f"{s['minibatches']} minibatch(es) of {s['minibatch_rows']} rows",
         f"{'':<{width}}  {'compiled':>9}  {'analytical':>20}",
-        f"{'per device, ' + unit:<{width}}  {'XLA:CPU':>9}  {'XLA:CPU':>9}  "
+        f"{'per device, ' + unit:<{width}}  {backend:>9}  {'XLA:CPU':>9}  "
         f"{s['dtype']:>9}",
     ]
     lines += [f"{name:<{width}}  {comp}  {here}  {accel}  {note}".rstrip()
               for name, comp, here, accel, note in rows]
     if abs(self.ratio - 1) <= 0.1:
-      lines.append("compiled and analytical (XLA:CPU) agree within 10%")
+      lines.append(f"compiled and analytical ({compared}) agree within 10%")
     else:
-      lines.append(f"compiled differs from analytical (XLA:CPU) by more than 10%: arguments x"
-                   f"{c.arguments / max(h.arguments, 1):.2f}, temporaries x"
-                   f"{c.temporaries / max(h.temporaries, 1):.2f}; largest compiled arrays: "
+      a = self.compared
+      lines.append(f"compiled differs from analytical ({compared}) by more than 10%: arguments"
+                   f" x{c.arguments / max(a.arguments, 1):.2f}, temporaries x"
+                   f"{c.temporaries / max(a.temporaries, 1):.2f}; largest compiled arrays: "
                    + ", ".join(f"{shape} {size / GIB:.2f} GiB" for shape, size in self.largest))
     verdict = "fits" if self.fits else "does NOT fit"
     hbm = self.hbm_gib * GIB
@@ -392,12 +406,14 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
     token += model.num_medusa_heads * (model.medusa_layers * 2 * c * e + head)
     eagle = train_config.eagle3
     if eagle is not None:
-      # The head trains after the policy's backward, on its forward's kept logits and [3E]
-      # features: the target's float32 log-probabilities and their shifted copy, then per
-      # step j the draft layer over [2E] inputs attending to (j + 1) L keys, and float32
+      # The head trains after the policy's backward, on its forward's kept [3E] features and
+      # the target's float32 log-probabilities over V (the logits die as log_softmax reads
+      # them; the shifted targets are a slice read in place: one [V] buffer per token, as an
+      # H200 compile of the 0.6B preset keeps, docs/accelerator-h200.md), then per step j
+      # the draft layer over [2E] inputs attending to (j + 1) L keys, and float32
       # log-probabilities over W, their gradient and the logits'.
       ec, w = eagle.config, eagle.config.draft_vocab_size
-      eagle_token = 3 * 4 * v // tv + c * 3 * e
+      eagle_token = 4 * v // tv + c * 3 * e
       eagle_token += sum(_layer_bytes(ec.d_model, ec.n_heads, ec.n_kv_heads, ec.head_dim,
                                       ec.mlp_dim, (j + 1) * l, c, tq, tk, tf)
                          + c * 2 * ec.d_model + (3 * 4 + c) * w
@@ -457,6 +473,34 @@ def _largest_arrays(hlo: str, count: int = 3) -> tuple[tuple[str, int], ...]:
   return tuple(sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0]))[:count])
 
 
+def _abstract_step(config, device_mesh: Mesh):
+  """The fixed-tree `TrainConfig` of `config`, and its train state and first prompt batch as
+  `jax.ShapeDtypeStruct`s carrying their shardings on `device_mesh` (no weight is made)."""
+  tc = config.fixed_tree().train_config()
+  tok = config.task.tokenizer
+  reader = PromptReader(task_records(config.task, "train"),
+                        batch_size=config.rollout.prompts_per_step, pad_id=tok.pad_id,
+                        shuffle=False)
+  host_batch = reader.batch_at(0)
+  # The step planned drafts the fixed tree (adaptive costs need real weights to measure), and
+  # a fixed-tree step keeps no acceptance counts: an adaptive config's are left out (a few
+  # bytes).
+  abstract = abstract_state(config, tc, config.optimizer(), host_batch).replace(acceptance=None)
+  state = with_shardings(abstract, train_state_shardings(abstract, device_mesh, tc))
+  batch = with_shardings(host_batch, prompt_batch_shardings(host_batch, device_mesh))
+  return tc, state, batch
+
+
+def estimate_config(config, devices: int | list[jax.Device], mesh=None, *,
+                    activation_bytes: int | None = None) -> Estimate:
+  """`estimate` of `config`'s train step on `devices` (fake CPU devices, or the devices
+  themselves) and `mesh` (default `config.mesh`), without lowering or compiling it."""
+  devs = fake_devices(devices) if isinstance(devices, int) else list(devices)
+  device_mesh = (config.mesh if mesh is None else mesh).make(devs)
+  tc, state, batch = _abstract_step(config, device_mesh)
+  return estimate(config, tc, state, batch, device_mesh, activation_bytes=activation_bytes)
+
+
 def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80.0, *,
          name: str = "config") -> Plan:
   """Compile `config`'s train step for `devices` fake CPU devices; see the module docstring.
@@ -491,23 +535,10 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
         f"others' product divide {len(devs)}") from None
 
   start = time.perf_counter()
-  tc = config.fixed_tree().train_config()
-  optimizer = config.optimizer()
-  tok = config.task.tokenizer
-  reader = PromptReader(task_records(config.task, "train"),
-                        batch_size=config.rollout.prompts_per_step, pad_id=tok.pad_id,
-                        shuffle=False)
-  host_batch = reader.batch_at(0)
-  # The step planned drafts the fixed tree (adaptive costs need real weights to measure), and
-  # a fixed-tree step keeps no acceptance counts: an adaptive config's are left out (a few
-  # bytes).
-  abstract = abstract_state(config, tc, optimizer, host_batch).replace(acceptance=None)
-  shardings = train_state_shardings(abstract, device_mesh, tc)
-  batch_shardings = prompt_batch_shardings(host_batch, device_mesh)
-  state = with_shardings(abstract, shardings)
-  batch = with_shardings(host_batch, batch_shardings)
-  step = sharded_train_step(tc, config.task.reward, optimizer, shardings, batch_shardings,
-                            pad_id=tok.pad_id)
+  tc, state, batch = _abstract_step(config, device_mesh)
+  sharding = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  step = sharded_train_step(tc, config.task.reward, config.optimizer(), sharding(state),
+                            sharding(batch), pad_id=config.task.tokenizer.pad_id)
   lowered = step.lower(state, batch)
   lower_s = time.perf_counter() - start
   start = time.perf_counter()
@@ -519,7 +550,7 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   est = estimate(config, tc, state, batch, device_mesh)
   here = estimate(config, tc, state, batch, device_mesh, activation_bytes=4)
-  prompts, p = host_batch.tokens.shape
+  prompts, p = batch.tokens.shape
   rows = prompts * config.grpo.group_size
   mb = rows // config.grpo.num_minibatches
   nodes = 0 if tc.rollout.tree is None else tc.rollout.tree.num_nodes
@@ -532,12 +563,12 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
       "rows_per_device": rows // _split(device_mesh, "batch", prompts),
       "minibatch_rows_per_device": mb // _split(device_mesh, "batch", mb),
       "drafter": config.drafter.name if tc.rollout.drafter is not None else "none",
-      "parameters": count(abstract.params) + (0 if abstract.drafter is None
-                                              else count(abstract.drafter.weights)),
+      "parameters": count(state.params) + (0 if state.drafter is None
+                                           else count(state.drafter.weights)),
       "dtype": config.model.dtype, "param_dtype": config.model.param_dtype,
       "remat": config.model.remat,
-      "lora": None if abstract.adapters is None else {
-          "rank": config.lora.rank, "trained": count(abstract.adapters)},
+      "lora": None if state.adapters is None else {
+          "rank": config.lora.rank, "trained": count(state.adapters)},
       # The accelerator estimate's total under each rematerialisation policy.
       "total_by_remat": {
           policy: estimate(dataclasses.replace(config, model=dataclasses.replace(
@@ -551,4 +582,5 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
                         temporaries=memory.temp_size_in_bytes,
                         generated_code=memory.generated_code_size_in_bytes),
       compiled_flops=float(cost.get("flops", 0.0)), estimate=est, estimate_here=here,
-      largest=_largest_arrays(compiled.as_text()), lower_s=lower_s, compile_s=compile_s)
+      largest=_largest_arrays(compiled.as_text()), lower_s=lower_s, compile_s=compile_s,
+      platform=devs[0].platform)
