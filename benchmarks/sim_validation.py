@@ -3,6 +3,7 @@
     python benchmarks/sim_validation.py                  # full run (<= 10 min on 2 CPU cores)
     python benchmarks/sim_validation.py --quick          # smaller models, fewer points (< 3 min)
     python benchmarks/sim_validation.py --json out.json  # also write every row and profile
+    python benchmarks/sim_validation.py --public         # accelerator figures only (instant)
 
 Issue 12 makes this validation part of the simulator: in ONE run the script measures
 `calibrate_profile` (the machine's micro-benchmarks), times every configuration below,
@@ -82,9 +83,10 @@ from specjax.experiments.device_profile import calibrate_profile  # noqa: E402
 from specjax.models import KVCache, ModelConfig, init_params  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
-from specjax.rl.rollouts import rollout, score
+from specjax.rl.rollouts import rollout, score  # noqa: E402
 from specjax.rl.state import RolloutConfig, TrainConfig, init_train_state
 from specjax.rl.updates import update
+from specjax.sim import public  # noqa: E402
 
 CATEGORIES = ("decode", "spec", "rl")
 TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25  # issue 12: held-out median and worst |error|
@@ -600,6 +602,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--categories", default=",".join(CATEGORIES),
                       help=f"comma-separated subset of {','.join(CATEGORIES)} (a later one "
                            "starts from the profile the earlier ones fitted)")
+  parser.add_argument("--public", action="store_true",
+                      help="print only the table of accelerator figures (specjax.sim.public; "
+                           "instant, measures nothing)")
   args = parser.parse_args(argv)
   args.categories = [c for c in args.categories.split(",") if c]
   unknown = set(args.categories) - set(CATEGORIES)
@@ -611,6 +616,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
+  if args.public:
+    print(public.format_table())
+    return 0
   with jax.default_prng_impl("rbg"):
     return _run(args)
 
@@ -659,6 +667,9 @@ def _run(args: argparse.Namespace) -> int:
   line = print_summary(summaries)
   total = time.perf_counter() - start
   print(f"\nsim validation ({mode}, {total:.0f}s): {line}")
+  print(f"\naccelerator figures (specjax.sim.public; not measured here):\n"
+        f"{public.format_table()}")
+  report["public"] = [dataclasses.asdict(r) | {"error": r.error} for r in public.table()]
   report["summary"], report["total_s"] = summaries, total
   if args.json:
     Path(args.json).write_text(json.dumps(report, indent=1, default=float))
