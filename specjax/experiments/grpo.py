@@ -51,6 +51,7 @@ from specjax.files import DirectoryLock
 from specjax.models.config import RUNTIME_FIELDS
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.hf import load_hf, save_hf
+from specjax.models.lora import merged_policy
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
@@ -259,12 +260,12 @@ _FINITE_METRICS = ("reward_mean", "reward_std", "loss", "grad_norm")
 _all_finite = jax.jit(all_finite)  # one fused reduction, a scalar to the host
 
 
-_merge = jax.jit(lambda params, adapters: adapters.merge(params))
+_merge = jax.jit(merged_policy)
 
 
 def _policy(state: TrainState):
   """The state's policy parameters: with LoRA the adapters merged into the trunk (one
-  program), else its parameters themselves."""
+  program), else its parameters themselves (no copy)."""
   return state.params if state.adapters is None else _merge(state.params, state.adapters)
 
 

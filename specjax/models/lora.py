@@ -118,6 +118,11 @@ class LoraAdapters:
 
 
 
+def merged_policy(params: Params, adapters: LoraAdapters | None) -> Params:
+  """The parameters a policy decodes with: `params`, with `adapters` merged in (if any)."""
+  return params if adapters is None else adapters.merge(params)
+
+
 def init_lora(model: ModelConfig, config: LoraConfig, key: jax.Array,
               dtype=jnp.float32) -> LoraAdapters:
   """Fresh adapters: A normal with std 1 / sqrt(fan-in), B zero (the model starts as the

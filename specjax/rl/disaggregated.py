@@ -47,7 +47,7 @@ from specjax.checks import is_int
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
-from specjax.models.lora import LoraAdapters
+from specjax.models.lora import LoraAdapters, merged_policy
 from specjax.models.params import Params
 from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
@@ -77,7 +77,7 @@ class PolicyWeights:
 
   @property
   def policy(self) -> Params:
-    return self.params if self.adapters is None else self.adapters.merge(self.params)
+    return merged_policy(self.params, self.adapters)
 
 
 @struct.dataclass

@@ -32,7 +32,7 @@ from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
-from specjax.models.lora import LoraAdapters, LoraConfig, init_lora
+from specjax.models.lora import LoraAdapters, LoraConfig, init_lora, merged_policy
 from specjax.models.params import Params, check_params
 from specjax.optimizers import float32_master
 from specjax.rl.losses import GRPOConfig
@@ -330,7 +330,7 @@ class TrainState:
   @property
   def policy(self) -> Params:
     """The policy's parameters: `params`, with the adapters merged in under LoRA."""
-    return self.params if self.adapters is None else self.adapters.merge(self.params)
+    return merged_policy(self.params, self.adapters)
 
   @property
   def drafter_weights(self) -> Eagle3Weights | None:

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
+from specjax.models.lora import merged_policy
 from specjax.rl.rollouts import (rollout, rollout_metrics, rollout_samples, score,
                                  scored_rollout)
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
@@ -139,9 +140,8 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
 
   @jax.jit
   def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance):
-    policy = params if adapters is None else adapters.merge(params)
-    return rollout(policy, config, tokens, lengths, key, pad_id, drafter_params, acceptance,
-                   check_values=False)
+    return rollout(merged_policy(params, adapters), config, tokens, lengths, key, pad_id,
+                   drafter_params, acceptance, check_values=False)
 
   def update_step(state, roll, rewards, key, next_key):
     roll = score(config, roll, rewards)

@@ -196,12 +196,13 @@ def test_device_put_between_layouts_does_go_through_the_host():
   assert reads == [(8, 8)]
 
 
-@pytest.mark.slow
-def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host():
-  config, data = mtp_config(), batches(STEPS + 1)
+def lag_1_against_the_fused_async_step(config):
+  """`config` run disaggregated with lag 1 and, as the independent reference, as async
+  mode's fused step (one program on one device); asserts the two runs are the same and
+  returns the disaggregated run's final state and runner."""
+  data = batches(STEPS + 1)
   initial = lambda: init_train_state(config, init_params(MODEL, jax.random.key(0)),
                                      optimizer(), seed=1)
-  # The independent reference: async mode's fused step, one program on one device.
   state = make_prime_fn(config, reward, pad_id=TOK.pad_id)(initial(), data[0])
   step = make_train_step(config, reward, optimizer(), pad_id=TOK.pad_id)
   fused = []
@@ -210,6 +211,12 @@ def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host
     fused.append(jax.device_get(metrics))
   history, final, run = run_disaggregated(config, initial(), data, lag=1)
   assert_same_run(history, final, fused, state)
+  return final, run
+
+
+@pytest.mark.slow
+def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host():
+  final, run = lag_1_against_the_fused_async_step(mtp_config())
   assert run._rollout.jitted._cache_size() == 2 and run._update.jitted._cache_size() == 1
   # Negative control: the steps moved the parameters by far more than the tolerance.
   start = flat(init_params(MODEL, jax.random.key(0)))
@@ -223,17 +230,7 @@ def test_lag_1_with_lora_moves_the_adapters_and_reproduces_the_fused_async_step(
   """With LoRA the rollout side merges the adapters it is sent into the frozen trunk."""
   config = dataclasses.replace(mtp_config(), lora=LoraConfig(rank=4),
                                drafter_training=DrafterTraining(loss_weight=0.0))
-  data = batches(STEPS + 1)
-  initial = lambda: init_train_state(config, init_params(MODEL, jax.random.key(0)),
-                                     optimizer(), seed=1)
-  state = make_prime_fn(config, reward, pad_id=TOK.pad_id)(initial(), data[0])
-  step = make_train_step(config, reward, optimizer(), pad_id=TOK.pad_id)
-  fused = []
-  for batch in data[1:]:
-    state, metrics = step(state, batch)
-    fused.append(jax.device_get(metrics))
-  history, final, _ = run_disaggregated(config, initial(), data, lag=1)
-  assert_same_run(history, final, fused, state)
+  final, _ = lag_1_against_the_fused_async_step(config)
   assert ".adapters.factors['layers'][0]['wq']['b']" in flat(final)
   assert np.abs(np.asarray(final.adapters.factors["layers"][0]["wq"]["b"])).max() > 1e-4
 
