@@ -36,6 +36,9 @@ WORKED_ALPHABET = ARITHMETIC_ALPHABET + ",;"
 ARITHMETIC_OPERATORS = "+-*"
 # The JAX reward parses answers into int32; nine digits always fit, ten may not.
 _MAX_ANSWER_DIGITS = 9
+# A long-tail worked task's answers carry each problem's step count in their low bits
+# (`ArithmeticTask.answer_key`), since a JAX reward sees answers, not prompts.
+_STEP_BITS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +159,17 @@ class ArithmeticTask:
   With `worked`, the reference first works the problem left to right, one operation per
   step, and then gives the answer after ";": "3+9-4=" -> "3+9=12,12-4=8;8". The reward
   reads the number after the response's last ";" and asks for one "=" per operator before
-  it (the steps themselves are not graded, but they cannot be skipped), so responses are several times longer and mostly predictable from the prompt and the
-  previous step: the kind of text on which speculative decoding pays.
+  it (the steps themselves are not graded, but they cannot be skipped), so responses are
+  several times longer and mostly predictable from the prompt and the previous step: the kind
+  of text on which speculative decoding pays.
+
+  With `max_operands`, problems have from `num_operands` to `max_operands` operands, a count
+  `n` drawn with probability proportional to `operand_decay ** (n - num_operands)`: most
+  problems are short and a few are several times longer, so worked responses spread over an
+  order of magnitude within a batch, with a long tail, as reasoning RL rollouts do
+  (`configs/arithmetic_long_tail.py`). A worked reward needs each problem's step count, so
+  its `answers` are then keys, `answer_key(answer, steps)`: the answer shifted left by
+  `_STEP_BITS` bits with the step count below.
 
   Attributes:
     max_digits: digits per operand, >= 1.
@@ -169,6 +181,9 @@ class ArithmeticTask:
     seed: seeds problem generation and the split.
     format_reward: reward of a well-formed but wrong answer, in [0, 1).
     worked: references are worked solutions (operators "+" and "-" only).
+    max_operands: most operands per problem (None: every problem has `num_operands`).
+    operand_decay: with `max_operands`, each operand beyond `num_operands` is this many
+      times as likely as one fewer, in (0, 1].
   """
 
   max_digits: int = 2
@@ -180,6 +195,8 @@ class ArithmeticTask:
   seed: int = 0
   format_reward: float = 0.0
   worked: bool = False
+  max_operands: int | None = None
+  operand_decay: float = 0.5
 
   name = "arithmetic"
   reward_in_jax = True
@@ -194,7 +211,7 @@ class ArithmeticTask:
       require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, field,
               f"must be an int >= {minimum}")
 
-    for field in ("test_fraction", "format_reward"):
+    for field in ("test_fraction", "format_reward", "operand_decay"):
       value = getattr(self, field)
       require(isinstance(value, (int, float)) and not isinstance(value, bool), field,
               "must be a number")
@@ -210,19 +227,46 @@ class ArithmeticTask:
     require(0 < self.test_fraction < 1, "test_fraction", "must be in (0, 1)")
     require(0 <= self.format_reward < 1, "format_reward", "must be in [0, 1)")
     require(isinstance(self.worked, bool), "worked", "must be True or False")
+    if self.max_operands is not None:
+      positive_int("max_operands", self.num_operands)
+      require(0 < self.operand_decay <= 1, "operand_decay", "must be in (0, 1]")
+      require(self.max_operands - 1 < 2**_STEP_BITS, "max_operands",
+              f"must be at most {2**_STEP_BITS} (the reward reads at most "
+              f"{2**_STEP_BITS - 1} steps from an answer key)")
     require(not self.worked or set(self.operators) <= set("+-"), "operators",
             "worked solutions go left to right: with worked=True only '+' and '-' are allowed")
     digits = len(str(self.max_abs_answer))
-    require(digits <= _MAX_ANSWER_DIGITS, "max_digits",
-            f"with num_operands={self.num_operands} and operators={self.operators!r} answers "
-            f"reach {self.max_abs_answer} ({digits} digits), more than the "
-            f"{_MAX_ANSWER_DIGITS} the int32 reward parses; lower max_digits or num_operands")
+    keyed = self.worked and self.max_operands is not None
+    limit = len(str(2**(31 - _STEP_BITS) - 1)) - 1 if keyed else _MAX_ANSWER_DIGITS
+    require(digits <= limit, "max_digits",
+            f"with {self.most_operands} operands and operators={self.operators!r} answers "
+            f"reach {self.max_abs_answer} ({digits} digits), more than the {limit} the int32 "
+            f"reward parses{' from an answer key' if keyed else ''}; lower max_digits or the "
+            "operand count")
+
+  @property
+  def most_operands(self) -> int:
+    """Operands of the longest problem."""
+    return self.num_operands if self.max_operands is None else self.max_operands
+
+  @property
+  def operand_probabilities(self) -> dict[int, float]:
+    """Operand count -> probability that a drawn problem has it."""
+    counts = range(self.num_operands, self.most_operands + 1)
+    weights = [self.operand_decay ** (n - self.num_operands) for n in counts]
+    return {n: w / sum(weights) for n, w in zip(counts, weights)}
 
   @property
   def max_abs_answer(self) -> int:
     """Largest |answer| the configuration can produce."""
-    top = 10**self.max_digits - 1
-    return top**self.num_operands if "*" in self.operators else self.num_operands * top
+    top, n = 10**self.max_digits - 1, self.most_operands
+    return top**n if "*" in self.operators else n * top
+
+  @staticmethod
+  def answer_key(answer: int, steps: int) -> int:
+    """What a long-tail worked task stores as a problem's answer: `answer` and its step
+    count in one int32 (`_STEP_BITS` low bits)."""
+    return answer * 2**_STEP_BITS + steps
 
   @property
   def max_answer_tokens(self) -> int:
@@ -232,7 +276,7 @@ class ArithmeticTask:
     if not self.worked:
       return number + 1
     step = number + 1 + self.max_digits + 1 + number + 1
-    return (self.num_operands - 1) * step + number + 1
+    return (self.most_operands - 1) * step + number + 1
 
   @property
   def tokenizer(self) -> CharTokenizer:
@@ -257,17 +301,22 @@ class ArithmeticTask:
     # problem space that filling it would take far longer than expected.
     budget = 100 * (self.num_train + self.num_test) + int(100 / self.test_fraction)
     batch = 1024
+    counts, probabilities = zip(*self.operand_probabilities.items())
+    keyed = self.worked and self.max_operands is not None
     for _ in range(0, budget, batch):
-      operands = rng.integers(0, 10**self.max_digits, (batch, self.num_operands))
-      ops = rng.integers(0, len(self.operators), (batch, self.num_operands - 1))
-      for xs, os_ in zip(operands.tolist(), ops.tolist()):
-        symbols = [self.operators[i] for i in os_]
+      operands = rng.integers(0, 10**self.max_digits, (batch, self.most_operands))
+      ops = rng.integers(0, len(self.operators), (batch, self.most_operands - 1))
+      sizes = (rng.choice(counts, size=batch, p=probabilities) if self.max_operands is not None
+               else np.full(batch, self.num_operands))
+      for xs, os_, n in zip(operands.tolist(), ops.tolist(), sizes.tolist()):
+        xs, symbols = xs[:n], [self.operators[i] for i in os_[:n - 1]]
         prompt = str(xs[0]) + "".join(o + str(x) for o, x in zip(symbols, xs[1:])) + "="
         split = "test" if _in_test_split(self.seed, prompt, self.test_fraction) else "train"
         if len(out[split]) < wanted[split]:
           answer = _evaluate(xs, symbols)
-          out[split].append(Example(prompt=prompt, reference=self._reference(xs, symbols, answer),
-                                    answer=answer))
+          out[split].append(Example(
+              prompt=prompt, reference=self._reference(xs, symbols, answer),
+              answer=self.answer_key(answer, n - 1) if keyed else answer))
       if all(len(out[s]) == wanted[s] for s in SPLITS):
         return {s: tuple(v) for s, v in out.items()}
     raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid for this problem "
@@ -290,8 +339,12 @@ class ArithmeticTask:
     Returns:
       `[B]` float32: 1.0 correct, `format_reward` well-formed but wrong, 0.0 otherwise.
     """
+    steps = self.num_operands - 1 if self.worked else None
+    if self.worked and self.max_operands is not None:  # answer keys (`answer_key`)
+      answers = jnp.asarray(answers, jnp.int32)
+      answers, steps = answers >> _STEP_BITS, answers & (2**_STEP_BITS - 1)
     return arithmetic_reward(tokens, lengths, answers, format_reward=self.format_reward,
-                             steps=self.num_operands - 1 if self.worked else None)
+                             steps=steps)
 
 
 def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array, *,
@@ -311,8 +364,8 @@ def arithmetic_reward(tokens: jax.Array, lengths: jax.Array, answers: jax.Array,
     lengths: `[B]` generated tokens per row.
     answers: `[B]` integer answers (|answer| < 10**9).
     format_reward: reward of a well-formed but wrong response.
-    steps: responses are worked solutions ("a+b=c,c-d=e;e") of this many steps; None: the
-      response is the answer alone.
+    steps: responses are worked solutions ("a+b=c,c-d=e;e") of this many steps (an int, or
+      `[B]` one per row); None: the response is the answer alone.
 
   Returns:
     `[B]` float32 rewards.

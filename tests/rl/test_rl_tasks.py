@@ -183,6 +183,47 @@ def test_worked_solutions_and_their_reward():
     ArithmeticTask(operators="+*", worked=True)
 
 
+def test_long_tail_problems_spread_over_ten_times_and_the_reward_reads_each_rows_steps():
+  task = ArithmeticTask(max_digits=1, num_operands=2, max_operands=14, operand_decay=0.7,
+                        operators="+-", num_train=3000, num_test=100, worked=True,
+                        format_reward=0.1)
+  examples = task.examples("train")
+  steps = np.array([e.reference.count("=") for e in examples])
+  lengths = np.array([len(e.reference) + 1 for e in examples])
+  # Operand counts follow operand_decay: each one more is 0.7 times as frequent.
+  share = np.bincount(steps + 1, minlength=15)[2:] / len(examples)
+  want = np.array(list(task.operand_probabilities.values()))
+  assert np.abs(share - want).max() < 0.03, (share, want)
+  # Reasoning-RL-like lengths: a 10x spread between the median and the longest, a tail.
+  assert np.max(lengths) >= 5 * np.median(lengths) and np.max(lengths) >= 10 * np.min(lengths)
+  assert np.max(lengths) <= task.max_answer_tokens
+  for e, n in zip(examples, steps):  # the key carries the answer and the step count
+    assert e.answer == ArithmeticTask.answer_key(int(e.reference.split(";")[1]), int(n))
+  tok, rng = task.tokenizer, random.Random(2)
+  rows, keys, want_rewards = [], [], []
+  for e in rng.choices(examples, k=600):
+    work, answer = e.reference.split(";")
+    text, reward = rng.choice([
+        (e.reference, 1.0), (f"{work};{int(answer) + 1}", 0.1),
+        # one step too few or too many: the row's own count decides, not a fixed one
+        (work.split(",", 1)[1] + f";{answer}" if "," in work else f";{answer}", 0.0),
+        (f"{work},{answer}+0={answer};{answer}", 0.0)])
+    rows.append(tok.encode(text) + [tok.eos_id])
+    keys.append(e.answer)
+    want_rewards.append(reward)
+  n = max(map(len, rows))
+  tokens = np.array([r + [tok.pad_id] * (n - len(r)) for r in rows], np.int32)
+  got = jax.jit(task.reward)(tokens, np.array([len(r) for r in rows], np.int32),
+                             np.array(keys, np.int32))
+  np.testing.assert_array_equal(np.asarray(got), np.array(want_rewards, np.float32))
+  with pytest.raises(ConfigError, match="max_operands=1 is invalid"):
+    ArithmeticTask(num_operands=2, max_operands=1)
+  with pytest.raises(ConfigError, match="operand_decay=0 is invalid"):
+    ArithmeticTask(max_operands=4, operand_decay=0)
+  with pytest.raises(ConfigError, match="max_operands=40 is invalid: must be at most 32"):
+    ArithmeticTask(max_digits=1, max_operands=40, worked=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # GSM8K
 
