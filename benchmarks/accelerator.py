@@ -139,7 +139,8 @@ FULL = Plan()
 # One batch size for sections 2 and 3: a CPU compiles each program for seconds.
 SMOKE = Plan(decode_batches=(1, 2), verify_batches=(2,), verify_tokens=(2, 4),
              spec_batches=(2,), attention_batches=(2,),
-             attention_impls=("auto", "dense", "blocked"), chain=3, max_len=64, committed=32, prompt_len=8, max_new=16,
+             attention_impls=("auto", "dense", "blocked"), chain=3, max_len=64, committed=32,
+             prompt_len=8, max_new=16,
              rl_prompts=1, rl_group=2, repeats=3, inner=2, spec_repeats=2, bandwidth_mb=16,
              memory=(("arithmetic_tiny.py", "full", 0), ("arithmetic_tiny.py", "none", 0),
                      ("arithmetic_tiny.py", "full", 4)))
@@ -606,7 +607,7 @@ def section_attention(ctx: Context) -> dict:
   steps = {impl: ctx.step if impl == c.attention_impl
            else ds.make_step(c.replace(attention_impl=impl)) for impl in plan.attention_impls}
   matmuls = ds.make_matmuls_only(c)
-  out: dict[str, Any] = {"rows": [], "impls": list(plan.attention_impls)}
+  out: dict[str, Any] = {"rows": [], "impls": list(plan.attention_impls), "failed": {}}
   for b in plan.attention_batches:
     if ctx.clock.over():
       out["partial"] = f"budget exceeded before batch {b}"
@@ -617,9 +618,14 @@ def section_attention(ctx: Context) -> dict:
     # One cache per implementation: each step donates the one it is given.
     caches = {impl: filled_cache(c, b, plan.max_len, plan.committed,
                                  jax.random.fold_in(ctx.key, b)) for impl in steps}
-    for impl, step in steps.items():  # compile, warm up
-      for _ in range(2):
-        caches[impl], _ = time_steps(step, ctx.params, caches[impl], tokens, positions, 1)
+    for impl, step in list(steps.items()):  # compile, warm up
+      try:
+        for _ in range(2):
+          caches[impl], _ = time_steps(step, ctx.params, caches[impl], tokens, positions, 1)
+      except Exception as e:  # noqa: BLE001 - one implementation failing must not cost the rest
+        out["failed"][impl] = f"B={b}: {type(e).__name__}: {e}"
+        ctx.log(f"  attention {impl} FAILED at B={b}: {type(e).__name__}: {e}")
+        del steps[impl], caches[impl]
     jax.block_until_ready(matmuls(ctx.params, x))
 
     def time_matmuls() -> float:
@@ -790,7 +796,7 @@ def print_rl(out: dict, plan: Plan) -> None:
 
 
 def print_attention(out: dict, plan: Plan) -> None:
-  impls = out["impls"]
+  impls = [impl for impl in out["impls"] if impl not in out["failed"]]
   print(f"\n(5) decode step (T=1, {plan.committed} of {plan.max_len} slots committed) by "
         f"attention implementation, ms, beside the step's weight products alone (matmuls)")
   print(f"{'B':>4} {'matmuls':>8} |" + "".join(f"{impl:>9}" for impl in impls)
@@ -799,6 +805,8 @@ def print_attention(out: dict, plan: Plan) -> None:
     print(f"{r['batch']:>4} {r['matmuls_ms']:8.3f} |"
           + "".join(f"{r['ms'][impl]:9.3f}" for impl in impls) + " | "
           + "".join(f"{r['ms'][impl] / r['matmuls_ms']:10.2f}" for impl in impls))
+  for impl, error in out["failed"].items():
+    print(f"{impl} FAILED ({error}): left out from there on")
   print("x impl = the step / its matmuls: what attention, norms, the cache write and (blocked) "
         "the per-layer loop over live blocks add. pallas falls back to blocked where its GPU "
         "kernel does not apply (a warning says so)")
