@@ -236,13 +236,19 @@ class ArithmeticTask:
     require(not self.worked or set(self.operators) <= set("+-"), "operators",
             "worked solutions go left to right: with worked=True only '+' and '-' are allowed")
     digits = len(str(self.max_abs_answer))
-    keyed = self.worked and self.max_operands is not None
+    keyed = self.keyed_answers
     limit = len(str(2**(31 - _STEP_BITS) - 1)) - 1 if keyed else _MAX_ANSWER_DIGITS
     require(digits <= limit, "max_digits",
             f"with {self.most_operands} operands and operators={self.operators!r} answers "
             f"reach {self.max_abs_answer} ({digits} digits), more than the {limit} the int32 "
             f"reward parses{' from an answer key' if keyed else ''}; lower max_digits or the "
             "operand count")
+
+  @property
+  def keyed_answers(self) -> bool:
+    """Whether answers are keys (`answer_key`): a worked task of varying operand counts,
+    whose reward needs each problem's step count."""
+    return self.worked and self.max_operands is not None
 
   @property
   def most_operands(self) -> int:
@@ -302,10 +308,10 @@ class ArithmeticTask:
     budget = 100 * (self.num_train + self.num_test) + int(100 / self.test_fraction)
     batch = 1024
     counts, probabilities = zip(*self.operand_probabilities.items())
-    keyed = self.worked and self.max_operands is not None
     for _ in range(0, budget, batch):
       operands = rng.integers(0, 10**self.max_digits, (batch, self.most_operands))
       ops = rng.integers(0, len(self.operators), (batch, self.most_operands - 1))
+      # A task of one operand count draws nothing more, so its problems stay what they were.
       sizes = (rng.choice(counts, size=batch, p=probabilities) if self.max_operands is not None
                else np.full(batch, self.num_operands))
       for xs, os_, n in zip(operands.tolist(), ops.tolist(), sizes.tolist()):
@@ -316,7 +322,7 @@ class ArithmeticTask:
           answer = _evaluate(xs, symbols)
           out[split].append(Example(
               prompt=prompt, reference=self._reference(xs, symbols, answer),
-              answer=self.answer_key(answer, n - 1) if keyed else answer))
+              answer=self.answer_key(answer, n - 1) if self.keyed_answers else answer))
       if all(len(out[s]) == wanted[s] for s in SPLITS):
         return {s: tuple(v) for s, v in out.items()}
     raise ConfigError(f"test_fraction={self.test_fraction!r} is invalid for this problem "
@@ -340,7 +346,7 @@ class ArithmeticTask:
       `[B]` float32: 1.0 correct, `format_reward` well-formed but wrong, 0.0 otherwise.
     """
     steps = self.num_operands - 1 if self.worked else None
-    if self.worked and self.max_operands is not None:  # answer keys (`answer_key`)
+    if self.keyed_answers:
       answers = jnp.asarray(answers, jnp.int32)
       answers, steps = answers >> _STEP_BITS, answers & (2**_STEP_BITS - 1)
     return arithmetic_reward(tokens, lengths, answers, format_reward=self.format_reward,
