@@ -808,8 +808,9 @@ def print_attention(out: dict, plan: Plan) -> None:
   for impl, error in out["failed"].items():
     print(f"{impl} FAILED ({error}): left out from there on")
   print("x impl = the step / its matmuls: what attention, norms, the cache write and (blocked) "
-        "the per-layer loop over live blocks add. pallas falls back to blocked where its GPU "
-        "kernel does not apply (a warning says so)")
+        "the per-layer loop over live blocks add. auto is dense on a GPU and blocked elsewhere from "
+        "2048 slots; pallas attends as auto where its GPU kernel does not apply (a warning "
+        "says so)")
 
 
 def print_memory(out: dict, plan: Plan) -> None:

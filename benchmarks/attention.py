@@ -67,7 +67,8 @@ def measure(config: ModelConfig, params, batch: int, num_new: int, committed: in
   caches = {(s, p): filled_cache(config, batch, s, committed, key)
             for s in max_lens for p in PATHS}
   rows = {s: {"batch": batch, "T": num_new, "max_len": s,
-              "auto_is": "blocked" if config.blocked_attention(s) else "dense"}
+              "auto_is": ("blocked" if config.blocked_attention(s, jax.default_backend())
+                          else "dense")}
           for s in max_lens}
   for s in max_lens:
     logits = {}

@@ -25,8 +25,15 @@ ATTENTION_IMPLS = ("auto", "dense", "blocked", "pallas", "pallas_interpret")
 REMAT_POLICIES = ("none", "dots", "full")
 # How a run is executed rather than what the model is: not part of an HF checkpoint's config.
 RUNTIME_FIELDS = ("attention_impl", "attention_block", "remat")
-# "auto" attention turns blocked from this cache size on (see `ModelConfig.attention_impl`).
+# "auto" attention turns blocked from this cache size on, except on a GPU (see
+# `ModelConfig.attention_impl`).
 AUTO_BLOCKED_MIN_SLOTS = 2048
+# Platforms (`jax.lax.platform_dependent` names) where "auto" attention stays dense: blocked
+# attention's loop has a data-dependent trip count, and XLA:GPU brings each iteration's
+# predicate back to the host. Measured on an H200 (`benchmarks/accelerator.py --sections
+# attention`, 2048 slots, 1024 live): the decode step of a 1.1B model took 2.0 / 1.4 / 2.5 ms
+# dense against 5.2 / 4.9 / 7.1 ms blocked at batch 1 / 16 / 64.
+AUTO_DENSE_PLATFORMS = ("cuda", "rocm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -97,9 +104,11 @@ class ModelConfig:
     attention_impl: how a forward with a cache attends (`specjax.models.attention`):
       "dense" scores every slot of the buffer, "blocked" only the blocks of
       `attention_block` slots below the longest live row; "auto" picks blocked for caches
-      of at least `AUTO_BLOCKED_MIN_SLOTS` slots; "pallas" runs JAX's Pallas GPU decode
-      kernel for decode steps on a GPU ("pallas_interpret": interpreted, any backend) and
-      blocked attention where it does not apply. Forwards without a cache are dense.
+      of at least `AUTO_BLOCKED_MIN_SLOTS` slots, except on a GPU (`AUTO_DENSE_PLATFORMS`),
+      where it stays dense; the choice is made per platform when the program is lowered.
+      "pallas" runs JAX's Pallas GPU decode kernel for decode steps on a GPU
+      ("pallas_interpret": interpreted, any backend) and what "auto" would where it does not
+      apply. Forwards without a cache are dense.
     attention_block: slots per block of blocked attention.
     remat: what a forward without a cache (training, the update's log-prob pass) keeps of
       each layer for the backward pass (`jax.checkpoint` per layer): "none" keeps every
@@ -184,11 +193,15 @@ class ModelConfig:
   def weight_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.param_dtype)
 
-  def blocked_attention(self, max_len: int) -> bool:
-    """Whether a forward over a cache of `max_len` slots uses blocked attention."""
-    if self.attention_impl == "auto":
-      return max_len >= AUTO_BLOCKED_MIN_SLOTS
-    return self.attention_impl == "blocked"
+  def blocked_attention(self, max_len: int, platform: str) -> bool:
+    """Whether a forward over a cache of `max_len` slots uses blocked attention on `platform`.
+
+    `platform` is a lowering platform ("cpu", "cuda", "rocm", "tpu"); "pallas" counts as
+    "auto" here (where its kernel does not apply, it attends as "auto" would).
+    """
+    if self.attention_impl in ("dense", "blocked"):
+      return self.attention_impl == "blocked"
+    return max_len >= AUTO_BLOCKED_MIN_SLOTS and platform not in AUTO_DENSE_PLATFORMS
 
   @property
   def group_size(self) -> int:

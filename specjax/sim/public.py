@@ -57,11 +57,12 @@ def _forward(model: str, ms: float, rows: int, context: int, tokens: int = 1) ->
                      context=context)
 
 
-# docs/accelerator-h200.md, sections 1 and 2: the 1.10B bench model (sim preset "bench-1b"),
-# bfloat16, 1024 committed slots; a verify forward is its ratio times that row's step.
-_H200_STEP = {1: 4.760, 4: 4.199, 16: 4.176, 64: 6.832}
-_H200_VERIFY = {1: (5.014, {2: 0.81, 4: 0.80, 8: 0.81, 16: 0.80}),
-                16: (4.204, {2: 1.03, 4: 1.05, 8: 1.19, 16: 1.34})}
+# docs/accelerator-h200.md, sections 1 and 2 (second lease: dense attention): the 1.10B bench
+# model (sim preset "bench-1b"), bfloat16, 1024 committed slots; a verify forward is its ratio
+# times that row's step.
+_H200_STEP = {1: 2.039, 4: 1.100, 16: 1.389, 64: 2.555}
+_H200_VERIFY = {1: (2.056, {2: 0.51, 4: 0.50, 8: 0.53, 16: 0.55}),
+                16: (1.421, {2: 1.13, 4: 1.34, 8: 1.58, 16: 2.56})}
 
 SOURCES = (
     Source(
@@ -76,11 +77,12 @@ SOURCES = (
         "This project's engine on one H200, 2026-12-04 (benchmarks/accelerator.py sections 1 "
         "and 2, docs/accelerator-h200.md): the 1.10B bench model, 1024 committed slots",
         figures=tuple(
-            [Figure(f"decode B={b}", _forward("bench-1b", ms, b, 1024), fit=b in (1, 64))
+            [Figure(f"decode B={b}", _forward("bench-1b", ms, b, 1024), fit=b in (4, 64))
              for b, ms in _H200_STEP.items()]
-            + [Figure(f"verify B={b} T={t}", _forward("bench-1b", step * ratio, b, 1024, t))
+            + [Figure(f"verify B={b} T={t}", _forward("bench-1b", step * ratio, b, 1024, t),
+                      fit=(b, t) == (16, 16))
                for b, (step, ratios) in _H200_VERIFY.items() for t, ratio in ratios.items()]),
-        fitted=("layer_overhead_s", "kv_scale")),
+        fitted=("layer_overhead_s", "kv_scale", "matmul_scale")),
 )
 
 

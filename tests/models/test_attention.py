@@ -74,7 +74,7 @@ def test_blocked_forward_matches_dense_for_chains_and_trees(family, max_len, blo
 @pytest.mark.parametrize("max_len", [256, 304])
 def test_pallas_decode_kernel_matches_dense_and_falls_back_for_verify(max_len):
   """Interpreted on CPU, the Pallas GPU decode kernel gives the dense decode step at 1e-5;
-  forwards over several tokens (prefill, tree verify) say so and use blocked attention."""
+  forwards over several tokens (prefill, tree verify) say so and attend as "auto" would."""
   attention._say_fallback.cache_clear()  # the message is said once per process
   base = CONFIG.replace(n_kv_heads=1)  # R = 4 query heads per kv head
   params = init_params(base, jax.random.key(0))
@@ -93,7 +93,7 @@ def test_pallas_decode_kernel_matches_dense_and_falls_back_for_verify(max_len):
     if impl == "dense":
       assert not said
     else:
-      assert "one new token per row" in said and "using blocked attention" in said
+      assert "one new token per row" in said and "attending as 'auto' would" in said
     results[impl] = (step.logits, verify.logits, step.cache.values[0])
   for dense, kernel in zip(results["dense"], results["pallas_interpret"]):
     np.testing.assert_allclose(kernel, dense, atol=1e-5, rtol=1e-5)
@@ -198,11 +198,28 @@ def test_blocked_step_updates_the_cache_in_place():
   assert sum(ops.values()) == 2 * config.n_layers, ops
 
 
-def test_auto_picks_blocked_for_large_caches_only():
-  assert not CONFIG.blocked_attention(AUTO_BLOCKED_MIN_SLOTS - 1)
-  assert CONFIG.blocked_attention(AUTO_BLOCKED_MIN_SLOTS)
-  assert CONFIG.replace(attention_impl="blocked").blocked_attention(8)
-  assert not CONFIG.replace(attention_impl="dense").blocked_attention(1 << 20)
+def test_auto_picks_blocked_for_large_caches_off_gpus_only():
+  for platform in ("cpu", "tpu"):
+    assert not CONFIG.blocked_attention(AUTO_BLOCKED_MIN_SLOTS - 1, platform)
+    assert CONFIG.blocked_attention(AUTO_BLOCKED_MIN_SLOTS, platform)
+  for platform in ("cuda", "rocm"):
+    assert not CONFIG.blocked_attention(1 << 20, platform)
+    assert not CONFIG.replace(attention_impl="pallas").blocked_attention(1 << 20, platform)
+  assert CONFIG.replace(attention_impl="blocked").blocked_attention(8, "cuda")
+  assert not CONFIG.replace(attention_impl="dense").blocked_attention(1 << 20, "cpu")
+
+
+@pytest.mark.parametrize("platform,loops", [("cpu", True), ("tpu", True), ("cuda", False)])
+def test_auto_attention_is_lowered_per_platform(platform, loops):
+  """A long cache's decode step holds blocked attention's loop only where "auto" wants it."""
+  config = CONFIG.replace(attention_impl="auto", attention_block=512,
+                          max_position=AUTO_BLOCKED_MIN_SLOTS)
+  params = init_params(config, jax.random.key(0))
+  cache = KVCache.create(config, 1, AUTO_BLOCKED_MIN_SLOTS).set_lengths(jnp.array([40]))
+  step = jax.jit(lambda p, c, tok, pos: forward(p, config, tok, pos, c).logits)
+  text = step.trace(params, cache, jnp.array([[3]]), jnp.array([[40]])).lower(
+      lowering_platforms=(platform,)).as_text()
+  assert ("stablehlo.while" in text) == loops
 
 
 @pytest.mark.parametrize("change,match", [

@@ -31,15 +31,18 @@ def test_public_llama_decode_on_an_h200_is_predicted_within_20_percent():
     assert abs(row.error) <= 0.2, row
 
 
-def test_this_projects_h200_engine_is_far_from_the_datasheet_and_held_out_within_30_percent():
-  """The datasheet profile prices a lean engine: specjax's measured steps are 5-7x it (a
-  fixed ~4 ms per step). Fitted to two decode steps, the simulator predicts the other
-  decode and verify forwards within 30%: the measured steps are not monotone in batch
-  (batch 1 at 4.76 ms above batch 16 at 4.18), which no roofline follows."""
+def test_this_projects_h200_engine_is_predicted_within_15_percent_but_for_batch_1():
+  """Fitted to three figures (decode at batch 4 and 64, a verify forward over 256 tokens),
+  the simulator predicts the other verify forwards and decode at batch 16 within 15%. Decode
+  at batch 1 (2.04 ms) costs more than at batch 4 (1.10) and than a forward over 2 tokens of
+  one row (1.05): XLA:GPU's kernels for [1, d] products, which no roofline follows. The
+  datasheet profile prices a leaner engine than this one at every figure."""
   rows = _rows("specjax, 1 x H200")
-  assert all(r.datasheet_error < -0.75 for r in rows), rows
-  held = [r for r in rows if not r.fit]
-  assert len(held) == 10 and all(abs(r.error) <= 0.3 for r in held), held
+  assert all(r.datasheet_error < -0.3 for r in rows), rows
+  held = {r.label: r for r in rows if not r.fit}
+  assert len(held) == 9, held
+  assert held.pop("decode B=1").error < -0.4
+  assert all(abs(r.error) <= 0.15 for r in held.values()), held
 
 
 def test_the_table_names_what_was_fitted_and_the_worst_held_out_error():
