@@ -237,7 +237,8 @@ def train_command(argv: list[str]) -> dict:
   print(f"drafter acceptance length on a fixed 16-token probe: "
         f"{summary['probe_acceptance_before']:.2f} before RL -> "
         f"{summary['probe_acceptance_after']:.2f} after (online drafter training)")
-  line = (f"rollout speedup, speculative / plain in the same engine and run: "
+  line = (f"rollout speedup, speculative / plain in the same engine and run"
+          f"{' (both compacted)' if 'compaction_speedup' in summary else ''}: "
           f"{summary['speedup']:.2f}x at acceptance length {summary['acceptance_length']:.2f}")
   if summary.get("plain_share", 0.0) == 1.0:
     line += (" (the speculation policy ran plain decoding in every round: at this batch size "
@@ -245,6 +246,13 @@ def train_command(argv: list[str]) -> dict:
   elif "plain_share" in summary:
     line += f" (plain decoding in {100 * summary['plain_share']:.0f}% of rounds)"
   print(line)
+  if "compaction_speedup" in summary:
+    print(f"rollout arms from the same run: plain without compaction "
+          f"{summary['uncompacted_tokens_per_s']:.0f} tokens/s, plain with compaction "
+          f"{summary['plain_tokens_per_s']:.0f} ({summary['compaction_speedup']:.2f}x), "
+          f"speculative with compaction {summary['spec_tokens_per_s']:.0f} "
+          f"({summary['total_speedup']:.2f}x); {100 * summary['tail_share']:.0f}% of plain "
+          "decoding's rounds ran with at most a quarter of the rows live")
   return summary
 
 

@@ -129,46 +129,74 @@ def _kept_costs(path: Path, entries: int, rows: tuple[int, ...]
   return costs, ""
 
 
+def tail_round_share(row_rounds, live_fraction: float = 0.25) -> float:
+  """The fraction of a call's rounds run with at most `live_fraction` of its rows still
+  generating, from each row's rounds (`GenerationStats.row_rounds` of a plain call: every row
+  is live from round 0 until its last)."""
+  rounds = np.sort(np.asarray(row_rounds))[::-1]
+  if not rounds.size or rounds[0] <= 0:
+    return 0.0
+  few = int(np.floor(live_fraction * rounds.size))  # round t has few or fewer live rows
+  if few >= rounds.size:  # once rounds[few] rows, counted from the longest, have finished
+    return 1.0
+  return float((rounds[0] - rounds[few]) / rounds[0])
+
+
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None,
                     costs: CostTable | None = None) -> dict[str, float]:
-  """Rollout tokens per second, plain vs speculative, same engine, same prompts (B = prompts
-  x G rows); `costs` for adaptive speculation (`rollout_costs`).
+  """Rollout tokens per second of plain and speculative decoding, same engine, same prompts
+  (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`).
 
-  Each repeat runs the two arms back to back, each first in turn (`eval.speedup_repeats`
-  repeats, or more until each arm has run `eval.speedup_seconds`), so that a slow spell of a
-  shared machine hits both alike. `plain_tokens_per_s` and `spec_tokens_per_s` are medians
-  over the repeats; `speedup` is the median of the repeats' own spec / plain ratios, which
-  a machine whose speed drifts between repeats disturbs less (docs/experiments.md). With
-  adaptive speculation, `plain_share` is the fraction of rounds that ran plain decoding.
+  The arms: plain decoding with the rollout's compaction (`plain`), speculative decoding with
+  it (`spec`) and, when the rollout compacts, plain decoding without compaction
+  (`uncompacted`). Each repeat runs every arm back to back, first in turn
+  (`eval.speedup_repeats` repeats, or more until each arm has run `eval.speedup_seconds`), so
+  that a slow spell of a shared machine hits all alike. `*_tokens_per_s` are medians over
+  the repeats; each ratio is the median of the repeats' own ratios, which a machine whose
+  speed drifts between repeats disturbs less (docs/experiments.md):
+  `speedup` = spec / plain, speculation's own gain; with compaction, `compaction_speedup` =
+  plain / uncompacted and `total_speedup` = spec / uncompacted. `tail_share`: the fraction of
+  the uncompacted plain call's rounds with at most a quarter of its rows live. With adaptive
+  speculation, `plain_share` is the fraction of speculative rounds that ran plain decoding.
   """
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
-  arms = []  # (plain, speculative); with drafter="none" both are plain decoding
-  for name in ("none", config.drafter.name):
-    rc = config.train_config(name, costs).rollout
+  compaction = config.rollout.compaction
+  names = ("plain", "spec") + (("uncompacted",) if compaction else ())
+  arms = []  # with drafter="none" plain and spec are both plain decoding
+  for name in names:
+    rc = config.train_config("none" if name != "spec" else None, costs).rollout
     arms.append(functools.partial(
         generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
         sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
-        eos_id=rc.eos_id, compaction=rc.compaction,
+        eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
         drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
-  rates, spent, last, r = ([], []), [0.0, 0.0], [None, None], 0
+  rates = [[] for _ in arms]
+  spent, last, r = [0.0] * len(arms), [None] * len(arms), 0
   while r < config.eval.speedup_repeats or min(spent) < config.eval.speedup_seconds:
     r += 1
-    for i in ((0, 1) if r % 2 else (1, 0)):
+    for i in np.roll(np.arange(len(arms)), -r):
       start = time.perf_counter()
       last[i] = jax.block_until_ready(arms[i](jax.random.key(r)))
       seconds = time.perf_counter() - start
       spent[i] += seconds
       rates[i].append(int(last[i].lengths.sum()) / seconds)
-  plain, spec = (float(np.median(x)) for x in rates)
+  rates = dict(zip(names, map(np.asarray, rates)))
+  ratio = lambda a, b: float(np.median(rates[a] / rates[b]))
   out = last[1]  # the speculative arm's statistics
-  rounds = np.asarray(out.stats.tree_rounds, np.float64)
-  summary = {"plain_tokens_per_s": plain, "spec_tokens_per_s": spec,
-             "speedup": float(np.median(np.divide(rates[1], rates[0]))),
+  summary = {"plain_tokens_per_s": float(np.median(rates["plain"])),
+             "spec_tokens_per_s": float(np.median(rates["spec"])),
+             "speedup": ratio("spec", "plain"),
              "acceptance_length": float(out.stats.tokens_per_round)}
+  if compaction:
+    summary |= {"uncompacted_tokens_per_s": float(np.median(rates["uncompacted"])),
+                "compaction_speedup": ratio("plain", "uncompacted"),
+                "total_speedup": ratio("spec", "uncompacted"),
+                "tail_share": tail_round_share(last[2].stats.row_rounds)}
+  rounds = np.asarray(out.stats.tree_rounds, np.float64)
   if len(rounds) > 1:
     summary["plain_share"] = float(rounds[0] / max(rounds.sum(), 1.0))
   return summary

@@ -1,0 +1,47 @@
+"""What a GRPO run measures beside training: the rollout's arms and its tail."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.experiments import ExperimentConfig, override
+from specjax.experiments.measure import rollout_speedup, tail_round_share
+from specjax.models import ModelConfig, init_params
+from specjax.rl import ArithmeticTask, encode_prompt
+
+TASK = ArithmeticTask(max_digits=1, num_operands=2, max_operands=6, operand_decay=0.5,
+                      operators="+", worked=True, num_train=64, num_test=16)
+MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                    n_kv_heads=2, head_dim=16, mlp_dim=64, num_mtp_modules=2, max_position=96)
+
+
+@pytest.mark.parametrize("row_rounds,share", [
+    ([10, 10, 2, 2, 2, 2, 2, 2], 0.8),  # rounds 2..9: 2 of 8 rows live
+    ([10, 9, 8, 2, 2, 2, 2, 2], 0.2),  # rounds 8, 9: 2 or 1 live; round 2..7: 3 live
+    ([5, 5, 5, 5], 0.0),
+    ([7, 1, 1], 0.0),  # a quarter of 3 rows is none: no round has 0 rows live
+])
+def test_tail_round_share_counts_rounds_with_a_quarter_of_the_rows_live(row_rounds, share):
+  assert tail_round_share(row_rounds) == pytest.approx(share)
+  assert tail_round_share(row_rounds, live_fraction=1.0) == 1.0
+
+
+def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
+  """Plain and speculative decoding both compacted, and plain decoding without compaction,
+  from one interleaved measurement."""
+  prompts = [encode_prompt(TASK.tokenizer, e.prompt) for e in TASK.examples("train")[:4]]
+  width = max(map(len, prompts))
+  batch = types.SimpleNamespace(
+      tokens=np.array([p + [TASK.tokenizer.pad_id] * (width - len(p)) for p in prompts]),
+      lengths=np.array([len(p) for p in prompts]))
+  params = init_params(MODEL, jax.random.key(0))
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {
+      "rollout.compaction": 2, "rollout.max_new_tokens": 40, "rollout.temperature": 0.0,
+      "drafter.name": "group", "grpo.group_size": 4, "eval.speedup_repeats": 1,
+      "eval.speedup_seconds": 0})
+  summary = rollout_speedup(params, config, batch)
+  assert {"uncompacted_tokens_per_s", "compaction_speedup", "total_speedup"} <= set(summary)
+  assert summary["speedup"] > 0 and summary["acceptance_length"] >= 1
+  assert 0 <= summary["tail_share"] <= 1
