@@ -2,6 +2,7 @@
 
   python benchmarks/rl_step.py                  # full (trains/caches the models on first use)
   python benchmarks/rl_step.py --quick          # smoke test
+  python benchmarks/rl_step.py --stop-name --compaction 3   # a long tail, three arms
 
 The policy is `spec_decode.py`'s >= 25M-parameter target (trained on the phrase language,
 with MTP heads and an EAGLE-3 head trained on its own samples; cached in benchmarks/.cache).
@@ -13,6 +14,13 @@ plain decoding or one of the menu's chains, by costs `calibrate` measured on thi
 before the run and acceptance counted during the rollout; in the "carry" arm, counted from
 the earlier rollouts too: `RolloutConfig.acceptance_carry`) — in the same engine, from the
 same state, on the same prompts.
+
+With `--stop-name` the language's commonest name word ends a response (about one token in
+80), so response lengths spread geometrically up to T, a few rows much longer than the median,
+as in reasoning RL. With `--compaction N` the rollouts gather their live rows into up to N
+halvings of the batch as rows finish (`RolloutConfig.compaction`), and the plain arm is run
+twice, without and with compaction: `x compact` is each arm against plain decoding with the
+same compaction (speculation's own gain), `rollout x` against plain without it.
 
 Arms are interleaved step by step (step i of every arm, then step i + 1), so a burst of load
 hits all arms alike. Each step is also timed as its two halves, each its own compiled
@@ -44,6 +52,8 @@ import _spec_models as M  # noqa: E402
 
 from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, MTPDrafter,  # noqa: E402
                               SamplingConfig, calibrate)
+from specjax.decoding.engine import compaction_buckets  # noqa: E402
+from specjax.experiments.measure import tail_round_share  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402
 from specjax.rl.rollouts import rollout, score
@@ -90,7 +100,7 @@ class Arm:
     self.roll_fn = jax.jit(roll_fn)
     self.update_fn = jax.jit(lambda st, roll, key: update(st, config, optimizer, roll, key)[0])
     self.times = {"step": [], "rollout": [], "update": []}
-    self.metrics = None
+    self.metrics, self.tails = None, []
 
   def run(self, batch, i: int, timed: bool) -> None:
     key = jax.random.key(i)
@@ -105,6 +115,7 @@ class Arm:
     done = time.perf_counter()
     self.state, self.metrics = state, jax.device_get(metrics)
     if timed:
+      self.tails.append(tail_round_share(np.asarray(roll.lengths)))
       self.times["rollout"].append(mid - start)
       self.times["update"].append(end - mid)
       self.times["step"].append(done - end)
@@ -126,6 +137,11 @@ def main(argv=None) -> int:
   parser.add_argument("--acceptance-carry", type=float, default=0.5,
                       help="an adaptive arm that carries this weight of each rollout's "
                            "acceptance counts into the next (0: no such arm)")
+  parser.add_argument("--stop-name", action="store_true",
+                      help="the commonest name word ends a response (a long tail of lengths)")
+  parser.add_argument("--compaction", type=int, default=0,
+                      help="halvings of the rollout batch as rows finish (0: none); adds a "
+                           "plain arm with compaction")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per arm")
   parser.add_argument("--cache-dir", type=Path,
                       default=Path(__file__).resolve().parent / ".cache")
@@ -148,14 +164,18 @@ def main(argv=None) -> int:
   grpo = GRPOConfig(group_size=args.group_size)
   reward_fn = number_reward(lang)
   sampling = SamplingConfig(1.0)
-  setups = [("plain", None, None, None),
+  setups = [("plain", None, None, None)]
+  if args.compaction:
+    setups.append(("plain compact", None, None, None))
+  setups += [
             (f"mtp chain{args.mtp_depth}", MTPDrafter(), DraftTree.chain(args.mtp_depth), None),
             (f"eagle3 chain{args.eagle_depth}", Eagle3Drafter(M.EAGLE3),
              DraftTree.chain(args.eagle_depth), None)]
   if args.adaptive_menu:
     policy = Adaptive(tuple(DraftTree.chain(int(k)) for k in args.adaptive_menu.split(",")))
     costs = calibrate(target, M.TARGET, Eagle3Drafter(M.EAGLE3), policy,
-                      batch_sizes=(args.prompts * args.group_size,), prompt_len=32,
+                      batch_sizes=compaction_buckets(args.prompts * args.group_size,
+                                                     args.compaction), prompt_len=32,
                       max_new_tokens=args.max_new, drafter_params=head, sampling=sampling,
                       cache_dir=args.cache_dir / "calibration")
     print("adaptive arm's costs per round:\n" + costs.format(policy.menu))
@@ -167,8 +187,9 @@ def main(argv=None) -> int:
   for name, drafter, tree, speculation in setups:
     carry = args.acceptance_carry if name.endswith("carry") else 0.0
     config = TrainConfig(model=M.TARGET, grpo=grpo, rollout=RolloutConfig(
-        max_new_tokens=args.max_new, eos_id=None, sampling=sampling, drafter=drafter,
-        tree=tree, speculation=speculation, acceptance_carry=carry))
+        max_new_tokens=args.max_new, eos_id=lang.name_lo if args.stop_name else None,
+        sampling=sampling, drafter=drafter, tree=tree, speculation=speculation,
+        acceptance_carry=carry, compaction=0 if name == "plain" else args.compaction))
     optimizer = optax.adam(1e-5)
     state = init_train_state(
         config, jax.tree.map(jnp.array, target), optimizer, seed=0,
@@ -180,16 +201,20 @@ def main(argv=None) -> int:
     for arm in arms:
       arm.run(batch, i, timed=i > 0)
 
-  plain = arms[0]
+  plain, compact = arms[0], arms[1 if args.compaction else 0]
   print(f"{'rollout':<20}{'step s':>8}{'rollout s':>11}{'update s':>10}{'rollout %':>11}"
-        f"{'accept':>8}{'step x':>8}{'rollout x':>11}")
+        f"{'accept':>8}{'tokens':>8}{'step x':>8}{'rollout x':>11}"
+        + (f"{'x compact':>11}" if args.compaction else ""))
   for arm in arms:
     print(f"{arm.name:<20}{arm.median('step'):>8.3f}{arm.median('rollout'):>11.3f}"
           f"{arm.median('update'):>10.3f}"
           f"{100 * arm.median('rollout') / arm.median('step'):>10.0f}%"
           f"{float(arm.metrics['acceptance_length']):>8.2f}"
+          f"{float(arm.metrics['rollout_tokens']):>8.0f}"
           f"{plain.median('step') / arm.median('step'):>8.2f}"
-          f"{plain.median('rollout') / arm.median('rollout'):>11.2f}")
+          f"{plain.median('rollout') / arm.median('rollout'):>11.2f}"
+          + (f"{compact.median('rollout') / arm.median('rollout'):>11.2f}"
+             if args.compaction else ""))
   # The EAGLE-3 arm's update also trains its head; the others do identical work.
   updates = [arm.median("update") for arm in arms if arm.config.eagle3 is None]
   spread = (max(updates) - min(updates)) / float(np.median(updates))
@@ -197,7 +222,9 @@ def main(argv=None) -> int:
   print(f"update-time spread across the arms with identical update work (plain, mtp): "
         f"{100 * spread:.0f}% -> {verdict} "
         f"(threshold {100 * NOISY:.0f}%); plain rollout share of the plain step "
-        f"{100 * plain.median('rollout') / plain.median('step'):.0f}%")
+        f"{100 * plain.median('rollout') / plain.median('step'):.0f}%; plain rounds with at "
+        f"most a quarter of the rows live {100 * float(np.median(plain.tails)):.0f}% "
+        "(median over steps)")
   return 0
 
 
