@@ -398,7 +398,8 @@ class _OffAtRoundTwo(Adaptive):
     return self.choose(counts, batch) == entry
 
 
-@pytest.mark.parametrize("name", ["mtp", pytest.param("draft_model", marks=pytest.mark.slow)])
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
+@pytest.mark.parametrize("name", ["mtp", "draft_model"])
 def test_switching_the_drafter_off_mid_call_stays_exact_and_stays_off(
     progression_models, progression_eagle, name):
   m = progression_models

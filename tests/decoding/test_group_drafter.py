@@ -75,8 +75,10 @@ def _progression(models, rows=4):
   return jnp.asarray(progression_batch(rng, rows, 10)), jnp.full((rows,), 10)
 
 
-@pytest.mark.parametrize("compaction", [0, 2])
-@pytest.mark.parametrize("with_mtp", [False, True], ids=["group", "group+mtp"])
+@pytest.mark.parametrize("with_mtp, compaction", [
+    (False, 0), (False, 2), (True, 0),
+    pytest.param(True, 2, marks=pytest.mark.slow)],  # slow: keeps the README's tests < 10 min
+    ids=["group-0", "group-2", "group+mtp-0", "group+mtp-2"])
 def test_greedy_group_drafting_equals_plain_decoding(progression_models, compaction, with_mtp):
   m = progression_models
   tokens, lengths = _progression(m, 8)

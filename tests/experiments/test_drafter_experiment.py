@@ -90,6 +90,7 @@ def test_tiny_run_exports_a_head_that_loads_and_drafts_losslessly(tiny_run):
   assert float(spec.stats.tokens_per_round) > 1.0  # drafts are accepted, not just verified
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_rerun_after_a_kill_resumes_from_the_latest_checkpoint_and_redoes_only_later_steps(
     tiny_run, tmp_path):
   run_dir = tmp_path / "run"
@@ -137,6 +138,7 @@ def _hf_target(directory):
   return directory
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_hf_checkpoint_target_with_gsm8k_prompts_runs_end_to_end(tmp_path):
   target_dir = _hf_target(tmp_path / "hf")
   config = _tiny(tmp_path / "run", {"data.gsm8k_file": str(target_dir / "gsm8k.jsonl"),

@@ -30,6 +30,7 @@ def trained_run(tmp_path_factory):
   return run_dir
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_load_policy_reads_the_latest_checkpoint_and_the_recorded_architecture(trained_run):
   params, model = load_policy(trained_run)
   assert model == tiny_experiment(trained_run).model
@@ -48,6 +49,7 @@ def test_load_policy_refuses_a_directory_that_is_not_a_run(tmp_path):
     load_policy(tmp_path)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_export_loads_in_transformers_and_decodes_greedily_as_specjax(trained_run, tmp_path):
   out = tmp_path / "hf"
   main(["export", str(trained_run), str(out)])

@@ -64,6 +64,7 @@ def _config(run_dir, steps):
       log=Logging(wandb_project="specjax-test", wandb_mode="offline", samples_every=2))
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_a_run_logs_every_step_to_wandb_and_a_resume_continues_its_run(fake_wandb, tmp_path):
   run(_config(tmp_path / "run", 2), log=lambda _: None)
   run(_config(tmp_path / "run", 3), log=lambda _: None)  # resumed

@@ -95,7 +95,7 @@ DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoi
 
 
 @pytest.mark.parametrize("family, drafter, lora", [
-    ("llama", "draft-model", 0), ("qwen3", "eagle3", 0),
+    ("llama", "draft-model", 0), pytest.param("qwen3", "eagle3", 0, marks=pytest.mark.slow),
     pytest.param("qwen3", "eagle3", 4, marks=pytest.mark.slow)])
 def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, family,
                                                                          drafter, lora):
@@ -199,7 +199,9 @@ def exact(prompts, completions, text):
   return [float(c == t) for c, t in zip(completions, text)]
 
 
-@pytest.mark.parametrize("mixed, async_mode", [(False, False), (False, True), (True, False)],
+@pytest.mark.parametrize("mixed, async_mode", [pytest.param(False, False, marks=pytest.mark.slow),
+                                               pytest.param(False, True, marks=pytest.mark.slow),
+                                               (True, False)],
                          ids=["jax-fused", "jax-async", "python-and-jax"])
 def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
   rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])
@@ -228,6 +230,7 @@ def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed
       assert record["accuracy"] == pytest.approx(record["reward_short"], abs=1e-6)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_a_bfloat16_policy_trains_on_float32_master_weights(own, tmp_path):
   config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
   config = dataclasses.replace(config, run_dir=str(tmp_path / "run"), policy_dtype="bfloat16")

@@ -138,6 +138,7 @@ def test_mtp_cached_drafting_equals_teacher_forced_module_outputs():
     np.testing.assert_allclose(out.logits[:, 0], teacher[0][:, i], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_draft_head_losses_fall_and_train_step_compiles_once():
   config = ModelConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                        head_dim=16, mlp_dim=128, num_mtp_modules=2, num_medusa_heads=2)

@@ -55,6 +55,7 @@ def _run(config, steps):
   return start, state, history
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_draft_model_is_distilled_towards_the_policy():
   start, state, history = _run(_config(3e-3), 6)
   kl = [float(h["draft_model_kl"]) for h in history]
@@ -66,6 +67,7 @@ def test_the_draft_model_is_distilled_towards_the_policy():
   assert 0.0 <= float(history[-1]["draft_model_accuracy"]) <= 1.0
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_draft_model_stays_frozen_by_default():
   start, state, history = _run(_config(0.0), 2)
   assert state.drafter.opt_state is None and "draft_model_kl" not in history[-1]

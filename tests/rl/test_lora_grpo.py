@@ -91,6 +91,7 @@ def test_the_adapters_train_and_the_trunk_stays_frozen(lora_run):
   assert float(history[0]["update_skipped"]) == 0
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_greedy_speculative_and_plain_rollouts_of_the_adapted_policy_train_identically():
   greedy = SamplingConfig(0.0)
   spec_state, spec = _run(_config(True, greedy), 2)
@@ -103,6 +104,7 @@ def test_greedy_speculative_and_plain_rollouts_of_the_adapted_policy_train_ident
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_split_step_trains_the_adapters_as_the_fused_step_does(lora_run):
   config = _config(sampling=SamplingConfig(0.0))
   fused_state, fused = _run(config, 2)

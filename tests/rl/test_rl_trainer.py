@@ -534,6 +534,7 @@ def _eagle_run(steps, sampling, drafter_loss_weight, learning_rate=3e-3):
   return state, history, step, initial
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_eagle3_head_trains_online_and_no_gradient_reaches_the_policy():
   greedy = SamplingConfig(0.0)  # rollouts then do not depend on the drafter at all
   trained, hist, step, head0 = _eagle_run(3, greedy, 1.0)
@@ -551,6 +552,7 @@ def test_eagle3_head_trains_online_and_no_gradient_reaches_the_policy():
   assert "eagle3_ce" not in frozen_hist[-1]
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
   """After GRPO with online training, the head drafts the current policy better than the
   head it started from (the frozen copy), on the same prompts, keys and fixed length."""
