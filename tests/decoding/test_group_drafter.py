@@ -70,6 +70,35 @@ def test_a_batch_of_partial_groups_looks_only_at_members_that_exist():
   assert found.tolist() == [True, False] and tokens[0, 0] == 3
 
 
+def test_one_pass_over_suffix_lengths_finds_what_trying_each_longest_first_finds():
+  """`min_n`: the longest matching suffix of min_n .. n tokens, as a loop over each length
+  (longest first, the first that matches anywhere wins) finds it; on random texts of a
+  four-token vocabulary, so that matches of every length occur."""
+  rng = np.random.default_rng(0)
+  chosen = {4: 0, 3: 0, 2: 0, None: 0}  # rows whose longest match has each length
+  for trial in range(20):
+    b0, l, g, k = 6, 24, 3, 3
+    bank = jnp.asarray(rng.integers(0, 4, (b0, l)), jnp.int32)
+    bank_len = jnp.asarray(rng.integers(0, l + 1, b0), jnp.int32)
+    rows = jnp.asarray(rng.choice(b0, 4, replace=False), jnp.int32)
+    seq, seq_len = bank[rows], bank_len[rows]
+    got = group_lookup(bank, bank_len, rows, g, seq, seq_len, 4, k, min_n=2)
+    found = np.zeros(4, bool)
+    tokens, valid = np.zeros((4, k), np.int32), np.zeros((4, k), bool)
+    for n in (4, 3, 2):
+      hit, cont, ok = map(np.asarray, group_lookup(bank, bank_len, rows, g, seq, seq_len, n, k))
+      take = hit & ~found
+      tokens[take], valid[take] = cont[take], ok[take]
+      found |= hit
+      chosen[n] += int(take.sum())
+    np.testing.assert_array_equal(np.asarray(got[0]), found, err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(np.asarray(got[2]), valid, err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(np.where(found[:, None], np.asarray(got[1]), 0),
+                                  np.where(found[:, None], tokens, 0), err_msg=f"trial {trial}")
+    chosen[None] += int((~found).sum())
+  assert min(chosen.values()) > 0, chosen  # every length, and no match, occurred
+
+
 def _progression(models, rows=4):
   rng = np.random.default_rng(3)
   return jnp.asarray(progression_batch(rng, rows, 10)), jnp.full((rows,), 10)

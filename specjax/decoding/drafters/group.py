@@ -51,23 +51,30 @@ class GroupState:
 
 
 def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int,
-                 seq: jax.Array, seq_len: jax.Array, n: int, k: int
+                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The continuation of the best match of each row's last `n` tokens in its group.
+  """The continuation of the best match of each row's last `n` tokens in its group; with
+  `min_n`, of its longest suffix of `min_n` .. `n` tokens that matches anywhere in the group.
 
   A sibling's match may sit anywhere with a token after it; the row's own must end before its
-  suffix starts. A match in a sibling beats one in the row itself, and among a row's matches
-  the one closest to the row's own position wins (responses to one prompt run in parallel, so
-  the aligned occurrence is the likely one).
+  suffix starts. A longer match beats a shorter one; among equally long ones a match in a
+  sibling beats one in the row itself, and then the one closest to the row's own position
+  wins (responses to one prompt run in parallel, so the aligned occurrence is the likely one).
+
+  Candidates are indexed by q, the position their continuation starts at: a suffix of m tokens
+  matches there when `cand[q - i] == seq[seq_len - i]` for i = 1 .. m, so the matches of every
+  suffix length come from one pass over i (each length's the running AND of the first ones).
 
   Args:
     bank, bank_len: `[B0, L]`, `[B0]` the texts of every row of the call.
     rows: `[B]` the current rows' indices in the bank; `seq [B, L]`, `seq_len [B]` their texts.
+    n, min_n: the longest and the shortest suffix tried (`min_n` None: `n` only).
 
   Returns:
     `(found [B], tokens [B, k], valid [B, k])`: the continuation and which of its tokens
     exist (a match near the end of a text has fewer than k after it).
   """
+  min_n = n if min_n is None else min_n
   b, l = seq.shape
   g = group_size
   members = (rows // g)[:, None] * g + jnp.arange(g)[None, :]  # [B, G] bank rows of the group
@@ -76,26 +83,29 @@ def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_si
   cand = bank[members]  # [B, G, L]
   cand_len = jnp.where(present, bank_len[members], 0)  # [B, G]; an absent member matches nothing
   own = (members == rows[:, None]) & present  # [B, G]
-  suffix_start = seq_len - n
-  match = jnp.ones((b, g, l), bool)
-  for j in range(n):
-    want = jnp.take_along_axis(seq, jnp.maximum(suffix_start + j, 0)[:, None], axis=1)
-    match &= jnp.roll(cand, -j, axis=2) == want[:, :, None]
-  start = jnp.arange(l)[None, None, :]
+  q = jnp.arange(l)[None, None, :]
   ends = jnp.where(own, jnp.minimum(cand_len, seq_len[:, None]), cand_len)
-  match &= start + n < ends[:, :, None]
-  match &= ~own[:, :, None] | (start < suffix_start[:, None, None])
-  match &= (suffix_start >= 0)[:, None, None]
-  # Siblings first (scores above l), then nearest to the row's own position.
-  distance = jnp.abs(start - suffix_start[:, None, None])
-  score = jnp.where(own[:, :, None], l - distance, 2 * l - distance)
-  score = jnp.where(match, score, -1).reshape(b, g * l)
+  # A token follows the match; the row's own match ends before its suffix starts.
+  usable = (q < ends[:, :, None]) & (~own[:, :, None] | (q < seq_len[:, None, None]))
+  run = usable
+  longest = jnp.zeros((b, g, l), jnp.int32)  # the longest matching suffix length, 0: none
+  for i in range(1, n + 1):
+    want = jnp.take_along_axis(seq, jnp.maximum(seq_len - i, 0)[:, None], axis=1)  # [B, 1]
+    run &= (jnp.roll(cand, i, axis=2) == want[:, :, None]) & (q >= i)
+    run &= (seq_len >= i)[:, None, None]
+    if i >= min_n:
+      longest = jnp.where(run, i, longest)
+  # Longer first; then siblings (scores above l), then nearest to the row's own position:
+  # within one length a score lies in [0, 2 l], so lengths are tiers 2 l + 1 apart.
+  distance = jnp.abs(q - seq_len[:, None, None])
+  score = longest * (2 * l + 1) + jnp.where(own[:, :, None], l - distance, 2 * l - distance)
+  score = jnp.where(longest > 0, score, -1).reshape(b, g * l)
   best = jnp.argmax(score, axis=1)
   found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
-  member, pos = best // l, best % l
+  member, start = best // l, best % l
   text = jnp.take_along_axis(cand, member[:, None, None], axis=1)[:, 0]  # [B, L]
   end = jnp.take_along_axis(ends, member[:, None], axis=1)[:, 0]
-  idx = pos[:, None] + n + jnp.arange(k)[None, :]
+  idx = start[:, None] + jnp.arange(k)[None, :]
   valid = found[:, None] & (idx < end[:, None])
   tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
   return found, tokens, valid
@@ -161,18 +171,10 @@ class GroupDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, GroupState]:
     state = state.replace(bank=state.bank.at[state.rows].set(ctx.seq),
                           bank_len=state.bank_len.at[state.rows].set(ctx.seq_len))
-    k = tree.num_nodes
-    b = ctx.seq.shape[0]
-    found = jnp.zeros((b,), bool)
-    tokens = jnp.broadcast_to(ctx.root[:, None], (b, k))
-    valid = jnp.zeros((b, k), bool)
-    for n in range(self.max_ngram, self.min_ngram - 1, -1):
-      hit, cont, ok = group_lookup(state.bank, state.bank_len, state.rows, self.group_size,
-                                   ctx.seq, ctx.seq_len, n, k)
-      take = (hit & ~found)[:, None]
-      tokens = jnp.where(take, cont, tokens)
-      valid = jnp.where(take, ok, valid)
-      found |= hit
+    found, tokens, valid = group_lookup(state.bank, state.bank_len, state.rows, self.group_size,
+                                        ctx.seq, ctx.seq_len, self.max_ngram, tree.num_nodes,
+                                        min_n=self.min_ngram)
+    tokens = jnp.where(found[:, None], tokens, ctx.root[:, None])
     # A draft is a prefix: past the first token the match lacks, nothing is drafted.
     valid = jnp.cumprod(valid, axis=1).astype(bool)
     return Proposal(tokens=tokens, drafted=valid), state
