@@ -151,6 +151,9 @@ def generate_command(
       max_new_tokens=max_new_tokens, sampling=sampling, drafter=d, tree=t, speculation=spec,
       eos_id=eos_id, drafter_params=draft_params)
 
+  # Compiling the loop takes seconds on a CPU (the adaptive one most): say so, never go quiet.
+  print(f"compiling {'plain' if draft is None else 'speculative'} decoding for "
+        f"{len(encoded)} prompt(s), then timing a second run...")
   spec, spec_s = _timed(lambda: run(draft, tree, speculation))
   for p, row, n in zip(prompt, np.asarray(spec.tokens), np.asarray(spec.lengths)):
     print(f"{p!r} -> {tokenizer.decode(row[:n].tolist())!r}")
@@ -165,6 +168,7 @@ def generate_command(
         f"{describe(t)} {n}" for t, n in zip(speculation.menu, np.asarray(stats.tree_rounds)))
         + f" (in {int(stats.segments)} runs of one tree)")
   if compare and draft is not None:
+    print("compiling plain decoding in the same engine, then timing a second run...")
     plain, plain_s = _timed(lambda: run(None, None))
     plain_tokens = int(np.asarray(plain.lengths).sum())
     print(f"plain decoding, same engine: {plain_tokens} tokens in {plain_s:.3f}s "
