@@ -26,7 +26,8 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 from specjax.models import ModelConfig  # noqa: E402
-from support import PROGRESSION_VOCAB, progression_batch, train_progression_model  # noqa: E402
+from support import (PROGRESSION_VOCAB, built_once, progression_batch,  # noqa: E402
+                     train_progression_model)
 
 # Compiling, not running, is most of this suite's time on CPU, and many tests compile the same
 # programs (the same decode loop on the same tiny models, the same train step) in different
@@ -64,20 +65,23 @@ def _drop_compiled_programs():
 
 
 @pytest.fixture(scope="session")
-def progression_models():
+def progression_models(tmp_path_factory, worker_id):
   """A target with 3 MTP modules and 3 Medusa heads, and a 1-layer draft model, both trained
-  in a few seconds on arithmetic progressions (so drafts are often, not always, accepted)."""
+  in a few seconds on arithmetic progressions (so drafts are often, not always, accepted);
+  once per run, whichever worker asks first."""
   target = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=64, n_layers=2, n_heads=4,
                        n_kv_heads=2, head_dim=16, mlp_dim=128, num_mtp_modules=3,
                        num_medusa_heads=3, max_position=128)
   draft = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=32, n_layers=1, n_heads=2,
                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=128)
-  return {"config": target, "params": train_progression_model(target, 250, 0),
-          "draft_config": draft, "draft_params": train_progression_model(draft, 150, 1)}
+  trained = built_once(tmp_path_factory, worker_id, "progression_models", lambda: {
+      "params": train_progression_model(target, 250, 0),
+      "draft_params": train_progression_model(draft, 150, 1)})
+  return {"config": target, "draft_config": draft, **trained}
 
 
 @pytest.fixture(scope="session")
-def progression_eagle(progression_models):
+def progression_eagle(progression_models, tmp_path_factory, worker_id):
   """An EAGLE-3 head for `progression_models`' target, trained with the training-time test
   on the same kind of sequences (a few seconds), over a reduced 28-token draft vocabulary."""
   from specjax.supervised.eagle3 import draft_vocab_from_data, train_eagle3
@@ -85,10 +89,15 @@ def progression_eagle(progression_models):
 
   m = progression_models
   config = Eagle3Config.for_target(m["config"], draft_vocab_size=28)
-  rng = np.random.default_rng(7)
-  data = [progression_batch(rng, 16, 32) for _ in range(80)]
-  mask = np.ones((16, 32), np.int32)
-  d2t = draft_vocab_from_data(np.stack(data), None, PROGRESSION_VOCAB, 28)
-  weights, _ = train_eagle3(m["params"], m["config"], config, ((t, mask) for t in data),
-                            optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
-  return {"config": config, "weights": weights}
+
+  def train():
+    rng = np.random.default_rng(7)
+    data = [progression_batch(rng, 16, 32) for _ in range(80)]
+    mask = np.ones((16, 32), np.int32)
+    d2t = draft_vocab_from_data(np.stack(data), None, PROGRESSION_VOCAB, 28)
+    weights, _ = train_eagle3(m["params"], m["config"], config, ((t, mask) for t in data),
+                              optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
+    return weights
+
+  return {"config": config, "weights": built_once(tmp_path_factory, worker_id,
+                                                  "progression_eagle", train)}

@@ -9,8 +9,10 @@ import contextlib
 import dataclasses
 import fcntl
 import importlib.util
+import itertools
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -72,10 +74,15 @@ def train_progression_model(config: ModelConfig, steps: int, seed: int):
   rng = np.random.default_rng(seed)
   optimizer = optax.adam(3e-3)
   state = init_supervised_state(init_params(config, jax.random.key(seed)), optimizer)
-  step = make_supervised_step(config, optimizer)
   mask = np.ones((16, 32), np.int32)
-  for _ in range(steps):
-    state, _ = step(state, progression_batch(rng, 16, 32), mask)
+  batches = (progression_batch(rng, 16, 32) for _ in range(steps))
+  first = next(batches)
+  # Compiled with XLA's backend optimisations, which the suite turns off (conftest.py): a few
+  # hundred steps run for seconds, not compiles, and optimised code runs them 2x faster.
+  step = make_supervised_step(config, optimizer).lower(state, first, mask).compile(
+      {"xla_backend_optimization_level": 1})
+  for batch in itertools.chain([first], batches):
+    state, _ = step(state, batch, mask)
   return state.params
 
 
@@ -98,6 +105,19 @@ def shared_dir(tmp_path_factory, worker_id: str, name: str):
       yield path
     finally:
       fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def built_once(tmp_path_factory, worker_id: str, name: str, build):
+  """`build()`'s pytree (arrays), built by the first pytest-xdist worker that asks and read
+  back by the others: a session fixture that trains a model is otherwise trained once per
+  worker (seconds to a minute each). Arrays come back as host copies, as they were built."""
+  with shared_dir(tmp_path_factory, worker_id, name) as path:
+    file = path / "tree.pickle"
+    if file.exists():
+      return jax.tree.map(jnp.asarray, pickle.loads(file.read_bytes()))
+    tree = build()
+    file.write_bytes(pickle.dumps(jax.tree.map(np.asarray, tree)))
+    return tree
 
 
 # A word-level tokenizer's ids: 0 <pad>, 1 <s>, 2 </s>, 3 <|eot_id|>, then the words: 10 in all.

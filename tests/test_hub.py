@@ -69,6 +69,7 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_everywhere_a_checkpoint_is_tak
   assert "HF_HUB_OFFLINE is set and the model is not in the local Hub cache" in out["error"]
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_generate_command_takes_a_hub_id(hub_cache):
   cache, _ = hub_cache
   env = child_env(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_HOME=str(cache))

@@ -62,6 +62,7 @@ def test_greedy_speculative_output_equals_plain_autoregressive(progression_model
     assert float(spec.stats.tokens_per_round) > 1.5, spec.stats
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_eos_inside_an_accepted_run_truncates_exactly_like_plain_decoding(progression_models):
   m = progression_models
   prompts, lengths = _prompts(m)
@@ -82,7 +83,8 @@ def test_eos_inside_an_accepted_run_truncates_exactly_like_plain_decoding(progre
   assert bool(spec.done.all())
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("sampling", [pytest.param(SamplingConfig(1.0), marks=pytest.mark.slow),
+                                      SamplingConfig(0.7, top_k=5, top_p=0.9)])
 def test_returned_logprobs_equal_target_log_softmax_at_emitted_tokens(progression_models,
                                                                       sampling):
   m = progression_models

@@ -48,6 +48,7 @@ def test_greedy_eagle3_output_equals_plain_autoregressive(progression_models,
   assert float(spec.stats.tokens_per_round) > 2.5, spec.stats
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_eos_inside_an_accepted_eagle3_run_truncates_like_plain_decoding(progression_models,
                                                                         progression_eagle):
   m, e = progression_models, progression_eagle

@@ -28,6 +28,7 @@ def test_tail_round_share_counts_rounds_with_a_quarter_of_the_rows_live(row_roun
   assert tail_round_share(row_rounds, live_fraction=1.0) == 1.0
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
   """Plain and speculative decoding both compacted, and plain decoding without compaction,
   from one interleaved measurement."""

@@ -95,7 +95,9 @@ DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoi
 
 
 @pytest.mark.parametrize("family, drafter, lora", [
-    ("llama", "draft-model", 0), pytest.param("qwen3", "eagle3", 0, marks=pytest.mark.slow),
+    # All slow: a minute each on 2 cores; the fast tier's own-model run is the JAX-rewards one.
+    pytest.param("llama", "draft-model", 0, marks=pytest.mark.slow),
+    pytest.param("qwen3", "eagle3", 0, marks=pytest.mark.slow),
     pytest.param("qwen3", "eagle3", 4, marks=pytest.mark.slow)])
 def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, family,
                                                                          drafter, lora):
@@ -201,7 +203,7 @@ def exact(prompts, completions, text):
 
 @pytest.mark.parametrize("mixed, async_mode", [pytest.param(False, False, marks=pytest.mark.slow),
                                                pytest.param(False, True, marks=pytest.mark.slow),
-                                               (True, False)],
+                                               pytest.param(True, False, marks=pytest.mark.slow)],
                          ids=["jax-fused", "jax-async", "python-and-jax"])
 def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
   rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])

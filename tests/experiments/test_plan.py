@@ -142,6 +142,7 @@ def test_qwen3_1p7b_compiled_memory_matches_the_estimate(qwen3_1p7b_plan):
       result.format())
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_plan_estimates_each_remat_policy_and_reports_them_side_by_side():
   config = _tiny()
   config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=4,

@@ -50,7 +50,8 @@ def _prefilled(config: ModelConfig, params, max_len: int, lengths):
 
 # S a multiple of the block, not one, smaller than one block, and a block of 7 slots.
 @pytest.mark.parametrize("family,max_len,block", [
-    pytest.param("llama", 256, 64, marks=pytest.mark.slow), ("llama", 300, 64),
+    pytest.param("llama", 256, 64, marks=pytest.mark.slow),
+    pytest.param("llama", 300, 64, marks=pytest.mark.slow),
     ("llama", 100, 256), ("qwen2", 200, 7), ("qwen3", 300, 64)])
 def test_blocked_forward_matches_dense_for_chains_and_trees(family, max_len, block):
   """Prefill, a decode step and a tree verify give the dense logits and cache at 1e-5."""
@@ -152,7 +153,8 @@ def test_blocked_attention_bf16_stays_close_to_dense():
                              atol=2e-2)
 
 
-@pytest.mark.parametrize("name", ["mtp_tree", "draft_model_chain", "plain_pallas"])
+@pytest.mark.parametrize("name", [pytest.param("mtp_tree", marks=pytest.mark.slow),
+                                  "draft_model_chain", "plain_pallas"])
 def test_greedy_generation_is_identical_with_blocked_attention(progression_models, name):
   """The whole engine (prefill, MTP / draft-model caches, tree verify) on blocked attention,
   and plain decoding on the (interpreted) Pallas kernel, emit what dense decoding emits."""

@@ -176,6 +176,7 @@ def test_bf16_model_computes_in_bf16_and_every_head_gives_float32_logits(bf16_mo
   assert not not_f32, not_f32
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_bf16_reported_logprobs_are_float32_and_match_the_trainers(bf16_models):
   """What the policy-gradient ratio compares: the engine's log-probabilities of sampled
   tokens (here from a sampled MTP tree) and the trainer's teacher-forced ones."""

@@ -67,6 +67,7 @@ def test_merge_scales_the_product_by_alpha_over_rank():
   np.testing.assert_allclose(adapters.merge(PARAMS)["layers"][1]["w_up"], want, atol=1e-6)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_gradients_of_the_factored_forward_are_those_through_the_merged_weights():
   adapters = _trained(init_lora(MODEL, LoraConfig(rank=3), jax.random.key(3)))
   weights = jnp.linspace(-1.0, 1.0, 64)

@@ -162,6 +162,7 @@ def test_draft_head_losses_fall_and_train_step_compiles_once():
   assert int(state.step) == 300
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_detached_head_loss_leaves_trunk_weights_unchanged():
   config = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
                        head_dim=16, mlp_dim=64, num_mtp_modules=1, num_medusa_heads=1)

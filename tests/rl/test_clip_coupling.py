@@ -77,6 +77,7 @@ def _reached(grads) -> set[str]:
   return {k for k, v in grads.items() if any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(v))}
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_heads_clipped_apart_are_exactly_what_the_detached_drafter_loss_reaches():
   """The partition is the one the losses make: the drafter loss (as the GRPO step computes
   it, detached) reaches the head keys and nothing else, the policy's logits only the rest."""

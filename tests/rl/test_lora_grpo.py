@@ -72,6 +72,7 @@ def lora_run():
   return _run(_config(), 3)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_the_adapters_train_and_the_trunk_stays_frozen(lora_run):
   state, history = lora_run
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(BASE)):

@@ -304,6 +304,7 @@ def test_async_step_updates_on_the_rollout_generated_one_step_earlier():
   assert step._cache_size() == 1
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
   config = _config()
 
@@ -341,7 +342,9 @@ def _on_mesh(config, steps):
   return _run(config, steps, step, jax.device_put(start, state_shard))
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(8, marks=pytest.mark.slow)])
+# Both slow (a minute on 2 cores); the decode loop's compaction is checked in the fast tier.
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow),
+                                     pytest.param(8, marks=pytest.mark.slow)])
 def test_greedy_rollouts_that_compact_their_batch_train_identically(devices):
   """Compaction gathers the live rows into smaller batches as rows finish, inside the fused
   step: greedy, the responses, rewards and the update are those of the full-batch rollout, on
@@ -480,6 +483,7 @@ def test_kill_9_then_resume_reproduces_the_uninterrupted_run(tmp_path):
   assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_grpo_raises_the_reward_of_a_simple_preference():
   """Sign and alignment check of the whole step: reward 1 when the response starts with '7'."""
   seven = TOK.encode("7")[0]

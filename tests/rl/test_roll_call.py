@@ -111,6 +111,7 @@ _JOIN = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_specjax_processes_with_one_id_exit_within_seconds_naming_it():
   """Real processes through `join_cluster`: two started with --process-id 1 all end with the
   message in seconds, where JAX's rendezvous ran out its timeout and aborted."""
