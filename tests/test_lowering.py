@@ -147,6 +147,7 @@ def test_the_sharded_step_on_a_2x2x2_mesh_lowers():
   lower_everywhere(step.jitted, state, batch, mesh=mesh)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_both_disaggregated_programs_lower():
   devices = jax.devices()
   roll_mesh, train_mesh = make_mesh(data=-1, devices=devices[:2]), make_mesh(data=-1,

@@ -210,6 +210,7 @@ def test_sharded_kv_cache_decode_equals_unsharded(mesh, tokens):
   _assert_trees_close(actual, expected)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_sharded_supervised_steps_equal_single_device(mesh, tokens):
   # Adam's update is about lr * g / (|g| + eps): for |g| near eps it turns float32
   # reduction-order noise in g (~1e-10 here) into up to lr * noise / eps. With the default

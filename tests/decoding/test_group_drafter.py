@@ -105,8 +105,9 @@ def _progression(models, rows=4):
 
 
 @pytest.mark.parametrize("with_mtp, compaction", [
-    (False, 0), (False, 2),  # slow: keeps the README's tests < 10 min
-    pytest.param(True, 0, marks=pytest.mark.slow), pytest.param(True, 2, marks=pytest.mark.slow)],
+    (False, 0),  # the others slow: they keep the README's tests < 10 min
+    pytest.param(False, 2, marks=pytest.mark.slow), pytest.param(True, 0, marks=pytest.mark.slow),
+    pytest.param(True, 2, marks=pytest.mark.slow)],
     ids=["group-0", "group-2", "group+mtp-0", "group+mtp-2"])
 def test_greedy_group_drafting_equals_plain_decoding(progression_models, compaction, with_mtp):
   m = progression_models

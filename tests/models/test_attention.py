@@ -52,7 +52,7 @@ def _prefilled(config: ModelConfig, params, max_len: int, lengths):
 @pytest.mark.parametrize("family,max_len,block", [
     pytest.param("llama", 256, 64, marks=pytest.mark.slow),
     pytest.param("llama", 300, 64, marks=pytest.mark.slow),
-    ("llama", 100, 256), ("qwen2", 200, 7), ("qwen3", 300, 64)])
+    pytest.param("llama", 100, 256, marks=pytest.mark.slow), ("qwen2", 200, 7), ("qwen3", 300, 64)])
 def test_blocked_forward_matches_dense_for_chains_and_trees(family, max_len, block):
   """Prefill, a decode step and a tree verify give the dense logits and cache at 1e-5."""
   extra = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}.get(family, {})

@@ -268,6 +268,7 @@ def test_ttt_loss_equals_hand_computed_soft_and_hard_cross_entropy():
     np.testing.assert_allclose(loss, np.dot(weights, ces) / weights.sum(), rtol=1e-5)
 
 
+@pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_ttt_training_raises_draft_accuracy_on_target_features():
   """A few hundred Adam steps on a tiny random target's features over arithmetic progressions
   (each token predictable from the previous two). Negative control: accuracy before training."""
