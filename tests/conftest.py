@@ -65,7 +65,7 @@ def _drop_compiled_programs():
 
 
 @pytest.fixture(scope="session")
-def progression_models(tmp_path_factory, worker_id):
+def progression_models(tmp_path_factory):
   """A target with 3 MTP modules and 3 Medusa heads, and a 1-layer draft model, both trained
   in a few seconds on arithmetic progressions (so drafts are often, not always, accepted);
   once per run, whichever worker asks first."""
@@ -74,14 +74,14 @@ def progression_models(tmp_path_factory, worker_id):
                        num_medusa_heads=3, max_position=128)
   draft = ModelConfig(vocab_size=PROGRESSION_VOCAB, d_model=32, n_layers=1, n_heads=2,
                       n_kv_heads=1, head_dim=16, mlp_dim=64, max_position=128)
-  trained = built_once(tmp_path_factory, worker_id, "progression_models", lambda: {
+  trained = built_once(tmp_path_factory, "progression_models", lambda: {
       "params": train_progression_model(target, 250, 0),
       "draft_params": train_progression_model(draft, 150, 1)})
   return {"config": target, "draft_config": draft, **trained}
 
 
 @pytest.fixture(scope="session")
-def progression_eagle(progression_models, tmp_path_factory, worker_id):
+def progression_eagle(progression_models, tmp_path_factory):
   """An EAGLE-3 head for `progression_models`' target, trained with the training-time test
   on the same kind of sequences (a few seconds), over a reduced 28-token draft vocabulary."""
   from specjax.supervised.eagle3 import draft_vocab_from_data, train_eagle3
@@ -99,5 +99,4 @@ def progression_eagle(progression_models, tmp_path_factory, worker_id):
                               optimizer=optax.adam(3e-3), d2t=d2t, key=jax.random.key(3))
     return weights
 
-  return {"config": config, "weights": built_once(tmp_path_factory, worker_id,
-                                                  "progression_eagle", train)}
+  return {"config": config, "weights": built_once(tmp_path_factory, "progression_eagle", train)}

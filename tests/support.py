@@ -87,7 +87,7 @@ def train_progression_model(config: ModelConfig, steps: int, seed: int):
 
 
 @contextlib.contextmanager
-def shared_dir(tmp_path_factory, worker_id: str, name: str):
+def shared_dir(tmp_path_factory, name: str):
   """A directory of this test session that its pytest-xdist workers share, entered under a
   lock: for what is too expensive to build once per worker (the tests of a module fixture
   may run on both workers, and each would build it). The first worker to enter builds the
@@ -95,7 +95,9 @@ def shared_dir(tmp_path_factory, worker_id: str, name: str):
   to one worker, but with pytest 9 it silently does not: it renames items through an
   attribute pytest no longer reads.)"""
   root = tmp_path_factory.getbasetemp()
-  if worker_id != "master":  # workers' base dirs are siblings in the session's directory
+  # Workers' base dirs are siblings in the session's directory. Read from the environment
+  # xdist gives its workers, not its `worker_id` fixture, which `-p no:xdist` takes away.
+  if "PYTEST_XDIST_WORKER" in os.environ:
     root = root.parent
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -107,11 +109,11 @@ def shared_dir(tmp_path_factory, worker_id: str, name: str):
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def built_once(tmp_path_factory, worker_id: str, name: str, build):
-  """`build()`'s pytree (arrays), built by the first pytest-xdist worker that asks and read
-  back by the others: a session fixture that trains a model is otherwise trained once per
-  worker (seconds to a minute each). Arrays come back as host copies, as they were built."""
-  with shared_dir(tmp_path_factory, worker_id, name) as path:
+def built_once(tmp_path_factory, name: str, build):
+  """`build()`'s pytree of arrays, built by the first pytest-xdist worker that asks and read
+  back (same values and dtypes) by the others: a session fixture that trains a model is
+  otherwise trained once per worker (seconds to a minute each)."""
+  with shared_dir(tmp_path_factory, name) as path:
     file = path / "tree.pickle"
     if file.exists():
       return jax.tree.map(jnp.asarray, pickle.loads(file.read_bytes()))

@@ -90,12 +90,11 @@ def _run_cluster(out_dir: Path, processes: int, devices: int) -> None:
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (4, 1)], ids=["2x2", "4x1"])
-def cluster_run(request, tmp_path_factory, worker_id):
+def cluster_run(request, tmp_path_factory):
   """A cluster of (processes, devices each) run once per test session, whichever worker
   needs it first: its results, the single-process reference and its directory."""
   processes, devices = request.param
-  with shared_dir(tmp_path_factory, worker_id,
-                  f"multihost_grpo_{processes}x{devices}") as out_dir:
+  with shared_dir(tmp_path_factory, f"multihost_grpo_{processes}x{devices}") as out_dir:
     if not (out_dir / "reference.npz").exists():
       _run_cluster(out_dir, processes, devices)
   return (dict(np.load(out_dir / "result.npz")), dict(np.load(out_dir / "reference.npz")),
