@@ -20,7 +20,6 @@ import functools
 import os
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -34,17 +33,10 @@ from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, 
 from specjax.decoding.policy import describe
 from specjax.errors import ConfigError, SpecjaxError
 from specjax.hub import local_checkpoint
+from specjax.timing import interleaved
 from specjax.tokenizer import with_bos
 
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
-
-
-def _timed(fn):
-  """Run once to compile, then time a second run (block until the result is ready)."""
-  jax.block_until_ready(fn())
-  start = time.perf_counter()
-  out = jax.block_until_ready(fn())
-  return out, time.perf_counter() - start
 
 
 def generate_command(
@@ -61,6 +53,7 @@ def generate_command(
     max_new_tokens: int = 64,
     seed: int = 0,
     compare: bool = True,
+    repeats: int = 3,
     demo_steps: int = 400,
 ) -> None:
   """Generate text, speculatively, and print it with acceptance statistics.
@@ -87,6 +80,8 @@ def generate_command(
     max_new_tokens: tokens to generate per prompt.
     seed: PRNG seed.
     compare: also run plain decoding in the same engine and print the speedup.
+    repeats: timed runs of each (after a first run that compiles), more until each has run
+      for a second; speculative and plain runs take turns, and the figures are medians.
     demo_steps: training steps of the demo model.
   """
   if not demo and checkpoint is None:
@@ -106,6 +101,8 @@ def generate_command(
   tree = DraftTree.from_widths(widths) if drafter != "none" else None
   if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
+  if not is_int(repeats) or repeats < 1:
+    raise ConfigError(f"repeats={repeats!r} is invalid: must be an int >= 1")
   if demo:
     from specjax.experiments import demo as demo_lib
     print("training the built-in demo model (counting text, 3 MTP heads)...")
@@ -153,27 +150,39 @@ def generate_command(
 
   # Compiling the loop takes seconds on a CPU (the adaptive one most): say so, never go quiet.
   print(f"compiling {'plain' if draft is None else 'speculative'} decoding for "
-        f"{len(encoded)} prompt(s), then timing a second run...")
-  spec, spec_s = _timed(lambda: run(draft, tree, speculation))
+        f"{len(encoded)} prompt(s)...")
+  spec = jax.block_until_ready(run(draft, tree, speculation))
+  tokens_of = lambda result: int(np.asarray(result.lengths).sum())  # waits for the result
+  arms = [lambda r: tokens_of(run(draft, tree, speculation))]
+  compare = compare and draft is not None
+  if compare:
+    print("compiling plain decoding in the same engine...")
+    jax.block_until_ready(run(None, None))
+    arms.append(lambda r: tokens_of(run(None, None)))
+  print(f"timing {'both in turn, ' if compare else ''}{repeats}+ runs "
+        f"{'each ' if compare else ''}(medians)...")
+  seconds, generated = interleaved(arms, repeats, seconds=1.0)
+  rates = [np.asarray(n) / s for n, s in zip(generated, seconds)]
   for p, row, n in zip(prompt, np.asarray(spec.tokens), np.asarray(spec.lengths)):
     print(f"{p!r} -> {tokenizer.decode(row[:n].tolist())!r}")
-  generated = int(np.asarray(spec.lengths).sum())
   stats = spec.stats
-  print(f"drafter {drafter}, tree widths {widths if tree else ()}: {generated} tokens in "
-        f"{spec_s:.3f}s ({generated / spec_s:.0f} tok/s), {int(stats.rounds)} rounds, "
+  print(f"drafter {drafter}, tree widths {widths if tree else ()}: {generated[0][-1]} tokens in "
+        f"{np.median(seconds[0]):.4f}s ({np.median(rates[0]):.0f} tok/s, median of "
+        f"{len(seconds[0])}), {int(stats.rounds)} rounds, "
         f"{float(stats.tokens_per_round):.2f} tokens per row-round, acceptance per depth "
         f"{np.round(np.asarray(stats.accepted_per_depth), 2).tolist()}")
   if speculation is not None:
     print("rounds per tree: " + ", ".join(
         f"{describe(t)} {n}" for t, n in zip(speculation.menu, np.asarray(stats.tree_rounds)))
         + f" (in {int(stats.segments)} runs of one tree)")
-  if compare and draft is not None:
-    print("compiling plain decoding in the same engine, then timing a second run...")
-    plain, plain_s = _timed(lambda: run(None, None))
-    plain_tokens = int(np.asarray(plain.lengths).sum())
-    print(f"plain decoding, same engine: {plain_tokens} tokens in {plain_s:.3f}s "
-          f"({plain_tokens / plain_s:.0f} tok/s); speculative / plain throughput = "
-          f"{(generated / spec_s) / (plain_tokens / plain_s):.2f}x")
+    if speculation.plain_throughout((len(encoded),), max_new_tokens):
+      print("no tree is expected to pay at these costs even at the prior acceptance, so the "
+            "policy decodes plainly without the drafter (the same program as plain decoding)")
+  if compare:
+    print(f"plain decoding, same engine: {generated[1][-1]} tokens in "
+          f"{np.median(seconds[1]):.4f}s ({np.median(rates[1]):.0f} tok/s); speculative / "
+          f"plain throughput = {np.median(rates[0] / rates[1]):.2f}x (median of the runs' "
+          "ratios)")
 
 
 def load_experiment(path: str):

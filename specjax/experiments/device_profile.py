@@ -39,6 +39,7 @@ import numpy as np
 from specjax.sim.fit import Measurement, fit_efficiency
 from specjax.sim.hardware import Curve, DeviceProfile
 from specjax.sim.model import ModelSpec
+from specjax.timing import interleaved
 
 
 def _seconds(fn: Callable) -> float:
@@ -56,16 +57,12 @@ def _median_seconds(fn: Callable, repeats: int) -> float:
 
 def _interleaved_medians(fns: Sequence[Callable], repeats: int) -> list[float]:
   """Median seconds of each of `fns` (compiled and warmed up first), their repeats taken in
-  turn, so that a burst of load from other work on a shared machine hits them alike rather
-  than bending the shape of what is measured."""
-  import jax
+  turn (`specjax.timing.interleaved`), so that a burst of load from other work on a shared
+  machine hits them alike rather than bending the shape of what is measured."""
   for fn in fns:
-    jax.block_until_ready(fn())
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for fn, samples in zip(fns, times):
-      samples.append(_seconds(fn))
-  return [statistics.median(samples) for samples in times]
+    _seconds(fn)
+  seconds, _ = interleaved([lambda r, fn=fn: _seconds(fn) for fn in fns], repeats)
+  return [float(np.median(s)) for s in seconds]
 
 
 def _memory_capacity(device) -> float:

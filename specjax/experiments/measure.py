@@ -28,6 +28,7 @@ from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
 from specjax.rl.tasks import decode_completions
+from specjax.timing import interleaved
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
@@ -174,17 +175,14 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
         eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
         drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
-  rates = [[] for _ in arms]
-  spent, last, r = [0.0] * len(arms), [None] * len(arms), 0
-  while r < config.eval.speedup_repeats or min(spent) < config.eval.speedup_seconds:
-    r += 1
-    for i in np.roll(np.arange(len(arms)), -r):
-      start = time.perf_counter()
-      last[i] = jax.block_until_ready(arms[i](jax.random.key(r)))
-      seconds = time.perf_counter() - start
-      spent[i] += seconds
-      rates[i].append(int(last[i].lengths.sum()) / seconds)
-  rates = dict(zip(names, map(np.asarray, rates)))
+  # Each repeat draws its own responses (key r + 1; the compile used key 0).
+  seconds, outputs = interleaved(
+      [lambda r, arm=arm: jax.block_until_ready(arm(jax.random.key(r + 1))) for arm in arms],
+      config.eval.speedup_repeats, config.eval.speedup_seconds)
+  rates = [np.array([int(o.lengths.sum()) for o in outs]) / s
+           for outs, s in zip(outputs, seconds)]
+  last = [outs[-1] for outs in outputs]
+  rates = dict(zip(names, rates))
   ratio = lambda a, b: float(np.median(rates[a] / rates[b]))
   out = last[1]  # the speculative arm's statistics
   summary = {"plain_tokens_per_s": float(np.median(rates["plain"])),
