@@ -37,7 +37,7 @@ from flax import struct
 from specjax.checks import is_int
 from specjax.errors import ConfigError, TaskError
 from specjax.rl.gsm8k import GSM8KTask
-from specjax.rl.tasks import SPLITS, ArithmeticTask, Task, encode_prompt
+from specjax.rl.tasks import SPLITS, ArithmeticTask, Task, task_prompt_ids
 
 _RECORD_FORMAT = "1"  # bump when the record layout changes, so old datasets are not reused
 
@@ -118,7 +118,7 @@ class GSM8KPrompts(TaskPrompts, skip_registration=True):
 
 
 def _records(task: Task, split: str, answer_dtype) -> list[dict]:
-  return [{"prompt": np.asarray(encode_prompt(task.tokenizer, e.prompt), np.int32),
+  return [{"prompt": np.asarray(task_prompt_ids(task, e.prompt), np.int32),
            "reference": e.reference,
            "answer": np.asarray(e.answer, answer_dtype),
            "index": np.int64(i)}

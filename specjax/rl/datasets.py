@@ -247,9 +247,21 @@ class DatasetTask:
 
   def encode_prompt(self, text: str) -> list[int]:
     """The prompt ids of rendered prompt `text`: a chat template writes its own special tokens
-    (BOS included, where the model has one), so only plain text gets a BOS added."""
-    ids = self.tokenizer.encode(text)
-    return ids if self._templated else with_bos(ids, self.tokenizer.bos_id)
+    (BOS included, where the model has one), so only plain text gets a BOS added.
+
+    Each prompt is tokenized once: building the task encodes every row to check it, and the
+    run's prompt records ask for the same ids again (`_encoded`)."""
+    ids = self._encoded.get(text)
+    if ids is None:
+      ids = self.tokenizer.encode(text)
+      ids = tuple(ids if self._templated else with_bos(ids, self.tokenizer.bos_id))
+      self._encoded[text] = ids
+    return list(ids)
+
+  @functools.cached_property
+  def _encoded(self) -> dict[str, tuple[int, ...]]:
+    """Prompt ids by rendered prompt, for every prompt encoded so far."""
+    return {}
 
   @functools.cached_property
   def _templated(self) -> bool:

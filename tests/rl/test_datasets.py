@@ -151,6 +151,56 @@ def test_a_dataset_without_held_out_prompts_says_how_to_get_some():
   assert len(task.examples("train")) == 4 and len(task.examples("test")) == 2
 
 
+class CountingTokenizer(CharTokenizer):
+  """Counts `encode` calls per text; its BOS is 3 (added to plain-text prompts)."""
+
+  def __init__(self, alphabet):
+    super().__init__(alphabet)
+    self.calls = {}
+
+  @property
+  def bos_id(self):
+    return 3
+
+  def encode(self, text):
+    self.calls[text] = self.calls.get(text, 0) + 1
+    return super().encode(text)
+
+
+def test_each_prompt_is_tokenized_once_from_the_check_to_the_prompt_records(tmp_path):
+  from specjax.rl.data import prepare_prompts
+  tok = CountingTokenizer("abcdefghij +=0123456789")
+  task = DatasetTask(_rows(), tok, [exact])
+  records = prepare_prompts(task, tmp_path / "data")
+  assert sum(len(records[s]) for s in ("train", "test")) == 40
+  assert set(tok.calls) == {f"{i}+{i}=" for i in range(40)}
+  assert set(tok.calls.values()) == {1}
+  plain = CharTokenizer("abcdefghij +=0123456789")
+  for split in ("train", "test"):  # the ids read back are the prompt's, BOS first
+    examples = task.examples(split)
+    for record in records[split]:
+      text = examples[int(record["index"])].prompt
+      assert list(record["prompt"]) == [3] + plain.encode(text), text
+
+
+def test_prompt_records_of_a_chat_task_are_its_templates_ids(tmp_path):
+  """A chat template writes its own special tokens: the records add no BOS the template
+  left out (ChatML has none), as the run's own prompts do (`DatasetTask.encode_prompt`)."""
+  from specjax.rl.data import prepare_prompts
+  (tmp_path / "tok").mkdir()
+  tok = _chat_dir(tmp_path / "tok", CHATML)
+  assert tok.bos_id is not None
+  rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)}
+          for i in range(30)]
+  task = DatasetTask(rows, tok, [exact])
+  records = prepare_prompts(task, tmp_path / "data")
+  for split in ("train", "test"):
+    examples = task.examples(split)
+    for record in records[split]:
+      ids = tok.encode(examples[int(record["index"])].prompt)
+      assert ids[0] != tok.bos_id and list(record["prompt"]) == ids
+
+
 def _chat_dir(tmp_path, template):
   tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz<>|_/\n =+0123456789")
   tok.save(tmp_path)
