@@ -175,26 +175,30 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
         eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
         drafter_params=drafter_params if rc.drafter else None))
     jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
-  # Each repeat draws its own responses (key r + 1; the compile used key 0).
-  seconds, outputs = interleaved(
-      [lambda r, arm=arm: jax.block_until_ready(arm(jax.random.key(r + 1))) for arm in arms],
-      config.eval.speedup_repeats, config.eval.speedup_seconds)
-  rates = [np.array([int(o.lengths.sum()) for o in outs]) / s
-           for outs, s in zip(outputs, seconds)]
-  last = [outs[-1] for outs in outputs]
-  rates = dict(zip(names, rates))
+
+  def run(arm, r: int):
+    """One timed call (key r + 1: each repeat draws its own responses; the compile used key
+    0): its tokens and statistics, kept for every repeat, not its `[B, T]` outputs."""
+    out = jax.block_until_ready(arm(jax.random.key(r + 1)))
+    return int(out.lengths.sum()), out.stats
+
+  seconds, runs = interleaved([functools.partial(run, arm) for arm in arms],
+                              config.eval.speedup_repeats, config.eval.speedup_seconds)
+  rates = dict(zip(names, (np.array([n for n, _ in calls]) / s
+                           for calls, s in zip(runs, seconds))))
+  last = [calls[-1][1] for calls in runs]  # each arm's last call's statistics
   ratio = lambda a, b: float(np.median(rates[a] / rates[b]))
-  out = last[1]  # the speculative arm's statistics
+  stats = last[1]  # the speculative arm's
   summary = {"plain_tokens_per_s": float(np.median(rates["plain"])),
              "spec_tokens_per_s": float(np.median(rates["spec"])),
              "speedup": ratio("spec", "plain"),
-             "acceptance_length": float(out.stats.tokens_per_round)}
+             "acceptance_length": float(stats.tokens_per_round)}
   if compaction:
     summary |= {"uncompacted_tokens_per_s": float(np.median(rates["uncompacted"])),
                 "compaction_speedup": ratio("plain", "uncompacted"),
                 "total_speedup": ratio("spec", "uncompacted"),
-                "tail_share": tail_round_share(last[2].stats.row_rounds)}
-  rounds = np.asarray(out.stats.tree_rounds, np.float64)
+                "tail_share": tail_round_share(last[2].row_rounds)}
+  rounds = np.asarray(stats.tree_rounds, np.float64)
   if len(rounds) > 1:
     summary["plain_share"] = float(rounds[0] / max(rounds.sum(), 1.0))
   return summary
