@@ -11,7 +11,10 @@ per drafter: the table, then per bucket the two ratios issue 33 bounds — `upke
 with the drafter kept / plain alone (<= 1.15 is lean) — and each chain's `ceiling`: (k + 1)
 plain rounds / one chain-k round, the speedup a chain would reach if every draft were
 accepted. Where every ceiling is below 1, no drafter can make speculation pay at that batch
-on this machine, whatever its acceptance.
+on this machine, whatever its acceptance. Then where each chain's round goes
+(`specjax.decoding.round_parts`): the whole round, the drafter's share of it, the verify
+forward alone, the rest (the engine's own work: acceptance, emit, commit, counts) and `lean`
+= round / (drafting + verify), which issue 33 bounds at 1.3.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import jax
 
 from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, build_drafter,
-                              calibrate)
+                              calibrate, round_parts)
 from specjax.decoding.drafters.group import with_group_size
 from specjax.models import init_params
 
@@ -66,6 +69,11 @@ def main(argv=None) -> int:
       ceilings = [(k + 1) * alone / costs.seconds[k][j] for k in range(1, depth + 1)]
       print(f"{b:>5} {costs.seconds[0][j] / alone:>7.2f} "
             + " ".join(f"{c:>9.2f}" for c in ceilings))
+    parts = round_parts(params, config.model, drafter, menu.menu[1:], batch_sizes=buckets,
+                        prompt_len=prompt_len, max_new_tokens=config.rollout.max_new_tokens,
+                        sampling=SamplingConfig(config.rollout.temperature),
+                        repeats=args.repeats)
+    print(f"\n{name}: where a round goes (median of {args.repeats})\n{parts.format()}")
   return 0
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding: sampling, draft trees, drafters, lossless verification, `generate`."""
 
 from specjax.decoding import verify
-from specjax.decoding.calibrate import calibrate
+from specjax.decoding.calibrate import RoundParts, calibrate, round_parts
 from specjax.decoding.drafters import (AcceptedWindow, DraftContext, DraftModelDrafter,
                                        DraftModelState, DraftSource, Drafter, Eagle3Drafter,
                                        Eagle3State, Eagle3Weights, FallbackDrafter, FallbackState,
@@ -28,6 +28,6 @@ __all__ = [
     "FallbackDrafter", "FallbackState", "GroupDrafter", "GroupState",
     "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
     "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
-    "reported_logprobs", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",
+    "reported_logprobs", "round_parts", "RoundParts", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",
     "verify_matching", "verify_sampled", "VerifyResult",
 ]

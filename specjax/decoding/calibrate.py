@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checks import is_int
-from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.drafters.base import Drafter, Proposal
 from specjax.decoding.engine import DecodeLoop
 from specjax.decoding.policy import Adaptive, CostTable
 from specjax.decoding.sampling import SamplingConfig
@@ -53,6 +53,7 @@ from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import Params
+from specjax.models.transformer import forward
 
 DEFAULT = "default"
 MIN_SECONDS = 0.25  # the least time one measurement of an entry runs for
@@ -351,3 +352,137 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   if verbose:
     print(f"calibration (seconds per round, median of {repeats})\n{table.format(menu)}")
   return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _Echo(Drafter):
+  """Drafts the root at every node with no model and no state, reading the target layers
+  `layers` like the drafter it stands in for: a round of it is the engine's own work for a
+  tree (one verify forward, acceptance, emit, commit, counts) and none of a drafter's."""
+
+  layers: tuple[int, ...] = ()
+
+  def hidden_layers(self, config: ModelConfig) -> tuple[int, ...]:
+    return self.layers
+
+  def propose(self, params, config, state, ctx, tree, sampling, key):
+    b = ctx.seq.shape[0]
+    return Proposal(tokens=jnp.broadcast_to(ctx.root[:, None], (b, tree.num_nodes))), state
+
+
+def _verify_timer(loop: DecodeLoop, tree: DraftTree):
+  """Like `_round_timer`, but each round is only the verify forward of `tree`: the target
+  over root + nodes with the tree's mask, nothing committed. Its logits feed the carry, so
+  no part of the forward is left out."""
+
+  @jax.jit
+  def run(params, prompts, lengths, key, drafter_params, n):
+    s = loop.prefill(params, prompts, lengths, key, drafter_params)
+    tokens = jnp.broadcast_to(s.context.root[:, None], (s.seq.shape[0], tree.num_nodes + 1))
+    positions = (s.seq_len - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
+
+    def body(_, carry):
+      cache, total = carry
+      out = forward(params, loop.config, tokens, positions, cache,
+                    new_mask=jnp.asarray(tree.ancestor_mask), advance=0,
+                    hidden_layers=loop.hidden_layers)
+      return out.cache, total + out.logits.max()
+    return jax.lax.fori_loop(0, n, body, (s.cache, jnp.zeros((), jnp.float32)))
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundParts:
+  """Where a speculative round's time goes, per drafting tree and batch size (seconds).
+
+  Attributes:
+    trees: the drafting trees measured.
+    batches: the batch sizes.
+    round: `round[i][j]`, a whole round of tree i (draft, verify, emit, commit, update).
+    engine: the same round with a drafter that does no work (`_Echo`).
+    verify: the target's verify forward over tree i's root + nodes alone.
+  """
+
+  trees: tuple[DraftTree, ...]
+  batches: tuple[int, ...]
+  round: tuple[tuple[float, ...], ...]
+  engine: tuple[tuple[float, ...], ...]
+  verify: tuple[tuple[float, ...], ...]
+
+  def drafting(self, i: int, j: int) -> float:
+    """The drafter's share of a round: everything it adds to the engine's round."""
+    return max(self.round[i][j] - self.engine[i][j], 0.0)
+
+  def lean(self, i: int, j: int) -> float:
+    """A round over its drafting plus one verify forward: what the engine adds to the work
+    the tree needs (issue 33 bounds it at 1.3)."""
+    return self.round[i][j] / max(self.drafting(i, j) + self.verify[i][j], 1e-12)
+
+  def format(self) -> str:
+    """One row per tree and batch: ms of the round, its drafting, the verify forward and the
+    rest (the engine's own work), and the lean ratio."""
+    lines = [f"{'tree':<12} {'B':>5} {'round':>9} {'drafting':>9} {'verify':>9} "
+             f"{'rest':>9} {'lean':>6}"]
+    for i, tree in enumerate(self.trees):
+      name = f"chain{tree.depth}" if tree.is_chain() else f"{tree.num_nodes} nodes"
+      for j, b in enumerate(self.batches):
+        rest = self.engine[i][j] - self.verify[i][j]
+        lines.append(f"{name:<12} {b:>5} " + " ".join(
+            f"{1e3 * x:>7.3f}ms" for x in (self.round[i][j], self.drafting(i, j),
+                                           self.verify[i][j], rest))
+            + f" {self.lean(i, j):>6.2f}")
+    return "\n".join(lines)
+
+
+def round_parts(params: Params, config: ModelConfig, drafter: Drafter,
+                trees: Sequence[DraftTree], *, batch_sizes: Sequence[int], prompt_len: int,
+                max_new_tokens: int, drafter_params: Any = None,
+                sampling: SamplingConfig = SamplingConfig(), rounds: int = 8,
+                repeats: int = 5) -> RoundParts:
+  """Measure where a round of each drafting tree goes: the whole round, the same round with a
+  drafter that does no work, and the verify forward alone (each the median of `repeats`
+  n-round less 2-round differences, taken in turn so that load hits all three alike).
+
+  The trees form one adaptive menu (with plain decoding), as in `calibrate`: the drafter's
+  state is built for the deepest, and the cache has the slots `calibrate`'s loop gives it.
+  """
+  menu = Adaptive(tuple(trees)).menu
+  drafting = [i for i, t in enumerate(menu) if t.num_nodes]
+  if not drafting:
+    raise ConfigError(f"trees={trees!r}: round_parts needs at least one drafting tree")
+  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
+    raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
+  max_len = min(prompt_len + max_new_tokens + max(t.num_nodes for t in menu) + 1,
+                config.max_position)
+  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
+                    sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
+  echo = dataclasses.replace(loop, drafter=_Echo(loop.hidden_layers))
+  n1, n2 = 2, 2 + rounds
+  parts = {name: [[0.0] * len(batch_sizes) for _ in drafting]
+           for name in ("round", "engine", "verify")}
+  for j, b in enumerate(batch_sizes):
+    key = jax.random.key(0)
+    prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
+                                 config.vocab_size, jnp.int32)
+    lengths = jnp.full((b,), prompt_len, jnp.int32)
+    loop.check_prompts(prompts, lengths)
+    args = (params, prompts, lengths, key, drafter_params)
+    for row, i in enumerate(drafting):
+      timers = {"round": _round_timer(loop, i), "engine": _round_timer(echo, i),
+                "verify": _verify_timer(echo, menu[i])}
+      counts = {}
+      for name, run in timers.items():  # compile, warm up, and size each measurement
+        jax.block_until_ready(run(*args, n2))
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args, n2))
+        counts[name] = max(n2, n1 + int(np.ceil(
+            MIN_SECONDS / max(time.perf_counter() - t0, 1e-9) * n2)))
+      taken = {name: [] for name in timers}
+      for _ in range(repeats):
+        for name, run in timers.items():
+          taken[name].append(_seconds_per_round(run, counts[name], n1, args))
+      for name in timers:
+        parts[name][row][j] = max(statistics.median(taken[name]), 1e-7)
+  freeze = lambda rows: tuple(tuple(r) for r in rows)
+  return RoundParts(trees=tuple(menu[i] for i in drafting), batches=tuple(batch_sizes),
+                    **{name: freeze(rows) for name, rows in parts.items()})

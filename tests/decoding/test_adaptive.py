@@ -503,3 +503,38 @@ def test_compacting_the_batch_as_rows_finish_keeps_every_row_exact(
     assert bool(out.done.all())
   assert DecodeLoop(config=m["config"], max_new_tokens=4, max_len=32,
                     compaction=3).buckets(8) == (8, 4, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heavy(NGramDrafter):
+  """n-gram drafts after a pile of matrix products nothing else in a round comes near."""
+
+  def propose(self, params, config, state, ctx, tree, sampling, key):
+    x = jnp.full((256, 256), 1e-3, jnp.float32) + ctx.seq_len[0].astype(jnp.float32)
+    for _ in range(40):
+      x = jnp.tanh(x @ x)
+    proposal, state = super().propose(params, config, state, ctx, tree, sampling, key)
+    return proposal.replace(tokens=proposal.tokens + (x[0, 0] > 2.0)), state
+
+
+def test_round_parts_split_a_round_into_drafting_verify_and_the_engines_rest():
+  from support import MODEL
+  from specjax.decoding import round_parts
+  from specjax.decoding.calibrate import _Echo
+  params = init_params(MODEL, jax.random.key(0))
+  measure = lambda drafter: round_parts(params, MODEL, drafter, (DraftTree.chain(2),),
+                                        batch_sizes=(2,), prompt_len=4, max_new_tokens=6,
+                                        rounds=2, repeats=3)
+  heavy = measure(_Heavy(max_ngram=2))
+  assert heavy.trees == (DraftTree.chain(2),) and heavy.batches == (2,)
+  # The drafter is nearly the whole round, so the round is its drafting plus one verify.
+  assert heavy.drafting(0, 0) > 0.8 * heavy.round[0][0]
+  assert heavy.lean(0, 0) == pytest.approx(1.0, abs=0.2)
+  # A drafter that does no work leaves the round to the verify forward and the engine.
+  idle = measure(_Echo())
+  assert idle.drafting(0, 0) < 0.5 * idle.round[0][0]
+  assert 0 < idle.verify[0][0] < idle.engine[0][0] * 1.5
+  assert "chain2" in idle.format() and "lean" in idle.format()
+  with pytest.raises(ConfigError, match="at least one drafting tree"):
+    round_parts(params, MODEL, _Echo(), (DraftTree.empty(),), batch_sizes=(2,), prompt_len=4,
+                max_new_tokens=6)
