@@ -209,6 +209,17 @@ def _seconds_per_round(run, n: int, n1: int, args) -> float:
   return ((t2 - t1) - (t1 - t0)) / (n - n1)
 
 
+def _rounds_to_time(run, args, n1: int, n2: int) -> int:
+  """Compile and warm up `run`, then the rounds one measurement of it runs: at least n2, and
+  enough past n1 to last `MIN_SECONDS` (tiny rounds take microseconds: time enough of them to
+  rise above the timer's noise)."""
+  jax.block_until_ready(run(*args, n2))
+  t0 = time.perf_counter()
+  jax.block_until_ready(run(*args, n2))
+  per_round = max(time.perf_counter() - t0, 1e-9) / n2
+  return max(n2, n1 + int(np.ceil(MIN_SECONDS / per_round)))
+
+
 def _median_seconds(fn, args, repeats: int) -> float:
   times = []
   for _ in range(repeats):
@@ -305,13 +316,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     timers = [_round_timer(timed_loop, i) for timed_loop, i in timed]
     timers.insert(-1, _switch_timer(loop, pair))  # (timed like one more entry)
     for run in timers:  # compile and warm up every entry first
-      jax.block_until_ready(run(*args, n2))
-      t0 = time.perf_counter()
-      jax.block_until_ready(run(*args, n2))
-      # Tiny rounds take microseconds: time enough of them to rise above the timer's noise.
       runs.append(run)
-      counts.append(max(n2, n1 + int(np.ceil(MIN_SECONDS / max(time.perf_counter() - t0, 1e-9)
-                                             * n2))))
+      counts.append(_rounds_to_time(run, args, n1, n2))
     prefills = [_prefill_timer(loop), _prefill_timer(alone_loop)]
     for prefill in prefills:
       jax.block_until_ready(prefill(*args))
@@ -470,13 +476,7 @@ def round_parts(params: Params, config: ModelConfig, drafter: Drafter,
     for row, i in enumerate(drafting):
       timers = {"round": _round_timer(loop, i), "engine": _round_timer(echo, i),
                 "verify": _verify_timer(echo, menu[i])}
-      counts = {}
-      for name, run in timers.items():  # compile, warm up, and size each measurement
-        jax.block_until_ready(run(*args, n2))
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args, n2))
-        counts[name] = max(n2, n1 + int(np.ceil(
-            MIN_SECONDS / max(time.perf_counter() - t0, 1e-9) * n2)))
+      counts = {name: _rounds_to_time(run, args, n1, n2) for name, run in timers.items()}
       taken = {name: [] for name in timers}
       for _ in range(repeats):
         for name, run in timers.items():
