@@ -28,6 +28,6 @@ __all__ = [
     "FallbackDrafter", "FallbackState", "GroupDrafter", "GroupState",
     "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
     "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
-    "reported_logprobs", "round_parts", "RoundParts", "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify",
-    "verify_matching", "verify_sampled", "VerifyResult",
+    "reported_logprobs", "round_parts", "RoundParts", "RoundResult", "SamplingConfig",
+    "TargetFeatures", "Verifier", "verify", "verify_matching", "verify_sampled", "VerifyResult",
 ]

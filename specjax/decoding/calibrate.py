@@ -229,6 +229,46 @@ def _median_seconds(fn, args, repeats: int) -> float:
   return statistics.median(times)
 
 
+def _checked_shapes(batch_sizes: Any, prompt_len: Any, rounds: Any, repeats: Any
+                    ) -> tuple[int, ...]:
+  """The distinct batch sizes, increasing, after a clear error for any argument that cannot
+  be measured."""
+  count = lambda x: is_int(x) and x >= 1
+  sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list, range)) else ()
+  if not sizes or not all(count(b) for b in sizes):
+    raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be a non-empty sequence "
+                      "of batch sizes (ints >= 1)")
+  if not count(prompt_len):
+    raise ConfigError(f"prompt_len={prompt_len!r} is invalid: must be an int >= 1 (the prompt "
+                      "width of the calls the table is for)")
+  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
+    raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
+  return tuple(sorted(set(int(b) for b in sizes)))
+
+
+def _menu_loop(config: ModelConfig, drafter: Drafter, menu: tuple[DraftTree, ...],
+               prompt_len: int, max_new_tokens: int, sampling: SamplingConfig,
+               max_len: int | None) -> DecodeLoop:
+  """The adaptive loop a menu's rounds are timed in; by default its cache has room for the
+  prompt, the response and the largest tree's nodes."""
+  if max_len is None and isinstance(config, ModelConfig) and isinstance(max_new_tokens, int):
+    max_len = min(prompt_len + max_new_tokens + max(t.num_nodes for t in menu) + 1,
+                  config.max_position)
+  # (otherwise DecodeLoop names the bad config or max_new_tokens)
+  return DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
+                    sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
+
+
+def _timing_args(loop: DecodeLoop, params: Params, drafter_params: Any, key: jax.Array,
+                 batch: int, prompt_len: int) -> tuple:
+  """The arguments of a timer at `batch` rows: random prompts of `prompt_len` tokens."""
+  prompts = jax.random.randint(jax.random.fold_in(key, batch), (batch, prompt_len), 0,
+                               loop.config.vocab_size, jnp.int32)
+  lengths = jnp.full((batch,), prompt_len, jnp.int32)
+  loop.check_prompts(prompts, lengths)
+  return (params, prompts, lengths, key, drafter_params)
+
+
 def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
               speculation: Adaptive | Sequence[DraftTree], *, batch_sizes: Sequence[int],
               prompt_len: int, max_new_tokens: int, drafter_params: Any = None,
@@ -263,23 +303,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   else:
     raise ConfigError(f"speculation={speculation!r} is invalid: must be an Adaptive policy "
                       "(its menu is measured) or a sequence of DraftTree")
-  count = lambda x: is_int(x) and x >= 1
-  sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list, range)) else ()
-  if not sizes or not all(count(b) for b in sizes):
-    raise ConfigError(f"batch_sizes={batch_sizes!r} is invalid: must be a non-empty sequence "
-                      "of batch sizes (ints >= 1)")
-  batches = tuple(sorted(set(int(b) for b in sizes)))
-  if not count(prompt_len):
-    raise ConfigError(f"prompt_len={prompt_len!r} is invalid: must be an int >= 1 (the prompt "
-                      "width of the calls the table is for)")
-  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
-    raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
-  max_nodes = max(t.num_nodes for t in menu)
-  if max_len is None and isinstance(config, ModelConfig) and isinstance(max_new_tokens, int):
-    max_len = min(prompt_len + max_new_tokens + max_nodes + 1, config.max_position)
-  # (otherwise DecodeLoop names the bad config or max_new_tokens)
-  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
-                    sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
+  batches = _checked_shapes(batch_sizes, prompt_len, rounds, repeats)
+  loop = _menu_loop(config, drafter, menu, prompt_len, max_new_tokens, sampling, max_len)
   n1, n2 = 2, 2 + rounds
   path = None
   if cache_dir is not None:
@@ -307,11 +332,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
   seconds = [[0.0] * len(batches) for _ in timed]
   setup, switch = [0.0] * len(batches), [0.0] * len(batches)
   for j, b in enumerate(batches):
-    prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
-                                 config.vocab_size, jnp.int32)
-    lengths = jnp.full((b,), prompt_len, jnp.int32)
-    loop.check_prompts(prompts, lengths)
-    args = (params, prompts, lengths, key, drafter_params)
+    args = _timing_args(loop, params, drafter_params, key, b, prompt_len)
     runs, counts = [], []
     timers = [_round_timer(timed_loop, i) for timed_loop, i in timed]
     timers.insert(-1, _switch_timer(loop, pair))  # (timed like one more entry)
@@ -456,23 +477,14 @@ def round_parts(params: Params, config: ModelConfig, drafter: Drafter,
   drafting = [i for i, t in enumerate(menu) if t.num_nodes]
   if not drafting:
     raise ConfigError(f"trees={trees!r}: round_parts needs at least one drafting tree")
-  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
-    raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
-  max_len = min(prompt_len + max_new_tokens + max(t.num_nodes for t in menu) + 1,
-                config.max_position)
-  loop = DecodeLoop(config=config, max_new_tokens=max_new_tokens, max_len=max_len,
-                    sampling=sampling, drafter=drafter, speculation=Adaptive(menu))
+  batches = _checked_shapes(batch_sizes, prompt_len, rounds, repeats)
+  loop = _menu_loop(config, drafter, menu, prompt_len, max_new_tokens, sampling, None)
   echo = dataclasses.replace(loop, drafter=_Echo(loop.hidden_layers))
   n1, n2 = 2, 2 + rounds
-  parts = {name: [[0.0] * len(batch_sizes) for _ in drafting]
+  parts = {name: [[0.0] * len(batches) for _ in drafting]
            for name in ("round", "engine", "verify")}
-  for j, b in enumerate(batch_sizes):
-    key = jax.random.key(0)
-    prompts = jax.random.randint(jax.random.fold_in(key, b), (b, prompt_len), 0,
-                                 config.vocab_size, jnp.int32)
-    lengths = jnp.full((b,), prompt_len, jnp.int32)
-    loop.check_prompts(prompts, lengths)
-    args = (params, prompts, lengths, key, drafter_params)
+  for j, b in enumerate(batches):
+    args = _timing_args(loop, params, drafter_params, jax.random.key(0), b, prompt_len)
     for row, i in enumerate(drafting):
       timers = {"round": _round_timer(loop, i), "engine": _round_timer(echo, i),
                 "verify": _verify_timer(echo, menu[i])}
@@ -484,5 +496,5 @@ def round_parts(params: Params, config: ModelConfig, drafter: Drafter,
       for name in timers:
         parts[name][row][j] = max(statistics.median(taken[name]), 1e-7)
   freeze = lambda rows: tuple(tuple(r) for r in rows)
-  return RoundParts(trees=tuple(menu[i] for i in drafting), batches=tuple(batch_sizes),
+  return RoundParts(trees=tuple(menu[i] for i in drafting), batches=batches,
                     **{name: freeze(rows) for name, rows in parts.items()})
