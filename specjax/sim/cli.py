@@ -38,7 +38,8 @@ _HEADERS = {"data": "data", "prepare": "prepare", "generation": "generation",
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="specjax simulate", description=__doc__.split("\n")[0])
   a = p.add_argument
-  a("--model", default="qwen3-8b", help=f"one of {', '.join(MODELS)}")
+  a("--model", default="qwen3-8b",
+    help=f"one of {', '.join(MODELS)}, or a checkpoint directory (its config.json)")
   a("--devices", default="8xH200", help=f"COUNTxNAME, NAME one of {', '.join(DEVICE_NAMES)}")
   a("--profile-json",
     help="a DeviceProfile JSON (`specjax sim calibrate`) instead of the spec sheet")
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
   a("--response-lengths", help="file of measured response lengths (JSON list or one per line)")
   a("--greedy", action="store_true", help="argmax decoding: the sampler makes no random draw")
   a("--drafter", default="eagle3", choices=DRAFTERS)
-  a("--draft-model", help="preset of the draft model (--drafter draft-model)")
+  a("--draft-model",
+    help="preset or checkpoint directory of the draft model (--drafter draft-model)")
   a("--draft-length", type=int, help="draft tokens per round, k (default 3)")
   a("--acceptance", type=float, help="mean acceptance length (tokens per round, <= k + 1)")
   a("--acceptance-per-depth", type=float, nargs="+", help="acceptance probability per depth")

@@ -24,13 +24,18 @@ K kv heads, H head_dim, F MLP width).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
+from specjax.checks import is_int
+from specjax.errors import ConfigError
 from specjax.sim import _checks as C
 
 _DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+# Hugging Face `model_type`s that `ModelSpec.from_hf_config` reads (SwiGLU, grouped-query
+# attention).
+_HF_DENSE, _HF_MOE = ("llama", "mistral", "qwen2", "qwen3"), ("qwen3_moe",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,52 @@ class ModelSpec:
                tied_embeddings=config.tie_embeddings,
                weight_bytes=_DTYPE_BYTES[config.param_dtype],
                kv_bytes=_DTYPE_BYTES[config.dtype])
+
+  @classmethod
+  def from_hf_config(cls, hf: Mapping[str, Any], name: str = "model") -> ModelSpec:
+    """The spec of a Hugging Face `config.json` (parsed): Llama, Mistral, Qwen2, Qwen3 and
+    Qwen3-MoE decoders, the MoE ones with every layer sparse.
+
+    Raises:
+      ConfigError: another `model_type`, a missing or malformed field, or an MoE layout the
+        spec cannot hold (dense layers among the sparse ones).
+    """
+    if not isinstance(hf, Mapping):
+      raise ConfigError(f"config.json of {name!r} is invalid: must be a JSON object, not "
+                        f"{type(hf).__name__}")
+    kind = hf.get("model_type")
+    if kind not in _HF_DENSE + _HF_MOE:
+      raise ConfigError(f"config.json of {name!r}: model_type={kind!r} is unsupported by the "
+                        f"simulator: allowed {', '.join(_HF_DENSE + _HF_MOE)}")
+
+    def field(key: str) -> Any:
+      if hf.get(key) is None:
+        raise ConfigError(f"config.json of {name!r} lacks {key!r}, which a {kind} model needs")
+      return hf[key]
+
+    heads, d_model = field("num_attention_heads"), field("hidden_size")
+    head_dim = hf.get("head_dim")
+    if head_dim is None:  # transformers' default: the model width split over the heads
+      head_dim = d_model // heads if is_int(d_model) and is_int(heads) and heads > 0 else 0
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    if dtype not in _DTYPE_BYTES:
+      raise ConfigError(f"config.json of {name!r}: torch_dtype={dtype!r} is unsupported: "
+                        f"allowed {', '.join(_DTYPE_BYTES)}")
+    if kind in _HF_MOE:
+      if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"config.json of {name!r}: dense layers among the sparse ones "
+                          f"(mlp_only_layers={hf.get('mlp_only_layers')!r}, decoder_sparse_step="
+                          f"{hf.get('decoder_sparse_step')!r}) are unsupported: the simulator "
+                          "models every layer alike")
+      experts = "num_local_experts" if "num_local_experts" in hf else "num_experts"  # 5.x: local
+      mlp = dict(n_experts=field(experts), experts_per_token=field("num_experts_per_tok"),
+                 expert_dim=field("moe_intermediate_size"))
+    else:
+      mlp = dict(mlp_dim=field("intermediate_size"))
+    return cls(name=name, n_layers=field("num_hidden_layers"), d_model=d_model, n_heads=heads,
+               n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+               vocab=field("vocab_size"), tied_embeddings=bool(hf.get("tie_word_embeddings")),
+               weight_bytes=_DTYPE_BYTES[dtype], kv_bytes=_DTYPE_BYTES[dtype], **mlp)
 
   # Parameter counts -----------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Named model specs: the architectures of public checkpoints (from their `config.json`), and
-small ones that match this repository's CPU benchmarks.
+small ones that match this repository's CPU benchmarks; or a checkpoint's own `config.json`.
 
 Parameter counts (computed, norms left out): llama3-8b 8.03B, qwen3-8b 8.19B, qwen3-32b 32.8B,
 qwen3-235b-a22b 235.1B of which 22.2B active, qwen3-30b-a3b 30.5B / 3.4B active,
@@ -7,6 +7,9 @@ qwen3-0.6b 0.60B, llama3.2-1b 1.24B.
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
 
 from specjax.errors import ConfigError
 from specjax.sim.model import ModelSpec
@@ -48,15 +51,31 @@ DEFAULT_DRAFT_MODEL = {"tiny": "tiny-draft", "bench-1b": "tiny-draft",
 
 
 def model_spec(name: str) -> ModelSpec:
-  """The named preset; the error lists the allowed names."""
-  if not isinstance(name, str) or name.lower() not in MODELS:
-    raise ConfigError(f"model {name!r} is unknown: allowed {', '.join(MODELS)}")
-  return MODELS[name.lower()]
+  """The named preset, or the model of a Hugging Face checkpoint: a directory holding
+  `config.json`, or the path of such a JSON file (`ModelSpec.from_hf_config`; a directory's
+  spec is named after it). The error lists what is allowed."""
+  if isinstance(name, str) and name.lower() in MODELS:
+    return MODELS[name.lower()]
+  path = pathlib.Path(name) if isinstance(name, (str, pathlib.Path)) else None
+  if path is not None and (path.is_dir() or path.suffix == ".json"):
+    file = path / "config.json" if path.is_dir() else path
+    try:
+      hf = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+      raise ConfigError(f"model {str(name)!r}: cannot read {file} as JSON ({error})") from None
+    label = (path if path.is_dir() else path.parent if path.name == "config.json"
+             else path.with_suffix(""))
+    return ModelSpec.from_hf_config(hf, label.resolve().name)
+  raise ConfigError(f"model {name!r} is unknown: allowed {', '.join(MODELS)}, or a checkpoint "
+                    "directory with a config.json")
 
 
 def default_draft_model(target: str) -> ModelSpec:
-  """The draft model for a target preset (Qwen3 targets: qwen3-0.6b)."""
-  name = DEFAULT_DRAFT_MODEL.get(target, "qwen3-0.6b" if target.startswith("qwen3") else None)
+  """The draft model for a target preset (Qwen3 targets, a checkpoint's named so too:
+  qwen3-0.6b)."""
+  name = DEFAULT_DRAFT_MODEL.get(target, "qwen3-0.6b" if target.lower().startswith("qwen3")
+                                 else None)
   if name is None:
-    raise ConfigError(f"no default draft model for {target!r}: pass one of {', '.join(MODELS)}")
+    raise ConfigError(f"no default draft model for {target!r}: pass one of {', '.join(MODELS)} "
+                      "or a checkpoint directory")
   return MODELS[name]

@@ -1,0 +1,114 @@
+"""The simulator on a checkpoint's own model: `specjax simulate --model DIR` reads its
+config.json (`ModelSpec.from_hf_config`); transformers' models are the referee of the counts."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+
+from specjax import sim
+from specjax.errors import ConfigError
+from specjax.sim.cli import simulate_main
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "mistral": lambda: transformers.MistralConfig(**TINY),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=24),
+    "qwen3 tied": lambda: transformers.Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=6,
+                                                     num_experts_per_tok=2,
+                                                     moe_intermediate_size=40),
+}
+# The hub's config.json of two presets, the fields the simulator reads.
+PUBLIC = {
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "num_hidden_layers": 36, "vocab_size": 151936, "tie_word_embeddings": False,
+                 "torch_dtype": "bfloat16"},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_hidden_layers": 48, "vocab_size": 151936,
+                      "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+}
+
+
+def _matmul_params(model: torch.nn.Module) -> int:
+  """What the simulator counts: every parameter but norm weights and biases."""
+  return sum(p.numel() for name, p in model.named_parameters()
+             if "norm" not in name and not name.endswith("bias"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_directory_has_the_parameters_transformers_builds(tmp_path, family):
+  config = FAMILIES[family]()
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  config.save_pretrained(tmp_path / "my-model")
+  spec = sim.model_spec(str(tmp_path / "my-model"))
+  assert spec.name == "my-model"
+  assert spec.total_params == _matmul_params(model)
+  assert spec.is_moe == (family == "qwen3_moe")
+  assert sim.model_spec(str(tmp_path / "my-model" / "config.json")) == spec
+
+
+@pytest.mark.parametrize("preset", PUBLIC)
+def test_a_public_config_json_gives_its_preset(tmp_path, preset):
+  (tmp_path / "config.json").write_text(json.dumps(PUBLIC[preset]))
+  spec = sim.model_spec(str(tmp_path))
+  assert dataclasses.replace(spec, name=preset) == sim.model_spec(preset)
+
+
+def test_simulate_runs_on_a_checkpoint_directory(tmp_path, capsys):
+  (tmp_path / "Qwen3-8B").mkdir()
+  (tmp_path / "Qwen3-8B" / "config.json").write_text(json.dumps(PUBLIC["qwen3-8b"]))
+  args = ["--devices", "8xH200", "--rollout-batch", "16", "--group-size", "4",
+          "--response-len", "256", "--max-response-len", "512", "--acceptance", "2.5"]
+  assert simulate_main(["--model", str(tmp_path / "Qwen3-8B")] + args) == 0
+  mine = capsys.readouterr().out
+  assert simulate_main(["--model", "qwen3-8b"] + args) == 0
+  preset = capsys.readouterr().out
+  assert "model     Qwen3-8B (8.19B params, dense)" in mine
+  assert mine.splitlines()[1:] == preset.splitlines()[1:]  # the same model, the same answer
+  # A draft model from a checkpoint too; a Qwen3 checkpoint's default one is Qwen3-0.6B's.
+  small = tmp_path / "small"
+  small.mkdir()
+  (small / "config.json").write_text(json.dumps(dict(PUBLIC["qwen3-8b"], num_hidden_layers=4)))
+  draft = ["--model", str(tmp_path / "Qwen3-8B"), "--drafter", "draft-model"]
+  outs = []
+  for extra in (["--draft-model", str(small)], ["--draft-model", "qwen3-0.6b"], []):
+    assert simulate_main(draft + extra + args) == 0
+    outs.append(capsys.readouterr().out)
+  assert outs[0] != outs[1] == outs[2]
+
+
+def _broken(tmp_path, text):
+  (tmp_path / "config.json").write_text(text)
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], model_type="gpt2"))),
+     "model_type='gpt2' is unsupported by the simulator: allowed llama, mistral, qwen2, qwen3"),
+    (lambda p: _broken(p, json.dumps({k: v for k, v in PUBLIC["qwen3-8b"].items()
+                                      if k != "intermediate_size"})),
+     "lacks 'intermediate_size', which a qwen3 model needs"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-30b-a3b"], mlp_only_layers=[0, 1]))),
+     "dense layers among the sparse ones"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], torch_dtype="int8"))),
+     "torch_dtype='int8' is unsupported: allowed float32, bfloat16, float16"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], num_key_value_heads=5))),
+     "n_kv_heads=5 is invalid: must divide n_heads=32"),
+    (lambda p: _broken(p, "[1, 2]"), "must be a JSON object, not list"),
+    (lambda p: _broken(p, "{not json"), "cannot read .*config.json as JSON"),
+    (lambda p: str(p), "cannot read .*config.json as JSON"),  # a directory without one
+    (lambda p: str(p / "absent"), "unknown: allowed tiny, .*or a checkpoint directory"),
+])
+def test_a_checkpoint_the_simulator_cannot_model_is_refused(tmp_path, make, message):
+  with pytest.raises(ConfigError, match=message):
+    sim.model_spec(make(tmp_path))
