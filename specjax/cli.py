@@ -266,6 +266,11 @@ def train_command(argv: list[str]) -> dict:
           f"speculative with compaction {summary['spec_tokens_per_s']:.0f} "
           f"({summary['total_speedup']:.2f}x); {100 * summary['tail_share']:.0f}% of plain "
           "decoding's rounds ran with at most a quarter of the rows live")
+  if "simulated_generation_speedup" in summary:
+    print(f"simulated on one {summary['simulated_device']} (specjax.sim, a prediction, not a "
+          f"measurement): speculative / plain rollout "
+          f"{summary['simulated_generation_speedup']:.2f}x for this run's shapes and lengths at "
+          f"the probe's acceptance length {summary['simulated_acceptance']:.2f}")
   return summary
 
 

@@ -7,8 +7,9 @@ loaded from `drafter.eagle3_dir` or distilled from the warm-started policy, kept
 copy); held-out accuracy before RL; GRPO steps with speculative rollouts (checkpointing the
 whole `TrainState` and the data position, logging metrics to JSONL and TensorBoard); held-out
 accuracy after RL; the rollout speedup of speculative over plain decoding measured in the same
-run; for EAGLE-3, the acceptance of the online-trained head against its frozen starting copy on
-the final policy; a PNG plot.
+run (and, on a CPU, what the simulator predicts for the same rollout on an H200); for EAGLE-3,
+the acceptance of the online-trained head against its frozen starting copy on the final policy;
+a PNG plot.
 
 A killed run resumes from its last checkpoint and reproduces the metrics of an uninterrupted
 run exactly: every step is a pure function of the checkpointed state and the data position.
@@ -43,7 +44,8 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
-from specjax.experiments.measure import evaluate, probe_acceptance, rollout_costs, rollout_speedup
+from specjax.experiments.measure import (evaluate, probe_acceptance, rollout_costs, rollout_speedup,
+                                         simulated_speedup)
 from specjax.experiments.metrics_log import MetricsLog
 from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
@@ -541,6 +543,9 @@ def _run(config: ExperimentConfig, log) -> dict:
         params, config, test_records, drafter_params=draft_model_params(config, log=None))
     save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
   summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs)
+  if jax.default_backend() == "cpu":  # what an accelerator would make of this run's rollout
+    summary |= simulated_speedup(config, summary["prompt_length"], summary["response_lengths"],
+                                 summary["probe_acceptance_after"])
   if lead:
     history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
     summary["acceptance_first"] = float(np.mean([h["acceptance_length"]

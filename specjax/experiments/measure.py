@@ -28,7 +28,19 @@ from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
 from specjax.rl.tasks import decode_completions
+from specjax.sim.devices import device_profile
+from specjax.sim.model import ModelSpec
+from specjax.sim.parallel import Cluster
+from specjax.sim.speculation import Speculation
+from specjax.sim.step import Schedule, compare
+from specjax.sim.workload import Empirical, Workload
 from specjax.timing import interleaved
+
+# The simulator's drafter for each drafter a run can name (None: it has no model of it).
+# Group drafting is a lookup in text, free like n-gram drafting; with MTP behind it a round
+# costs MTP's drafting.
+_SIM_DRAFTERS = {"mtp": "mtp", "eagle3": "eagle3", "draft-model": "draft-model",
+                 "ngram": "ngram", "group": "ngram", "group+mtp": "mtp"}
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
@@ -160,6 +172,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   plain / uncompacted and `total_speedup` = spec / uncompacted. `tail_share`: the fraction of
   the uncompacted plain call's rounds with at most a quarter of its rows live. With adaptive
   speculation, `plain_share` is the fraction of speculative rounds that ran plain decoding.
+  `response_lengths` (the plain arm's last call, row by row) and `prompt_length` (mean) are
+  the shape `simulated_speedup` takes.
   """
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
@@ -178,13 +192,14 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
 
   def run(arm, r: int):
     """One timed call (key r + 1: each repeat draws its own responses; the compile used key
-    0): its tokens and statistics, kept for every repeat, not its `[B, T]` outputs."""
+    0): its tokens, statistics and response lengths, kept for every repeat, not its `[B, T]`
+    outputs."""
     out = jax.block_until_ready(arm(jax.random.key(r + 1)))
-    return int(out.lengths.sum()), out.stats
+    return int(out.lengths.sum()), out.stats, out.lengths
 
   seconds, runs = interleaved([functools.partial(run, arm) for arm in arms],
                               config.eval.speedup_repeats, config.eval.speedup_seconds)
-  rates = dict(zip(names, (np.array([n for n, _ in calls]) / s
+  rates = dict(zip(names, (np.array([call[0] for call in calls]) / s
                            for calls, s in zip(runs, seconds))))
   last = [calls[-1][1] for calls in runs]  # each arm's last call's statistics
   ratio = lambda a, b: float(np.median(rates[a] / rates[b]))
@@ -201,4 +216,39 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   rounds = np.asarray(stats.tree_rounds, np.float64)
   if len(rounds) > 1:
     summary["plain_share"] = float(rounds[0] / max(rounds.sum(), 1.0))
+  summary["response_lengths"] = [int(n) for n in np.asarray(runs[0][-1][2])]  # plain's last
+  summary["prompt_length"] = float(np.mean(np.asarray(batch.lengths)))
   return summary
+
+
+def simulated_speedup(config: ExperimentConfig, prompt_length: float,
+                      response_lengths: list[int], acceptance: float,
+                      device: str = "H200") -> dict[str, Any]:
+  """What `specjax.sim` predicts for this run's rollout on one `device`: the policy's
+  architecture, its step's prompts x G rows, the measured `prompt_length` (mean) and
+  `response_lengths`, and the drafter as a chain of the rollout tree's depth at mean
+  acceptance length `acceptance` (e.g. the probe's), chosen round by round like the run's
+  policy (adaptive) or every round (fixed). A prediction, not a measurement: for a CPU run
+  it says whether the speedup the run could not show here would appear on an accelerator.
+
+  Returns `{}` where the simulator has no model of the drafter (Medusa, a registered one) or
+  the run has none, else `simulated_device`, `simulated_acceptance` and
+  `simulated_generation_speedup` (speculative / plain rollout time).
+  """
+  name = _SIM_DRAFTERS.get(config.drafter.name)
+  if name is None or not response_lengths:
+    return {}
+  depth = len(config.rollout.tree_widths)
+  acceptance = float(min(max(acceptance, 1.0), depth + 1.0))
+  target = ModelSpec.from_model_config(config.model, "policy")
+  draft = (ModelSpec.from_model_config(config.draft_model_config(), "draft model")
+           if name == "draft-model" else None)
+  workload = Workload(config.rollout.prompts_per_step, config.grpo.group_size,
+                      max(int(round(prompt_length)), 1),
+                      Empirical(tuple(max(int(n), 1) for n in response_lengths)))
+  result = compare(target, Cluster(device_profile(device), 1), workload,
+                   Speculation.chain(name, depth, acceptance=acceptance, draft_model=draft),
+                   Schedule())
+  which = "adaptive" if config.rollout.speculation == "adaptive" else "fixed"
+  return {"simulated_device": device, "simulated_acceptance": acceptance,
+          "simulated_generation_speedup": result.speedup(which, "generation")}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specjax.experiments import ExperimentConfig, override
-from specjax.experiments.measure import rollout_speedup, tail_round_share
+from specjax.experiments.measure import rollout_speedup, simulated_speedup, tail_round_share
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, encode_prompt
 
@@ -46,3 +46,24 @@ def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
   assert {"uncompacted_tokens_per_s", "compaction_speedup", "total_speedup"} <= set(summary)
   assert summary["speedup"] > 0 and summary["acceptance_length"] >= 1
   assert 0 <= summary["tail_share"] <= 1
+  assert len(summary["response_lengths"]) == 16  # 4 prompts x G = 4, the plain arm's lengths
+  assert all(1 <= n <= 40 for n in summary["response_lengths"])
+  assert summary["prompt_length"] == pytest.approx(batch.lengths.mean())
+
+
+def test_simulated_speedup_predicts_the_runs_rollout_on_an_accelerator():
+  """The simulator on the run's own shapes: more acceptance never predicts less, the
+  adaptive policy never predicts a loss, and a run without a modelled drafter gets nothing."""
+  config = override(ExperimentConfig(task=TASK, model=MODEL),
+                    {"rollout.tree_widths": (1, 1), "rollout.speculation": "adaptive"})
+  lengths = [8] * 120 + [60] * 8  # 16 prompts x G = 8, a long tail
+  rates = [simulated_speedup(config, 6.0, lengths, a)["simulated_generation_speedup"]
+           for a in (1.0, 2.0, 2.5, 3.0)]
+  assert rates[0] == pytest.approx(1.0)  # nothing accepted: the policy decodes plainly
+  assert rates == sorted(rates) and rates[-1] > 1.2
+  capped = simulated_speedup(config, 6.0, lengths, 7.0)  # a chain of 2 emits at most 3
+  assert capped["simulated_acceptance"] == 3.0 and capped["simulated_device"] == "H200"
+  assert capped["simulated_generation_speedup"] == pytest.approx(rates[-1])
+  fixed = override(config, {"rollout.speculation": "fixed"})
+  assert simulated_speedup(fixed, 6.0, lengths, 1.0)["simulated_generation_speedup"] < 1.0
+  assert simulated_speedup(override(config, {"drafter.name": "none"}), 6.0, lengths, 3.0) == {}
