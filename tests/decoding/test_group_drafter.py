@@ -15,6 +15,7 @@ from support import progression_batch
 from specjax.decoding import (DraftModelDrafter, DraftSource, DraftTree, FallbackDrafter,
                               GroupDrafter, MTPDrafter, SamplingConfig, build_drafter, generate)
 from specjax.decoding.drafters.group import group_lookup
+from specjax.decoding.drafters.registry import CONFIDENT_NGRAM
 from specjax.errors import ConfigError
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -166,6 +167,8 @@ def test_a_fallback_drafter_needs_two_deterministic_drafters():
     FallbackDrafter(GroupDrafter(), None)
   drafter, _ = build_drafter("group+mtp", DraftSource(target=None))
   assert isinstance(drafter.primary, GroupDrafter) and isinstance(drafter.fallback, MTPDrafter)
+  # Only long matches beat the model's guess (registry.CONFIDENT_NGRAM's measurements).
+  assert drafter.primary.min_ngram == CONFIDENT_NGRAM < drafter.primary.max_ngram
 
 
 def test_the_group_drafter_is_registered_and_checks_its_settings():
