@@ -3,7 +3,7 @@ small ones that match this repository's CPU benchmarks; or a checkpoint's own `c
 
 Parameter counts (computed, norms left out): llama3-8b 8.03B, qwen3-8b 8.19B, qwen3-32b 32.8B,
 qwen3-235b-a22b 235.1B of which 22.2B active, qwen3-30b-a3b 30.5B / 3.4B active,
-qwen3-0.6b 0.60B, llama3.2-1b 1.24B.
+qwen3-0.6b 0.60B, qwen3-1.7b 1.72B, llama3.2-1b 1.24B.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ MODELS: dict[str, ModelSpec] = {
                            head_dim=128, vocab=_LLAMA_VOCAB, mlp_dim=14336),
     "qwen3-0.6b": ModelSpec("qwen3-0.6b", n_layers=28, d_model=1024, n_heads=16, n_kv_heads=8,
                             head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=3072, tied_embeddings=True),
+    "qwen3-1.7b": ModelSpec("qwen3-1.7b", n_layers=28, d_model=2048, n_heads=16, n_kv_heads=8,
+                            head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=6144,
+                            tied_embeddings=True),
     "qwen3-8b": ModelSpec("qwen3-8b", n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8,
                           head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=12288),
     "qwen3-32b": ModelSpec("qwen3-32b", n_layers=64, d_model=5120, n_heads=64, n_kv_heads=8,

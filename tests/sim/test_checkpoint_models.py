@@ -24,12 +24,16 @@ FAMILIES = {
                                                      num_experts_per_tok=2,
                                                      moe_intermediate_size=40),
 }
-# The hub's config.json of two presets, the fields the simulator reads.
+# The hub's config.json of three presets, the fields the simulator reads.
 PUBLIC = {
     "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "num_hidden_layers": 36, "vocab_size": 151936, "tie_word_embeddings": False,
                  "torch_dtype": "bfloat16"},
+    "qwen3-1.7b": {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "num_hidden_layers": 28, "vocab_size": 151936, "tie_word_embeddings": True,
+                   "torch_dtype": "bfloat16"},
     "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "num_experts": 128,
                       "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
