@@ -58,10 +58,9 @@ def _eagle3(source: DraftSource) -> tuple[Drafter, Any]:
   return Eagle3Drafter(config), Eagle3Weights(params=params, d2t=d2t)
 
 
-# The shortest match a group drafter in front of a model drafter drafts from. A short match
-# is a weaker guess than the model's: on the README demo's trained policy (rollout batch, T=1)
-# MTP chain-2 accepts 2.81 tokens per round alone, 2.42 behind group drafts from matches of
-# 2+ tokens, 2.69 / 2.77 / 2.80 from 3+ / 4+ / 5+, and 2.81 from 6+.
+# The shortest match a group drafter in front of a model drafter drafts from: a shorter one
+# is a weaker guess than the model's (docs/decoding.md: on the demo's trained policy MTP
+# chain-2 accepts 2.81 tokens per round alone, 2.42 behind group drafts from 2+ token matches).
 CONFIDENT_NGRAM = 6
 
 _BUILDERS: dict[str, Builder] = {
