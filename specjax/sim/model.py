@@ -128,7 +128,7 @@ class ModelSpec:
     if head_dim is None:  # transformers' default: the model width split over the heads
       head_dim = d_model // heads if is_int(d_model) and is_int(heads) and heads > 0 else 0
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-    if dtype not in _DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
       raise ConfigError(f"config.json of {name!r}: torch_dtype={dtype!r} is unsupported: "
                         f"allowed {', '.join(_DTYPE_BYTES)}")
     if kind in _HF_MOE:
