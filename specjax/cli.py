@@ -270,7 +270,8 @@ def train_command(argv: list[str]) -> dict:
     print(f"simulated on one {summary['simulated_device']} (specjax.sim, a prediction, not a "
           f"measurement): speculative / plain rollout "
           f"{summary['simulated_generation_speedup']:.2f}x for this run's shapes and lengths at "
-          f"the probe's acceptance length {summary['simulated_acceptance']:.2f}")
+          f"the probe's acceptance length {summary['simulated_acceptance']:.2f} (other devices: "
+          f"specjax simulate --response-lengths {Path(config.run_dir) / 'summary.json'} ...)")
   return summary
 
 

@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
   a("--response-sigma", type=float, default=0.8,
     help="log-space spread of the lognormal lengths (0: every response --response-len long)")
   a("--max-response-len", type=int, default=8192, help="length cap (max new tokens)")
-  a("--response-lengths", help="file of measured response lengths (JSON list or one per line)")
+  a("--response-lengths", help="file of measured response lengths (JSON list, one per line, "
+                                "or a `specjax train` run's summary.json)")
   a("--greedy", action="store_true", help="argmax decoding: the sampler makes no random draw")
   a("--drafter", default="eagle3", choices=DRAFTERS)
   a("--draft-model",
@@ -101,15 +102,33 @@ def _profile(args) -> tuple[DeviceProfile, int]:
 
 def _workload(args) -> Workload:
   if args.response_lengths:
-    text = pathlib.Path(args.response_lengths).read_text()
-    values = json.loads(text) if text.lstrip().startswith("[") else text.split()
-    responses = Empirical(tuple(int(v) for v in values))
+    responses = Empirical(_lengths(args.response_lengths))
   elif args.response_sigma == 0:
     responses = Fixed(min(int(round(args.response_len)), args.max_response_len))
   else:
     responses = Lognormal(args.response_len, args.response_sigma, args.max_response_len)
   return Workload(args.rollout_batch, args.group_size, args.prompt_len, responses,
                   greedy=args.greedy)
+
+
+def _lengths(path: str) -> tuple[int, ...]:
+  """Response lengths from a file: a JSON list, one per line, or a `specjax train` run's
+  `summary.json` (its plain rollout's `response_lengths`)."""
+  try:
+    text = pathlib.Path(path).read_text()
+    values = json.loads(text) if text.lstrip()[:1] in ("[", "{") else text.split()
+  except (OSError, ValueError) as error:
+    raise ConfigError(f"--response-lengths {path}: cannot read it ({error})") from None
+  if isinstance(values, dict):
+    if "response_lengths" not in values:
+      raise ConfigError(f"--response-lengths {path}: a JSON object without "
+                        "'response_lengths' (a run's summary.json has them)")
+    values = values["response_lengths"]
+  try:
+    return tuple(int(v) for v in values)
+  except (TypeError, ValueError):
+    raise ConfigError(f"--response-lengths {path}: must hold whole numbers of tokens, got "
+                      f"{str(values)[:60]}") from None
 
 
 def _tree(text: str) -> MenuEntry:

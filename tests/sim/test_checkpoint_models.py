@@ -120,3 +120,25 @@ def _broken(tmp_path, text):
 def test_a_checkpoint_the_simulator_cannot_model_is_refused(tmp_path, make, message):
   with pytest.raises(ConfigError, match=message):
     sim.model_spec(make(tmp_path))
+
+
+def test_a_runs_summary_gives_the_simulator_its_response_lengths(tmp_path, capsys):
+  lengths = [12, 30, 30, 95, 14, 22, 200, 41]
+  (tmp_path / "summary.json").write_text(json.dumps({"speedup": 1.0,
+                                                     "response_lengths": lengths}))
+  (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
+  args = ["--model", "qwen3-0.6b", "--devices", "1xH200", "--rollout-batch", "2",
+          "--group-size", "4", "--acceptance", "2.5", "--response-lengths"]
+  outs = []
+  for name in ("summary.json", "lengths.txt"):
+    assert simulate_main(args + [str(tmp_path / name)]) == 0
+    outs.append(capsys.readouterr().out)
+  assert outs[0] == outs[1] and "longest response 200 tokens" in outs[0]
+  (tmp_path / "other.json").write_text(json.dumps({"speedup": 1.0}))
+  (tmp_path / "words.txt").write_text("12 many 30")
+  for name, message in (("other.json", "without 'response_lengths'"),
+                        ("words.txt", "must hold whole numbers of tokens"),
+                        ("absent.json", "cannot read it")):
+    with pytest.raises(SystemExit):
+      simulate_main(args + [str(tmp_path / name)])
+    assert message in capsys.readouterr().err
