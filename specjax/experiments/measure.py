@@ -157,7 +157,7 @@ def tail_round_share(row_rounds, live_fraction: float = 0.25) -> float:
 
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None,
-                    costs: CostTable | None = None) -> dict[str, float]:
+                    costs: CostTable | None = None) -> dict[str, Any]:
   """Rollout tokens per second of plain and speculative decoding, same engine, same prompts
   (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`).
 
@@ -234,6 +234,9 @@ def simulated_speedup(config: ExperimentConfig, prompt_length: float,
   Returns `{}` where the simulator has no model of the drafter (Medusa, a registered one) or
   the run has none, else `simulated_device`, `simulated_acceptance` and
   `simulated_generation_speedup` (speculative / plain rollout time).
+
+  Raises:
+    ConfigError: the rollout does not fit one `device` (the simulator's memory check).
   """
   name = _SIM_DRAFTERS.get(config.drafter.name)
   if name is None or not response_lengths:

@@ -18,6 +18,7 @@ import re
 import sys
 from typing import Sequence
 
+from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.sim.devices import DEVICE_NAMES, parse_devices
 from specjax.sim.hardware import DeviceProfile
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="specjax simulate", description=__doc__.split("\n")[0])
   a = p.add_argument
   a("--model", default="qwen3-8b",
-    help=f"one of {', '.join(MODELS)}, or a checkpoint directory (its config.json)")
+    help=f"one of {', '.join(MODELS)}, or a checkpoint directory (its config.json; "
+         "./NAME for one named like a preset)")
   a("--devices", default="8xH200", help=f"COUNTxNAME, NAME one of {', '.join(DEVICE_NAMES)}")
   a("--profile-json",
     help="a DeviceProfile JSON (`specjax sim calibrate`) instead of the spec sheet")
@@ -117,7 +119,7 @@ def _lengths(path: str) -> tuple[int, ...]:
   try:
     text = pathlib.Path(path).read_text()
     values = json.loads(text) if text.lstrip()[:1] in ("[", "{") else text.split()
-  except (OSError, ValueError) as error:
+  except (OSError, ValueError, OverflowError) as error:
     raise ConfigError(f"--response-lengths {path}: cannot read it ({error})") from None
   if isinstance(values, dict):
     if "response_lengths" not in values:
@@ -125,10 +127,13 @@ def _lengths(path: str) -> tuple[int, ...]:
                         "'response_lengths' (a run's summary.json has them)")
     values = values["response_lengths"]
   try:
-    return tuple(int(v) for v in values)
+    lengths = tuple(int(v) if isinstance(v, str) else v for v in values)
   except (TypeError, ValueError):
-    raise ConfigError(f"--response-lengths {path}: must hold whole numbers of tokens, got "
-                      f"{str(values)[:60]}") from None
+    lengths = ()
+  if not lengths or not all(is_int(n) and n >= 1 for n in lengths):
+    raise ConfigError(f"--response-lengths {path}: must hold response lengths, whole numbers "
+                      f">= 1, got {str(values)[:60]}")
+  return lengths
 
 
 def _tree(text: str) -> MenuEntry:

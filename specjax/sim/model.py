@@ -107,8 +107,8 @@ class ModelSpec:
     Qwen3-MoE decoders, the MoE ones with every layer sparse.
 
     Raises:
-      ConfigError: another `model_type`, a missing or malformed field, or an MoE layout the
-        spec cannot hold (dense layers among the sparse ones).
+      ConfigError: another `model_type`, a missing or malformed field, a quantized
+        checkpoint, or an MoE layout the spec cannot hold (dense layers among sparse ones).
     """
     if not isinstance(hf, Mapping):
       raise ConfigError(f"config.json of {name!r} is invalid: must be a JSON object, not "
@@ -131,8 +131,17 @@ class ModelSpec:
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
       raise ConfigError(f"config.json of {name!r}: torch_dtype={dtype!r} is unsupported: "
                         f"allowed {', '.join(_DTYPE_BYTES)}")
+    if hf.get("quantization_config") is not None:
+      raise ConfigError(f"config.json of {name!r}: a quantized checkpoint (quantization_config) "
+                        "is unsupported: the simulator prices every weight at torch_dtype")
+    tied = hf.get("tie_word_embeddings")
+    tied = False if tied is None else tied  # transformers' default for these families
+    if not isinstance(tied, bool):
+      raise ConfigError(f"config.json of {name!r}: tie_word_embeddings={tied!r} is invalid: must "
+                        "be true or false")
     if kind in _HF_MOE:
-      if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+      step = hf.get("decoder_sparse_step")
+      if hf.get("mlp_only_layers") or (step if step is not None else 1) != 1:
         raise ConfigError(f"config.json of {name!r}: dense layers among the sparse ones "
                           f"(mlp_only_layers={hf.get('mlp_only_layers')!r}, decoder_sparse_step="
                           f"{hf.get('decoder_sparse_step')!r}) are unsupported: the simulator "
@@ -142,10 +151,15 @@ class ModelSpec:
                  expert_dim=field("moe_intermediate_size"))
     else:
       mlp = dict(mlp_dim=field("intermediate_size"))
-    return cls(name=name, n_layers=field("num_hidden_layers"), d_model=d_model, n_heads=heads,
-               n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-               vocab=field("vocab_size"), tied_embeddings=bool(hf.get("tie_word_embeddings")),
-               weight_bytes=_DTYPE_BYTES[dtype], kv_bytes=_DTYPE_BYTES[dtype], **mlp)
+    layers, vocab, kv_heads = (field("num_hidden_layers"), field("vocab_size"),
+                               hf.get("num_key_value_heads"))
+    try:
+      return cls(name=name, n_layers=layers, d_model=d_model, n_heads=heads,
+                 n_kv_heads=heads if kv_heads is None else kv_heads, head_dim=head_dim,
+                 vocab=vocab, tied_embeddings=tied,
+                 weight_bytes=_DTYPE_BYTES[dtype], kv_bytes=_DTYPE_BYTES[dtype], **mlp)
+    except ConfigError as error:  # name the file, not only the spec's field
+      raise ConfigError(f"config.json of {name!r}: {error}") from None
 
   # Parameter counts -----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ qwen3-0.6b 0.60B, qwen3-1.7b 1.72B, llama3.2-1b 1.24B.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 from specjax.errors import ConfigError
@@ -56,7 +57,8 @@ DEFAULT_DRAFT_MODEL = {"tiny": "tiny-draft", "bench-1b": "tiny-draft",
 def model_spec(name: str) -> ModelSpec:
   """The named preset, or the model of a Hugging Face checkpoint: a directory holding
   `config.json`, or the path of such a JSON file (`ModelSpec.from_hf_config`; a directory's
-  spec is named after it). The error lists what is allowed."""
+  spec is named after it). A preset's name wins over a directory of that name (`./qwen3-8b`
+  is the directory). The error lists what is allowed."""
   if isinstance(name, str) and name.lower() in MODELS:
     return MODELS[name.lower()]
   path = pathlib.Path(name) if isinstance(name, (str, pathlib.Path)) else None
@@ -68,16 +70,15 @@ def model_spec(name: str) -> ModelSpec:
       raise ConfigError(f"model {str(name)!r}: cannot read {file} as JSON ({error})") from None
     label = (path if path.is_dir() else path.parent if path.name == "config.json"
              else path.with_suffix(""))
-    return ModelSpec.from_hf_config(hf, label.resolve().name)
+    return ModelSpec.from_hf_config(hf, pathlib.Path(os.path.abspath(label)).name)
   raise ConfigError(f"model {name!r} is unknown: allowed {', '.join(MODELS)}, or a checkpoint "
                     "directory with a config.json")
 
 
 def default_draft_model(target: str) -> ModelSpec:
-  """The draft model for a target preset (Qwen3 targets, a checkpoint's named so too:
-  qwen3-0.6b)."""
-  name = DEFAULT_DRAFT_MODEL.get(target, "qwen3-0.6b" if target.lower().startswith("qwen3")
-                                 else None)
+  """The draft model for a target preset (Qwen3 targets: qwen3-0.6b); a checkpoint's model
+  has none (its family cannot be told from its directory's name)."""
+  name = DEFAULT_DRAFT_MODEL.get(target, "qwen3-0.6b" if target.startswith("qwen3") else None)
   if name is None:
     raise ConfigError(f"no default draft model for {target!r}: pass one of {', '.join(MODELS)} "
                       "or a checkpoint directory")

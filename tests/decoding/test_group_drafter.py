@@ -168,7 +168,7 @@ def test_a_fallback_drafter_needs_two_deterministic_drafters():
   drafter, _ = build_drafter("group+mtp", DraftSource(target=None))
   assert isinstance(drafter.primary, GroupDrafter) and isinstance(drafter.fallback, MTPDrafter)
   # Only long matches beat the model's guess (registry.CONFIDENT_NGRAM's measurements).
-  assert drafter.primary.min_ngram == CONFIDENT_NGRAM < drafter.primary.max_ngram
+  assert drafter.primary.min_ngram == CONFIDENT_NGRAM == 6 < drafter.primary.max_ngram
 
 
 def test_the_group_drafter_is_registered_and_checks_its_settings():

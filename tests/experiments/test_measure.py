@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from specjax.errors import ConfigError
 from specjax.experiments import ExperimentConfig, override
 from specjax.experiments.measure import rollout_speedup, simulated_speedup, tail_round_share
 from specjax.models import ModelConfig, init_params
@@ -67,3 +68,7 @@ def test_simulated_speedup_predicts_the_runs_rollout_on_an_accelerator():
   fixed = override(config, {"rollout.speculation": "fixed"})
   assert simulated_speedup(fixed, 6.0, lengths, 1.0)["simulated_generation_speedup"] < 1.0
   assert simulated_speedup(override(config, {"drafter.name": "none"}), 6.0, lengths, 3.0) == {}
+  huge = override(config, {"model": MODEL.replace(d_model=8192, n_layers=96, n_heads=64,
+                                                 n_kv_heads=8, head_dim=128, mlp_dim=32768)})
+  with pytest.raises(ConfigError, match="does not fit"):  # grpo.run logs it and ends the run
+    simulated_speedup(huge, 6.0, [4096] * 128, 3.0)

@@ -85,10 +85,21 @@ def test_simulate_runs_on_a_checkpoint_directory(tmp_path, capsys):
   (small / "config.json").write_text(json.dumps(dict(PUBLIC["qwen3-8b"], num_hidden_layers=4)))
   draft = ["--model", str(tmp_path / "Qwen3-8B"), "--drafter", "draft-model"]
   outs = []
-  for extra in (["--draft-model", str(small)], ["--draft-model", "qwen3-0.6b"], []):
+  for extra in (["--draft-model", str(small)], ["--draft-model", "qwen3-0.6b"]):
     assert simulate_main(draft + extra + args) == 0
     outs.append(capsys.readouterr().out)
-  assert outs[0] != outs[1] == outs[2]
+  assert outs[0] != outs[1]
+  with pytest.raises(SystemExit):  # a checkpoint's family is not told by its directory's name
+    simulate_main(draft + args)
+  assert "no default draft model for 'Qwen3-8B'" in capsys.readouterr().err
+
+
+def test_a_linked_checkpoint_is_named_after_the_link(tmp_path):
+  (tmp_path / "snapshots" / "0123abcd").mkdir(parents=True)
+  (tmp_path / "snapshots" / "0123abcd" / "config.json").write_text(
+      json.dumps(PUBLIC["qwen3-8b"]))
+  (tmp_path / "My-Qwen").symlink_to(tmp_path / "snapshots" / "0123abcd")
+  assert sim.model_spec(str(tmp_path / "My-Qwen")).name == "My-Qwen"
 
 
 def _broken(tmp_path, text):
@@ -109,9 +120,16 @@ def _broken(tmp_path, text):
     (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], torch_dtype=["bfloat16"]))),
      r"torch_dtype=\['bfloat16'\] is unsupported"),
     (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], num_hidden_layers="36"))),
-     "n_layers='36' is invalid: must be an int > 0"),
+     "config.json of .*n_layers='36' is invalid: must be an int > 0"),
     (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], num_key_value_heads=5))),
      "n_kv_heads=5 is invalid: must divide n_heads=32"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], num_key_value_heads=0))),
+     "config.json of .*n_kv_heads=0 is invalid: must be an int > 0"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"], tie_word_embeddings="false"))),
+     "tie_word_embeddings='false' is invalid: must be true or false"),
+    (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"],
+                                          quantization_config={"quant_method": "fp8"}))),
+     "a quantized checkpoint .* is unsupported"),
     (lambda p: _broken(p, "[1, 2]"), "must be a JSON object, not list"),
     (lambda p: _broken(p, "{not json"), "cannot read .*config.json as JSON"),
     (lambda p: str(p), "cannot read .*config.json as JSON"),  # a directory without one
@@ -136,8 +154,14 @@ def test_a_runs_summary_gives_the_simulator_its_response_lengths(tmp_path, capsy
   assert outs[0] == outs[1] and "longest response 200 tokens" in outs[0]
   (tmp_path / "other.json").write_text(json.dumps({"speedup": 1.0}))
   (tmp_path / "words.txt").write_text("12 many 30")
+  (tmp_path / "odd.json").write_text("[12, true, 1.5]")
+  (tmp_path / "zero.txt").write_text("12 0 30")
+  (tmp_path / "huge.json").write_text("[1e400]")
   for name, message in (("other.json", "without 'response_lengths'"),
-                        ("words.txt", "must hold whole numbers of tokens"),
+                        ("words.txt", "must hold response lengths, whole numbers >= 1"),
+                        ("odd.json", "must hold response lengths"),
+                        ("zero.txt", "must hold response lengths"),
+                        ("huge.json", "must hold response lengths"),
                         ("absent.json", "cannot read it")):
     with pytest.raises(SystemExit):
       simulate_main(args + [str(tmp_path / name)])
