@@ -8,11 +8,11 @@ qwen3-0.6b 0.60B, qwen3-1.7b 1.72B, llama3.2-1b 1.24B.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
 from specjax.errors import ConfigError
+from specjax.files import read_object
 from specjax.sim.model import ModelSpec
 
 _QWEN_VOCAB, _LLAMA_VOCAB = 151936, 128256
@@ -64,10 +64,10 @@ def model_spec(name: str) -> ModelSpec:
   path = pathlib.Path(name) if isinstance(name, (str, pathlib.Path)) else None
   if path is not None and (path.is_dir() or path.suffix == ".json"):
     file = path / "config.json" if path.is_dir() else path
-    try:
-      hf = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-      raise ConfigError(f"model {str(name)!r}: cannot read {file} as JSON ({error})") from None
+    if not file.is_file():
+      raise ConfigError(f"model {str(name)!r}: {file} does not exist (a checkpoint directory "
+                        "holds config.json)")
+    hf = read_object(file, ConfigError, "pass a checkpoint's config.json")
     label = (path if path.is_dir() else path.parent if path.name == "config.json"
              else path.with_suffix(""))
     return ModelSpec.from_hf_config(hf, pathlib.Path(os.path.abspath(label)).name)

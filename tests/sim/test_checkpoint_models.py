@@ -130,9 +130,9 @@ def _broken(tmp_path, text):
     (lambda p: _broken(p, json.dumps(dict(PUBLIC["qwen3-8b"],
                                           quantization_config={"quant_method": "fp8"}))),
      "a quantized checkpoint .* is unsupported"),
-    (lambda p: _broken(p, "[1, 2]"), "must be a JSON object, not list"),
-    (lambda p: _broken(p, "{not json"), "cannot read .*config.json as JSON"),
-    (lambda p: str(p), "cannot read .*config.json as JSON"),  # a directory without one
+    (lambda p: _broken(p, "[1, 2]"), "config.json: holds a JSON list, expected an object"),
+    (lambda p: _broken(p, "{not json"), "config.json: malformed JSON at line 1"),
+    (lambda p: str(p), "config.json does not exist"),  # a directory without one
     (lambda p: str(p / "absent"), "unknown: allowed tiny, .*or a checkpoint directory"),
 ])
 def test_a_checkpoint_the_simulator_cannot_model_is_refused(tmp_path, make, message):
