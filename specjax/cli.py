@@ -282,6 +282,10 @@ def summary_table(summary: dict) -> str:
           ("drafter acceptance (probe)", "probe_acceptance_before", "probe_acceptance_after"),
           ("acceptance in rollouts, first / last 5 steps", "acceptance_first",
            "acceptance_last")]
+  rows += [(f"  in rounds {key.removeprefix('acceptance_').removesuffix('_first')} drafted", key,
+            key.removesuffix("_first") + "_last")
+           for key in sorted(summary) if key.startswith("acceptance_") and key.endswith("_first")
+           and key != "acceptance_first"]
   width = max(len(r[0]) for r in rows)
   lines = [f"{'':<{width}}  {'before':>8}  {'after':>8}"]
   lines += [f"{name:<{width}}  {summary[a]:>8.3f}  {summary[b]:>8.3f}" for name, a, b in rows

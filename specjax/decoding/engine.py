@@ -367,7 +367,8 @@ class DecodeLoop:
     return result.replace(stats=stats.replace(
         accepted_per_depth=jnp.zeros((depth,), jnp.float32),
         tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
-        acceptance=acceptance.replace(rounds=acceptance.rounds + stats.rounds)))
+        acceptance=acceptance.replace(rounds=acceptance.rounds + stats.rounds),
+        drafter=self.drafter.stats(None) if self.speculative else {}))
 
   def _check_acceptance(self, acceptance: Any) -> None:
     """Counts from another call must be this policy's: `[I, D]` for its menu."""
@@ -607,7 +608,8 @@ class DecodeLoop:
         accepted_per_depth=s.accepted_at_depth.astype(jnp.float32) / denom,
         tokens_per_round=s.emitted.astype(jnp.float32) / denom,
         drafts_per_round=s.drafts.astype(jnp.float32) / denom, tree_rounds=s.tree_rounds,
-        segments=s.segments, acceptance=s.acceptance)
+        segments=s.segments, acceptance=s.acceptance,
+        drafter=self.drafter.stats(s.drafter_state) if self.speculative else {})
     return GenerationResult(
         tokens=jnp.where(valid, jnp.take_along_axis(out.seq, idx, axis=1), self.pad_id),
         lengths=out.generated,

@@ -32,6 +32,9 @@ class GenerationStats:
       and out of `lax.switch` (`CostTable.switch`); 0 for a fixed tree.
     acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
       call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
+    drafter: the drafter's own counts over the call (`Drafter.stats`): e.g. which of a
+      `FallbackDrafter`'s two drafters drafted how many row-rounds, and the tokens they
+      emitted; empty for most drafters and without one.
   """
 
   rounds: jax.Array
@@ -42,6 +45,7 @@ class GenerationStats:
   tree_rounds: jax.Array
   segments: jax.Array
   acceptance: AcceptanceCounts
+  drafter: dict[str, jax.Array] = struct.field(default_factory=dict)
 
 
 @struct.dataclass

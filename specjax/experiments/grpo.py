@@ -224,7 +224,7 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
 # TensorBoard's sections: a metric goes under the first whose prefix or name it matches, else
 # under train/. metrics.jsonl keeps the plain names.
 _SECTIONS = (("reward/", ("reward_", "accuracy")),
-             ("spec/", ("acceptance_length", "accepted_per_depth", "plain_share")),
+             ("spec/", ("acceptance_", "accepted_per_depth", "plain_share", "drafted_by_")),
              ("rollout/", ("response_", "rollout_")),
              ("perf/", ("step_time_s",)))
 
@@ -235,7 +235,7 @@ def tensorboard_scalars(record: dict, learning_rate: float | None = None) -> dic
   becomes one scalar per depth (`spec/accepted_per_depth/1`, ...)."""
   out = {}
   for key, value in record.items():
-    if key in ("step", "position"):
+    if key in ("step", "position") or value is None:  # None: nothing measured this step
       continue
     section = next((name for name, starts in _SECTIONS
                     if any(key.startswith(s) for s in starts)), "train/")
@@ -251,7 +251,10 @@ def tensorboard_scalars(record: dict, learning_rate: float | None = None) -> dic
 
 
 def _jsonable(metrics: dict) -> dict:
-  return {k: np.asarray(v).tolist() for k, v in metrics.items()}
+  """Metrics as JSON values; a NaN scalar (nothing to measure this step: a drafter that never
+  drafted) becomes null, so metrics.jsonl stays strict JSON."""
+  value = lambda x: None if np.ndim(x) == 0 and np.isnan(x) else np.asarray(x).tolist()
+  return {k: value(v) for k, v in metrics.items()}
 
 
 # What a diverging step shows first: NaN rewards poison the advantages, then the loss and its
@@ -554,10 +557,24 @@ def _run(config: ExperimentConfig, log) -> dict:
     summary["acceptance_first"] = float(np.mean([h["acceptance_length"]
                                                  for h in history[:5]]))
     summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
+    summary |= _part_acceptance(history)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(history, run_dir / "curves.png")
   ckpt.close()
   return summary
+
+
+def _part_acceptance(history: list[dict]) -> dict[str, float]:
+  """`acceptance_<name>_first` / `_last`: each drafter part's acceptance length (a combined
+  drafter's, `drafter_metrics`) over the first and last 5 steps where it drafted; none for a
+  part that never did."""
+  out = {}
+  for key in sorted({k for h in history for k in h
+                     if k.startswith("acceptance_") and k != "acceptance_length"}):
+    seen = [h[key] for h in history if h.get(key) is not None]
+    if seen:
+      out[f"{key}_first"], out[f"{key}_last"] = float(np.mean(seen[:5])), float(np.mean(seen[-5:]))
+  return out
 
 
 def _plot(history: list[dict], path: Path) -> None:
@@ -570,8 +587,17 @@ def _plot(history: list[dict], path: Path) -> None:
   for ax, key, title in zip(axes, ("reward_mean", "acceptance_length", "rollout_tokens_per_s"),
                             ("reward (mean)", "acceptance length (tokens / round)",
                              "rollout tokens / s (whole step)")):
-    ax.plot(steps, [h[key] for h in history])
+    ax.plot(steps, [h[key] for h in history], label="all rounds")
     ax.set_title(title)
     ax.set_xlabel("step")
+  # Each part of a combined drafter (group drafting in front of MTP) where it drafted: which
+  # one pays along training. A step where a part never drafted is a gap (null).
+  parts = sorted({k for h in history for k in h
+                  if k.startswith("acceptance_") and k != "acceptance_length"})
+  for key in parts:
+    axes[1].plot(steps, [np.nan if h.get(key) is None else h[key] for h in history],
+                 label=f"{key.removeprefix('acceptance_')} drafted")
+  if parts:
+    axes[1].legend(fontsize="small")
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -58,7 +58,7 @@ __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "j
 COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 # Statistics of a whole rollout, not one value per row: replicated like the metrics.
-_ROLLOUT_STATS = ("tokens_per_round", "accepted_per_depth", "plain_share")
+_ROLLOUT_STATS = ("tokens_per_round", "accepted_per_depth", "plain_share", "drafter_stats")
 
 
 def _logical_tree(tree: Params, axes: Params, mesh: Mesh, rules: Rules, what: str) -> Params:
@@ -77,9 +77,9 @@ def rollout_shardings(roll: Rollout, mesh: Mesh, rules: Rules = DEFAULT_RULES) -
   (`[B, ...]`) split over the "batch" axes (replicated when B does not divide), the
   rollout's statistics replicated."""
   shard = lambda x: logical_sharding(P("batch"), mesh, np.shape(x), rules)
+  whole = lambda x: replicated(mesh)
   return roll.replace(**{
-      name: replicated(mesh) if name in _ROLLOUT_STATS else jax.tree.map(shard,
-                                                                          getattr(roll, name))
+      name: jax.tree.map(whole if name in _ROLLOUT_STATS else shard, getattr(roll, name))
       for name in Rollout.__dataclass_fields__})
 
 

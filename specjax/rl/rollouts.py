@@ -71,7 +71,8 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
                  behaviour_logprobs=behaviour, rewards=zeros, advantages=zeros,
                  lengths=out.lengths, tokens_per_round=out.stats.tokens_per_round,
                  accepted_per_depth=out.stats.accepted_per_depth,
-                 plain_share=plain_share(rc, out.stats.tree_rounds))
+                 plain_share=plain_share(rc, out.stats.tree_rounds),
+                 drafter_stats=out.stats.drafter)
   return roll, out.tokens, out.lengths, out.stats.acceptance
 
 
@@ -125,8 +126,25 @@ def rollout_metrics(config: TrainConfig, roll: Rollout) -> dict[str, jax.Array]:
       "acceptance_length": roll.tokens_per_round,
       "accepted_per_depth": roll.accepted_per_depth,
       **({} if roll.plain_share is None else {"plain_share": roll.plain_share}),
+      **drafter_metrics(roll.drafter_stats or {}),
       "rollout_tokens": roll.lengths.sum(),
   } | {f"reward_{name}": part.mean() for name, part in (roll.reward_parts or {}).items()}
+
+
+def drafter_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """From a drafter's counts (`Drafter.stats`), for each part `<name>` that has
+  `<name>_rounds` and `<name>_tokens`: `acceptance_<name>`, the tokens per row-round when it
+  drafted (NaN when it never did: a gap in the curves, not a zero), and `drafted_by_<name>`,
+  its share of the drafted row-rounds."""
+  names = [key.removesuffix("_rounds") for key in stats
+           if key.endswith("_rounds") and key.removesuffix("_rounds") + "_tokens" in stats]
+  total = sum((stats[f"{name}_rounds"] for name in names), jnp.zeros((), jnp.int32))
+  out = {}
+  for name in names:
+    rounds = stats[f"{name}_rounds"].astype(jnp.float32)
+    out[f"acceptance_{name}"] = jnp.where(rounds > 0, stats[f"{name}_tokens"] / rounds, jnp.nan)
+    out[f"drafted_by_{name}"] = rounds / jnp.maximum(total, 1)
+  return out
 
 
 

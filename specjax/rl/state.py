@@ -258,6 +258,10 @@ class Rollout:
     plain_share: scalar share of the rollout's decoding rounds that drafted nothing (plain
       decoding): 1 without a drafter, 0 with a fixed tree, what the adaptive policy chose
       otherwise. None in a rollout made before it was recorded (a resumed async run's).
+    drafter_stats: the drafter's own counts over the rollout (`GenerationStats.drafter`):
+      with group drafting in front of a model drafter, the row-rounds each drafted and the
+      tokens they emitted (logged as `acceptance_<name>`, `drafted_by_<name>`). None as
+      `plain_share`.
   """
 
   tokens: jax.Array
@@ -271,6 +275,7 @@ class Rollout:
   accepted_per_depth: jax.Array
   reward_parts: dict[str, jax.Array] | None = None
   plain_share: jax.Array | None = None
+  drafter_stats: dict[str, jax.Array] | None = None
 
 
 

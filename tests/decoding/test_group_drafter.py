@@ -14,6 +14,8 @@ from support import progression_batch
 
 from specjax.decoding import (DraftModelDrafter, DraftSource, DraftTree, FallbackDrafter,
                               GroupDrafter, MTPDrafter, SamplingConfig, build_drafter, generate)
+from specjax.decoding.drafters.base import NoState, RoundResult, TargetFeatures
+from specjax.decoding.drafters.fallback import FallbackState
 from specjax.decoding.drafters.group import group_lookup
 from specjax.decoding.drafters.registry import CONFIDENT_NGRAM
 from specjax.errors import ConfigError
@@ -156,6 +158,41 @@ def test_a_row_behind_its_sibling_has_the_siblings_text_accepted(progression_mod
                   tree=DraftTree.chain(3))
   np.testing.assert_array_equal(both.tokens[1], answer.tokens[0])
   assert int(both.stats.row_rounds[1]) <= 16 / 4 + 1, both.stats.row_rounds
+
+
+def test_a_fallback_drafter_counts_the_rounds_each_drafter_drafted(progression_models):
+  """Row 1 starts behind its sibling (row 0 continues with row 1's answer): the group drafts
+  whole chains for it, MTP the rest; the counts split the row-rounds exactly, also across a
+  compaction, and a round that drafted nothing is counted for neither."""
+  m = progression_models
+  tokens, lengths = _progression(m, 1)
+  answer = generate(m["params"], m["config"], tokens, lengths, jax.random.key(0),
+                    max_new_tokens=16, sampling=GREEDY)
+  pair = jnp.concatenate([jnp.concatenate([tokens, answer.tokens], 1),
+                          jnp.pad(tokens, ((0, 0), (0, 16)))], 0)
+  out = generate(m["params"], m["config"], pair, jnp.array([26, 10]), jax.random.key(0),
+                 max_new_tokens=16, sampling=GREEDY, compaction=1, tree=DraftTree.chain(3),
+                 drafter=FallbackDrafter(GroupDrafter(group_size=2), MTPDrafter()))
+  counts = {k: int(v) for k, v in out.stats.drafter.items()}
+  assert set(counts) == {"group_rounds", "group_tokens", "mtp_rounds", "mtp_tokens"}
+  assert counts["group_rounds"] + counts["mtp_rounds"] == int(out.stats.row_rounds.sum())
+  assert counts["group_rounds"] >= 3 and counts["group_tokens"] >= 4 * 3  # row 1: whole chains
+  # Every emitted token but the prefill's came from one of the two (uncut: >=).
+  assert counts["group_tokens"] + counts["mtp_tokens"] >= int(out.lengths.sum()) - 2
+  # A plain round (its path is the root alone) leaves the counts as they were.
+  fallback = FallbackDrafter(GroupDrafter(), GroupDrafter(min_ngram=1))
+  assert fallback.part_names() == ("primary", "fallback")  # two of a kind
+  state = FallbackState(primary=NoState(), fallback=NoState(),
+                        primary_rows=jnp.array([True, False]), counts=jnp.zeros((2, 2), int))
+  result = lambda d: RoundResult(path_tokens=jnp.zeros((2, d + 1), int),
+                                 next_tokens=jnp.zeros((2, d + 1), int),
+                                 features=TargetFeatures(hidden=None), start=jnp.zeros(2, int),
+                                 count=jnp.array([3, 0]))  # row 1 was already done
+  assert int(fallback.update(None, None, state, result(0)).counts.sum()) == 0
+  stats = fallback.stats(fallback.update(None, None, state, result(2)))
+  assert {k: int(v) for k, v in stats.items()} == {
+      "primary_rounds": 1, "primary_tokens": 3, "fallback_rounds": 0, "fallback_tokens": 0}
+  assert {k: int(v) for k, v in fallback.stats(None).items()} == dict.fromkeys(stats, 0)
 
 
 def test_a_fallback_drafter_needs_two_deterministic_drafters():

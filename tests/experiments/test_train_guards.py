@@ -327,3 +327,32 @@ def test_tensorboard_scalars_are_namespaced_and_vectors_split_by_depth():
       "spec/accepted_per_depth/1": 0.5, "spec/accepted_per_depth/2": 0.25, "train/loss": 0.1,
       "train/mtp_ce/1": 1.5, "train/mtp_ce/2": 2.0, "rollout/response_length_mean": 7.0,
       "rollout/tokens_per_s": 99.0, "perf/step_time_s": 1.5, "train/learning_rate": 1e-4}
+
+
+def test_a_combined_drafters_parts_are_logged_along_training_and_summarised():
+  """Group drafting in front of MTP: each part's acceptance where it drafted, its share of the
+  drafted row-rounds; a part that never drafted is a gap (null), never a zero."""
+  from specjax.cli import summary_table
+  from specjax.experiments.grpo import _jsonable, _part_acceptance, tensorboard_scalars
+  from specjax.rl.rollouts import drafter_metrics
+  counts = {"group_rounds": jnp.array(4), "group_tokens": jnp.array(14),
+            "mtp_rounds": jnp.array(0), "mtp_tokens": jnp.array(0)}
+  metrics = drafter_metrics(counts)
+  assert float(metrics["acceptance_group"]) == 3.5 and np.isnan(metrics["acceptance_mtp"])
+  assert (float(metrics["drafted_by_group"]), float(metrics["drafted_by_mtp"])) == (1.0, 0.0)
+  assert drafter_metrics({}) == {}
+  record = _jsonable(metrics)
+  assert record["acceptance_mtp"] is None and json.loads(json.dumps(record)) == record
+  assert tensorboard_scalars(record) == {"spec/acceptance_group": 3.5,
+                                         "spec/drafted_by_group": 1.0,
+                                         "spec/drafted_by_mtp": 0.0}
+  history = [{"acceptance_length": 2.0, "acceptance_group": g, "acceptance_mtp": m}
+             for g, m in [(None, 2.0)] * 3 + [(4.0, 2.5)] * 6 + [(5.0, 3.0)]]
+  summary = _part_acceptance(history)
+  assert summary == {"acceptance_group_first": 4.0, "acceptance_group_last": 4.2,
+                     "acceptance_mtp_first": pytest.approx(2.2),
+                     "acceptance_mtp_last": pytest.approx(2.6)}
+  table = summary_table({"acceptance_first": 2.0, "acceptance_last": 2.0, **summary,
+                         "plain_tokens_per_s": 100.0, "spec_tokens_per_s": 150.0})
+  assert "in rounds group drafted" in table and "4.200" in table
+  assert "in rounds mtp drafted" in table

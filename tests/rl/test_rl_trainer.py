@@ -18,13 +18,14 @@ from support import child_env
 
 from specjax import sharding
 from specjax.checkpoint import DIGEST_FILE, CheckpointError, Checkpointer
-from specjax.decoding import Adaptive, CostTable, DraftTree, MTPDrafter, SamplingConfig
+from specjax.decoding import (Adaptive, CostTable, DraftTree, FallbackDrafter, GroupDrafter,
+                              MTPDrafter, SamplingConfig)
 from specjax.errors import ConfigError
 from specjax.experiments import override
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, updates
-from specjax.rl.distributed import train_state_shardings
-from specjax.rl.rollouts import rollout
+from specjax.rl.distributed import rollout_shardings, train_state_shardings
+from specjax.rl.rollouts import rollout, rollout_metrics
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
 from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
 
@@ -118,6 +119,33 @@ def test_train_step_compiles_once_and_updates_the_policy_and_drafter(fused_run):
               "accepted_per_depth", "mtp_ce", "rollout_tokens"):
     assert key in history[-1], key
     assert np.all(np.isfinite(history[-1][key])), key
+
+
+def test_a_rollout_with_group_drafting_in_front_of_mtp_reports_each_drafters_acceptance():
+  """Which drafter pays, from inside the step's program: `acceptance_group`, `acceptance_mtp`
+  and their shares of the drafted row-rounds (the shares sum to 1; sharded replicated)."""
+  base = _config(compaction=1)
+  drafter = FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1), MTPDrafter())
+  config = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, drafter=drafter))
+  params = init_params(MODEL, jax.random.key(0))
+  batch = _reader().batch_at(0)
+
+  @jax.jit
+  def metrics(params, key):
+    roll = rollout(params, config, batch.tokens, batch.lengths, key, TOK.pad_id)[0]
+    return roll, rollout_metrics(config, roll)
+  roll, m = metrics(params, jax.random.key(0))
+  counts = {k: int(v) for k, v in roll.drafter_stats.items()}
+  assert counts["group_rounds"] + counts["mtp_rounds"] > 0
+  assert float(m["drafted_by_group"]) + float(m["drafted_by_mtp"]) == pytest.approx(1.0)
+  for name in ("group", "mtp"):
+    rounds = counts[f"{name}_rounds"]
+    got = float(m[f"acceptance_{name}"])
+    assert (got == pytest.approx(counts[f"{name}_tokens"] / rounds)) if rounds else np.isnan(got)
+  assert 1.0 <= float(m["acceptance_mtp"]) <= 3.0  # a chain of 2: at most 3 tokens a round
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  assert all(s.is_fully_replicated for s in
+             jax.tree.leaves(rollout_shardings(roll, mesh).drafter_stats))
 
 
 @pytest.mark.slow

@@ -240,6 +240,15 @@ class Drafter(abc.ABC):
     del params, config, result
     return state
 
+  def stats(self, state: State | None) -> dict[str, jax.Array]:
+    """Counts of this drafter's own over a call, summed over its rounds and reported beside
+    the loop's (`GenerationStats.drafter`): scalars, the same keys whatever the state; all
+    zero for `state` None (a call that never drafted). A pair `<name>_rounds`,
+    `<name>_tokens` is the row-rounds that part `<name>` drafted and the tokens they emitted
+    (`FallbackDrafter`'s two drafters); a GRPO run logs `acceptance_<name>` from them."""
+    del state
+    return {}
+
   def take_rows(self, state: State, rows: jax.Array) -> State:
     """The state of rows `rows [B']` only (the loop compacts its batch as rows finish).
 

@@ -8,15 +8,16 @@ position). Both must draft deterministically (drafts verified by matching: a sam
 distribution would have to be the one its tokens came from, row by row), and both keep their
 state up to date every round: whichever drafted, the accepted path is the same text.
 
-`stats`-wise the round is one proposal; `propose` also reports, through the state, how many
-rows took the primary's draft (`FallbackState.primary_rows`), for a caller that wants the
-split.
+The engine counts a round as one proposal, whichever drafter made it; the drafter's own
+counts (`stats`: the row-rounds each of the two drafted and the tokens those emitted) tell
+which one pays, e.g. `group_rounds`, `group_tokens`, `mtp_rounds`, `mtp_tokens` for group
+drafting in front of MTP (a GRPO run logs them as `acceptance_group`, `acceptance_mtp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +36,21 @@ class FallbackState:
     primary: the primary drafter's state.
     fallback: the fallback drafter's state.
     primary_rows: `[B]` whether each row took the primary's draft in the last proposal.
+    counts: `[2, 2]` int32 over the call so far: row-rounds the primary (row 0) and the
+      fallback (row 1) drafted, and the tokens those row-rounds emitted (accepted + 1).
   """
+
+  UNBATCHED: ClassVar[tuple[str, ...]] = ("counts",)
 
   primary: Any
   fallback: Any
   primary_rows: jax.Array
+  counts: jax.Array
+
+
+def part_name(drafter: Drafter) -> str:
+  """How a drafter's counts are named: `GroupDrafter` "group", `MTPDrafter` "mtp"."""
+  return type(drafter).__name__.removesuffix("Drafter").lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +95,8 @@ class FallbackDrafter(Drafter):
     init = lambda d: d.init(params, config, drafter_params, ctx, tree, max_len, prompt,
                             plain_rounds=plain_rounds)
     return FallbackState(primary=init(self.primary), fallback=init(self.fallback),
-                         primary_rows=jnp.zeros(ctx.seq.shape[:1], bool))
+                         primary_rows=jnp.zeros(ctx.seq.shape[:1], bool),
+                         counts=jnp.zeros((2, 2), jnp.int32))
 
   def propose(self, params, config, state: FallbackState, ctx, tree: DraftTree,
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, FallbackState]:
@@ -99,13 +111,31 @@ class FallbackDrafter(Drafter):
     tokens = jnp.where(use[:, None], first.tokens, second.tokens)
     out = None if second.drafted is None else jnp.where(use[:, None], True, second.drafted)
     return (Proposal(tokens=tokens, drafted=out),
-            FallbackState(primary=primary, fallback=fallback, primary_rows=use))
+            state.replace(primary=primary, fallback=fallback, primary_rows=use))
 
   def update(self, params, config, state: FallbackState, result) -> FallbackState:
+    counts = state.counts
+    if result.path_tokens.shape[1] > 1:  # a drafting round (a plain one's path is its root)
+      active = result.count > 0
+      took = jnp.stack([state.primary_rows, ~state.primary_rows]) & active  # [2, B]
+      counts = counts + jnp.stack([took.sum(1, dtype=jnp.int32),
+                                   jnp.where(took, result.count, 0).sum(1, dtype=jnp.int32)], 1)
     return state.replace(primary=self.primary.update(params, config, state.primary, result),
-                         fallback=self.fallback.update(params, config, state.fallback, result))
+                         fallback=self.fallback.update(params, config, state.fallback, result),
+                         counts=counts)
 
   def take_rows(self, state: FallbackState, rows: jax.Array) -> FallbackState:
-    return FallbackState(primary=self.primary.take_rows(state.primary, rows),
+    return state.replace(primary=self.primary.take_rows(state.primary, rows),
                          fallback=self.fallback.take_rows(state.fallback, rows),
                          primary_rows=take_rows(state.primary_rows, rows))
+
+  def part_names(self) -> tuple[str, str]:
+    """The names of the two drafters' counts: their kinds ("group", "mtp"), or "primary" and
+    "fallback" when the kinds are the same."""
+    names = part_name(self.primary), part_name(self.fallback)
+    return names if names[0] != names[1] and all(names) else ("primary", "fallback")
+
+  def stats(self, state: FallbackState | None) -> dict[str, jax.Array]:
+    counts = jnp.zeros((2, 2), jnp.int32) if state is None else state.counts
+    return {f"{name}_{what}": counts[i, j] for i, name in enumerate(self.part_names())
+            for j, what in enumerate(("rounds", "tokens"))}
