@@ -33,4 +33,7 @@ def get_config():
       "model": base.model.replace(vocab_size=task.tokenizer.vocab_size, max_position=48),
       "rollout.max_new_tokens": task.max_answer_tokens,
       "warm_start.steps": 600,
+      # Each rollout arm (plain, speculative) timed on the current policy every 20 steps:
+      # curves.png's fourth panel.
+      "eval.arms_every": 20,
   })

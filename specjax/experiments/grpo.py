@@ -44,7 +44,8 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
-from specjax.experiments.measure import (evaluate, probe_acceptance, rollout_costs, rollout_speedup,
+from specjax.experiments.measure import (evaluate, probe_acceptance, rollout_arm_seconds,
+                                         rollout_arms, rollout_costs, rollout_speedup,
                                          simulated_speedup)
 from specjax.experiments.metrics_log import MetricsLog
 from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
@@ -251,10 +252,13 @@ def tensorboard_scalars(record: dict, learning_rate: float | None = None) -> dic
 
 
 def _jsonable(metrics: dict) -> dict:
-  """Metrics as JSON values; a NaN scalar (nothing to measure this step: a drafter that never
-  drafted) becomes null, so metrics.jsonl stays strict JSON."""
-  value = lambda x: None if np.ndim(x) == 0 and np.isnan(x) else np.asarray(x).tolist()
-  return {k: value(v) for k, v in metrics.items()}
+  """Metrics as JSON values. A drafter part's acceptance is NaN in a step where the part never
+  drafted (`drafter_metrics`): null here, nothing measured, and skipped by TensorBoard; any
+  other NaN stays NaN, a sign of divergence that must show."""
+  def value(key, x):
+    part = key.startswith("acceptance_") and key != "acceptance_length"
+    return None if part and np.isnan(x) else np.asarray(x).tolist()
+  return {k: value(k, v) for k, v in metrics.items()}
 
 
 # What a diverging step shows first: NaN rewards poison the advantages, then the loss and its
@@ -481,6 +485,7 @@ def _run(config: ExperimentConfig, log) -> dict:
                                  state_sharding=shardings)
   if meta["step"] < config.steps:
     log("compiling the GRPO step (the first step's time includes it)")
+  time_arms = _arm_timer(config, reader.batch_at(0), costs)
   position, last_checkpoint = meta["position"], meta["step"]
   with contextlib.ExitStack() as files:
     # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
@@ -504,6 +509,8 @@ def _run(config: ExperimentConfig, log) -> dict:
       record = {"step": step + 1, "position": position, **_jsonable(metrics),
                 "step_time_s": elapsed,
                 "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
+      if time_arms is not None and (step + 1) % config.eval.arms_every == 0:
+        record |= time_arms(state, step + 1)
       if lead:
         out.write((json.dumps(record) + "\n").encode())
         lr = float(optimizer_schedule(step))
@@ -564,6 +571,23 @@ def _run(config: ExperimentConfig, log) -> dict:
   return summary
 
 
+def _arm_timer(config: ExperimentConfig, batch, costs: CostTable | None):
+  """With `eval.arms_every`, a `(state, step) -> {rollout_s_<arm>: seconds}` that times one
+  call of each rollout arm on the state's policy (every process calls it: the policy is
+  gathered); the first call compiles the arms untimed. None without."""
+  if not config.eval.arms_every:
+    return None
+  arms, compiled = rollout_arms(config, batch, costs), []
+
+  def time_arms(state: TrainState, step: int) -> dict[str, float]:
+    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
+    args = (arms, local["params"], local["drafter"], jax.random.key(step))
+    if not compiled:
+      compiled.append(rollout_arm_seconds(*args))
+    return rollout_arm_seconds(*args)
+  return time_arms
+
+
 def _part_acceptance(history: list[dict]) -> dict[str, float]:
   """`acceptance_<name>_first` / `_last`: each drafter part's acceptance length (a combined
   drafter's, `drafter_metrics`) over the first and last 5 steps where it drafted; none for a
@@ -582,8 +606,10 @@ def _plot(history: list[dict], path: Path) -> None:
   matplotlib backend and open figures are left as they were."""
   from matplotlib.figure import Figure
   steps = [h["step"] for h in history]
-  fig = Figure(figsize=(13, 3.5))
-  axes = fig.subplots(1, 3)
+  arms = [k for k in ("rollout_s_plain", "rollout_s_spec", "rollout_s_uncompacted")
+          if any(k in h for h in history)]
+  fig = Figure(figsize=(17 if arms else 13, 3.5))
+  axes = fig.subplots(1, 4 if arms else 3)
   for ax, key, title in zip(axes, ("reward_mean", "acceptance_length", "rollout_tokens_per_s"),
                             ("reward (mean)", "acceptance length (tokens / round)",
                              "rollout tokens / s (whole step)")):
@@ -599,5 +625,15 @@ def _plot(history: list[dict], path: Path) -> None:
                  label=f"{key.removeprefix('acceptance_')} drafted")
   if parts:
     axes[1].legend(fontsize="small")
+  labels = {"rollout_s_plain": "plain", "rollout_s_spec": "speculative",
+            "rollout_s_uncompacted": "plain, no compaction"}
+  for key in arms:  # one call of each arm on the first batch, every eval.arms_every steps
+    timed = [h for h in history if key in h]
+    axes[3].plot([h["step"] for h in timed], [h[key] for h in timed], marker=".",
+                 label=labels[key])
+  if arms:
+    axes[3].set_title("rollout seconds, first batch, per arm")
+    axes[3].set_xlabel("step")
+    axes[3].legend(fontsize="small")
   fig.tight_layout()
   fig.savefig(path, dpi=100)

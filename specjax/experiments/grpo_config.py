@@ -248,13 +248,19 @@ class RolloutEvaluation(Evaluation):
     speedup_seconds: each arm of the rollout speedup measurement is timed for at least this
       long in all (more calls than `speedup_repeats` when calls are short, whose median
       moves on a shared machine); 0: exactly `speedup_repeats` calls.
+    arms_every: every this many steps, also time one call of each rollout arm (plain,
+      speculative, and plain without compaction when the rollout compacts) on the current
+      policy and the first batch, logged as `rollout_s_<arm>` and plotted in `curves.png`:
+      what speculation and compaction buy as the policy trains. 0: only after training.
   """
 
   speedup_seconds: float = 2.0
+  arms_every: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     require_reals(self, ("speedup_seconds",), positive=False, prefix="eval.")
+    require_ints(self, ("arms_every",), 0, "eval.")
 
 
 # The built-in arithmetic policy (what a run trains from scratch without `policy_dir`).

@@ -155,15 +155,54 @@ def tail_round_share(row_rounds, live_fraction: float = 0.25) -> float:
   return float((rounds[0] - rounds[few]) / rounds[0])
 
 
+def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
+                 ) -> dict[str, Any]:
+  """The rollout's arms on `batch` (B = prompts x G rows), each `(params, drafter_params, key)
+  -> GenerationResult`: plain decoding with the rollout's compaction (`plain`), the run's
+  speculative decoding with it (`spec`; `costs` for adaptive speculation) and, when the
+  rollout compacts, plain decoding without compaction (`uncompacted`). With drafter "none"
+  plain and spec are both plain decoding."""
+  g = config.grpo.group_size
+  tokens = jnp.repeat(batch.tokens, g, 0)
+  lengths = jnp.repeat(batch.lengths, g, 0)
+  names = ("plain", "spec") + (("uncompacted",) if config.rollout.compaction else ())
+  arms = {}
+  for name in names:
+    rc = config.train_config("none" if name != "spec" else None, costs).rollout
+
+    def arm(params, drafter_params, key, rc=rc, name=name):
+      return generate(params, config.model, tokens, lengths, key,
+                      max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
+                      drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
+                      eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
+                      drafter_params=drafter_params if rc.drafter else None)
+    arms[name] = arm
+  return arms
+
+
+def rollout_arm_seconds(arms: dict[str, Any], params, drafter_params, key: jax.Array
+                        ) -> dict[str, float]:
+  """One call of each of `rollout_arms` on the current policy, back to back, the same key:
+  `rollout_s_<arm>`, the seconds each took. Along training (`eval.arms_every`) this shows
+  what speculation and compaction buy as the policy moves; the arms are compiled by their
+  first call, so call this once untimed first."""
+  out = {}
+  for name, arm in arms.items():
+    start = time.perf_counter()
+    jax.block_until_ready(arm(params, drafter_params, key))
+    out[f"rollout_s_{name}"] = time.perf_counter() - start
+  return out
+
+
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None,
                     costs: CostTable | None = None) -> dict[str, Any]:
   """Rollout tokens per second of plain and speculative decoding, same engine, same prompts
   (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`).
 
-  The arms: plain decoding with the rollout's compaction (`plain`), speculative decoding with
-  it (`spec`) and, when the rollout compacts, plain decoding without compaction
-  (`uncompacted`). Each repeat runs every arm back to back, first in turn
+  The arms are `rollout_arms`: `plain` and `spec` with the rollout's compaction, and
+  `uncompacted` plain decoding when it compacts. Each repeat runs every arm back to back, first
+  in turn
   (`eval.speedup_repeats` repeats, or more until each arm has run `eval.speedup_seconds`), so
   that a slow spell of a shared machine hits all alike. `*_tokens_per_s` are medians over
   the repeats; each ratio is the median of the repeats' own ratios, which a machine whose
@@ -175,20 +214,12 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   `response_lengths` (the plain arm's last call, row by row) and `prompt_length` (mean) are
   the shape `simulated_speedup` takes.
   """
-  g = config.grpo.group_size
-  tokens = jnp.repeat(batch.tokens, g, 0)
-  lengths = jnp.repeat(batch.lengths, g, 0)
   compaction = config.rollout.compaction
-  names = ("plain", "spec") + (("uncompacted",) if compaction else ())
-  arms = []  # with drafter="none" plain and spec are both plain decoding
-  for name in names:
-    rc = config.train_config("none" if name != "spec" else None, costs).rollout
-    arms.append(functools.partial(
-        generate, params, config.model, tokens, lengths, max_new_tokens=rc.max_new_tokens,
-        sampling=rc.sampling, drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
-        eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
-        drafter_params=drafter_params if rc.drafter else None))
-    jax.block_until_ready(arms[-1](jax.random.key(0)))  # compile
+  named = rollout_arms(config, batch, costs)
+  names = tuple(named)
+  arms = [functools.partial(arm, params, drafter_params) for arm in named.values()]
+  for arm in arms:
+    jax.block_until_ready(arm(jax.random.key(0)))  # compile
 
   def run(arm, r: int):
     """One timed call (key r + 1: each repeat draws its own responses; the compile used key

@@ -135,7 +135,9 @@ def drafter_metrics(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """From a drafter's counts (`Drafter.stats`), for each part `<name>` that has
   `<name>_rounds` and `<name>_tokens`: `acceptance_<name>`, the tokens per row-round when it
   drafted (NaN when it never did: a gap in the curves, not a zero), and `drafted_by_<name>`,
-  its share of the drafted row-rounds."""
+  its share of the drafted row-rounds. Tokens are what the target accepted (drafts + its own
+  next token) before a row's end cut them, so a part can read a little above
+  `acceptance_length`, which counts the tokens emitted."""
   names = [key.removesuffix("_rounds") for key in stats
            if key.endswith("_rounds") and key.removesuffix("_rounds") + "_tokens" in stats]
   total = sum((stats[f"{name}_rounds"] for name in names), jnp.zeros((), jnp.int32))

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from support import progression_batch
 
-from specjax.decoding import (DraftModelDrafter, DraftSource, DraftTree, FallbackDrafter,
-                              GroupDrafter, MTPDrafter, SamplingConfig, build_drafter, generate)
+from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftSource, DraftTree,
+                              FallbackDrafter, GroupDrafter, MTPDrafter, SamplingConfig,
+                              build_drafter, generate)
 from specjax.decoding.drafters.base import NoState, RoundResult, TargetFeatures
 from specjax.decoding.drafters.fallback import FallbackState
 from specjax.decoding.drafters.group import group_lookup
 from specjax.decoding.drafters.registry import CONFIDENT_NGRAM
 from specjax.errors import ConfigError
+from specjax.models import ModelConfig, init_params
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -179,6 +181,23 @@ def test_a_fallback_drafter_counts_the_rounds_each_drafter_drafted(progression_m
   assert counts["group_rounds"] >= 3 and counts["group_tokens"] >= 4 * 3  # row 1: whole chains
   # Every emitted token but the prefill's came from one of the two (uncut: >=).
   assert counts["group_tokens"] + counts["mtp_tokens"] >= int(out.lengths.sum()) - 2
+  # Under an adaptive policy, plain rounds (each emits one token a row) are counted for
+  # neither: a random policy drafts first (the prior) and then decodes plainly.
+  config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                       head_dim=16, mlp_dim=64, max_position=96, num_mtp_modules=2)
+  prompts = jnp.asarray(np.repeat(np.random.default_rng(0).integers(0, 16, (3, 8)), 2, 0))
+  costs = CostTable(batches=(1, 8), seconds=((0.5, 0.5), (0.7, 0.7), (0.9, 0.9)))
+  out = generate(init_params(config, jax.random.key(1)), config, prompts, jnp.full((6,), 8),
+                 jax.random.key(0), max_new_tokens=40, sampling=GREEDY, compaction=1,
+                 speculation=Adaptive((DraftTree.chain(1), DraftTree.chain(2)), costs=costs,
+                                      prior=0.9),
+                 drafter=FallbackDrafter(GroupDrafter(group_size=2, min_ngram=1), MTPDrafter()))
+  counts = {k: int(v) for k, v in out.stats.drafter.items()}
+  drafted = counts["group_rounds"] + counts["mtp_rounds"]
+  plain = int(out.stats.row_rounds.sum()) - drafted
+  assert drafted > 0 and plain > 0 and int(out.stats.tree_rounds[0]) > 0
+  in_drafted = int(out.lengths.sum()) - 6 - plain  # emitted in drafted rounds
+  assert in_drafted <= counts["group_tokens"] + counts["mtp_tokens"] <= in_drafted + 6 * 2
   # A plain round (its path is the root alone) leaves the counts as they were.
   fallback = FallbackDrafter(GroupDrafter(), GroupDrafter(min_ngram=1))
   assert fallback.part_names() == ("primary", "fallback")  # two of a kind

@@ -47,6 +47,7 @@ def _saved_float_leaves(run_dir) -> dict[int, list[np.ndarray]]:
     ("optim.warmup_steps", -1, "int >= 0"),
     ("eval.speedup_seconds", -1.0, "finite number >= 0"),
     ("eval.speedup_seconds", float("inf"), "finite number >= 0"),
+    ("eval.arms_every", -1, "int >= 0"),
 ])
 def test_invalid_numbers_are_rejected_at_config_time_naming_field_value_and_rule(
     tmp_path, field, value, allowed):
@@ -83,6 +84,18 @@ def test_diverging_run_stops_naming_the_step_and_checkpoints_only_finite_weights
   logged = [json.loads(line)["step"] for line in
             (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert logged == list(range(1, step)), logged
+
+
+@pytest.mark.slow
+def test_the_rollout_arms_are_timed_along_training_every_arms_every_steps(tmp_path):
+  run(tiny_experiment(tmp_path, {"eval.arms_every": 2, "rollout.compaction": 1}, steps=4),
+      log=lambda _: None)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  arms = ("rollout_s_plain", "rollout_s_spec", "rollout_s_uncompacted")
+  assert [r["step"] for r in records if all(k in r for k in arms)] == [2, 4]
+  assert not any(k in records[0] for k in arms)
+  assert all(r[k] > 0 for r in records[1::2] for k in arms)
+  assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -343,6 +356,7 @@ def test_a_combined_drafters_parts_are_logged_along_training_and_summarised():
   assert drafter_metrics({}) == {}
   record = _jsonable(metrics)
   assert record["acceptance_mtp"] is None and json.loads(json.dumps(record)) == record
+  assert np.isnan(_jsonable({"kl": np.float32("nan")})["kl"])  # divergence still shows
   assert tensorboard_scalars(record) == {"spec/acceptance_group": 3.5,
                                          "spec/drafted_by_group": 1.0,
                                          "spec/drafted_by_mtp": 0.0}

@@ -37,7 +37,8 @@ class FallbackState:
     fallback: the fallback drafter's state.
     primary_rows: `[B]` whether each row took the primary's draft in the last proposal.
     counts: `[2, 2]` int32 over the call so far: row-rounds the primary (row 0) and the
-      fallback (row 1) drafted, and the tokens those row-rounds emitted (accepted + 1).
+      fallback (row 1) drafted, and the tokens the target accepted in them (drafts + its own
+      next token, before EOS or `max_new_tokens` cut a row's last round).
   """
 
   UNBATCHED: ClassVar[tuple[str, ...]] = ("counts",)
