@@ -414,8 +414,9 @@ class Checkpointer:
       raise CheckpointError(
           f"checkpoint step {step} at {self.step_dir(step)} does not match the state to "
           f"restore into: {'; '.join(problems[:5])}{more}. It was saved with another "
-          "configuration (model, optimizer, drafter or training mode): restore it with that "
-          "configuration, or pass another directory. Nothing was restored or deleted.")
+          "configuration (model, optimizer, drafter or training mode), or by a version of "
+          "specjax whose train state held other fields: restore it with that configuration "
+          "and version, or pass another directory. Nothing was restored or deleted.")
 
   def close(self) -> None:
     self._manager.close()
