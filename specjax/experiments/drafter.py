@@ -63,6 +63,7 @@ from specjax.errors import CheckpointError
 from specjax.experiments.drafter_config import LEGACY_NAMES, RESUMABLE_FIELDS, DrafterTrainConfig
 from specjax.experiments.drafter_data import (Target, check_length, load_target, make_data,
                                               target_spec, task_prompts)
+from specjax.experiments.run_metrics import jsonable
 from specjax.experiments.run_record import check_resume, kept_metrics, record_config
 from specjax.files import DirectoryLock, write_atomic, write_text_atomic
 from specjax.models import Eagle3Config, count_params, load_eagle3, save_eagle3
@@ -103,10 +104,6 @@ def batch_indices(num: int, batch_size: int, step: int, seed: int) -> np.ndarray
   return np.array([_epoch_order(num, seed, int(e))[o] for e, o in zip(epochs, offsets)])
 
 
-def _jsonable(metrics: dict) -> dict:
-  return {k: np.asarray(v).tolist() for k, v in metrics.items()}
-
-
 def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Config,
            tokens: np.ndarray, mask: np.ndarray, d2t: np.ndarray, run_dir: Path,
            log) -> tuple[Eagle3TrainState, int]:
@@ -139,7 +136,7 @@ def _train(config: DrafterTrainConfig, target: Target, eagle_config: Eagle3Confi
       rows = batch_indices(len(tokens), config.batch_size, step, config.seed)
       state, metrics = step_fn(state, target.params, d2t_dev, jnp.asarray(tokens[rows]),
                                jnp.asarray(mask[rows]))
-      metrics = _jsonable(jax.device_get(metrics))
+      metrics = jsonable(jax.device_get(metrics))
       record = {"step": step + 1, **metrics, "learning_rate": float(schedule(step)),
                 "step_time_s": time.perf_counter() - begin}
       if not np.isfinite(record["loss"]):

@@ -330,7 +330,7 @@ def test_override_names_fields_by_dotted_path_and_refuses_unknown_ones(tmp_path)
 
 
 def test_tensorboard_scalars_are_namespaced_and_vectors_split_by_depth():
-  from specjax.experiments.grpo import tensorboard_scalars
+  from specjax.experiments.run_metrics import tensorboard_scalars
   record = {"step": 3, "position": 12, "reward_mean": 0.5, "accuracy": 0.25,
             "acceptance_length": 1.75, "accepted_per_depth": [0.5, 0.25], "loss": 0.1,
             "mtp_ce": [1.5, 2.0], "response_length_mean": 7.0, "rollout_tokens_per_s": 99.0,
@@ -346,7 +346,7 @@ def test_a_combined_drafters_parts_are_logged_along_training_and_summarised():
   """Group drafting in front of MTP: each part's acceptance where it drafted, its share of the
   drafted row-rounds; a part that never drafted is a gap (null), never a zero."""
   from specjax.cli import summary_table
-  from specjax.experiments.grpo import _jsonable, _part_acceptance, tensorboard_scalars
+  from specjax.experiments.run_metrics import jsonable, part_acceptance, tensorboard_scalars
   from specjax.rl.rollouts import drafter_metrics
   counts = {"group_rounds": jnp.array(4), "group_tokens": jnp.array(14),
             "mtp_rounds": jnp.array(0), "mtp_tokens": jnp.array(0)}
@@ -354,15 +354,15 @@ def test_a_combined_drafters_parts_are_logged_along_training_and_summarised():
   assert float(metrics["acceptance_group"]) == 3.5 and np.isnan(metrics["acceptance_mtp"])
   assert (float(metrics["drafted_by_group"]), float(metrics["drafted_by_mtp"])) == (1.0, 0.0)
   assert drafter_metrics({}) == {}
-  record = _jsonable(metrics)
+  record = jsonable(metrics)
   assert record["acceptance_mtp"] is None and json.loads(json.dumps(record)) == record
-  assert np.isnan(_jsonable({"kl": np.float32("nan")})["kl"])  # divergence still shows
+  assert np.isnan(jsonable({"kl": np.float32("nan")})["kl"])  # divergence still shows
   assert tensorboard_scalars(record) == {"spec/acceptance_group": 3.5,
                                          "spec/drafted_by_group": 1.0,
                                          "spec/drafted_by_mtp": 0.0}
   history = [{"acceptance_length": 2.0, "acceptance_group": g, "acceptance_mtp": m}
              for g, m in [(None, 2.0)] * 3 + [(4.0, 2.5)] * 6 + [(5.0, 3.0)]]
-  summary = _part_acceptance(history)
+  summary = part_acceptance(history)
   assert summary == {"acceptance_group_first": 4.0, "acceptance_group_last": 4.2,
                      "acceptance_mtp_first": pytest.approx(2.2),
                      "acceptance_mtp_last": pytest.approx(2.6)}
