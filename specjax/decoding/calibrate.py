@@ -52,7 +52,7 @@ from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
-from specjax.models.params import Params
+from specjax.models.params import Params, check_params
 from specjax.models.transformer import forward
 
 DEFAULT = "default"
@@ -241,7 +241,7 @@ def _checked_shapes(batch_sizes: Any, prompt_len: Any, rounds: Any, repeats: Any
   if not count(prompt_len):
     raise ConfigError(f"prompt_len={prompt_len!r} is invalid: must be an int >= 1 (the prompt "
                       "width of the calls the table is for)")
-  if not (isinstance(rounds, int) and rounds >= 1 and isinstance(repeats, int) and repeats >= 1):
+  if not (is_int(rounds) and rounds >= 1 and is_int(repeats) and repeats >= 1):
     raise ConfigError(f"rounds={rounds!r}, repeats={repeats!r}: both must be ints >= 1")
   return tuple(sorted(set(int(b) for b in sizes)))
 
@@ -305,6 +305,10 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
                       "(its menu is measured) or a sequence of DraftTree")
   batches = _checked_shapes(batch_sizes, prompt_len, rounds, repeats)
   loop = _menu_loop(config, drafter, menu, prompt_len, max_new_tokens, sampling, max_len)
+  check_params(params, config)  # a table timed on other weights would price other rounds
+  if not (cache_dir is None or isinstance(cache_dir, (str, os.PathLike))):
+    raise ConfigError(f"cache_dir={cache_dir!r} is invalid: must be a directory path, or None "
+                      "for no disk cache")
   n1, n2 = 2, 2 + rounds
   path = None
   if cache_dir is not None:

@@ -206,10 +206,12 @@ class DecodeLoop:
     if not isinstance(self.config, ModelConfig):
       raise ConfigError(f"config={self.config!r} is invalid: must be a "
                         "specjax.models.ModelConfig (e.g. config_from_hf(...))")
-    if not (isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-            and self.max_new_tokens >= 1):
+    if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
       raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
                         ">= 1")
+    if not (is_int(self.max_len) and 1 <= self.max_len <= self.config.max_position):
+      raise ConfigError(f"max_len={self.max_len!r} is invalid: must be an int in [1, "
+                        f"config.max_position={self.config.max_position}] (the cache slots)")
     if not isinstance(self.sampling, SamplingConfig):
       raise ConfigError(f"sampling={self.sampling!r} is invalid: must be a "
                         "specjax.decoding.SamplingConfig (e.g. SamplingConfig(temperature=0.7))")
@@ -224,10 +226,11 @@ class DecodeLoop:
                           "(a tree chosen per round), not both")
       if self.drafter is None:
         raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
-    if not (isinstance(self.compaction, int) and not isinstance(self.compaction, bool)
-            and self.compaction >= 0):
+    if not (is_int(self.compaction) and self.compaction >= 0):
       raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
                         "(halvings of the batch)")
+    for field in ("max_new_tokens", "max_len", "compaction"):  # hashed as static arguments
+      object.__setattr__(self, field, int(getattr(self, field)))
     if not callable(self.verifier):
       raise ConfigError(f"verifier={self.verifier!r} is invalid: must be a "
                         "specjax.decoding.Verifier, e.g. LosslessVerifier()")
@@ -243,19 +246,30 @@ class DecodeLoop:
       for tree in self.menu:
         self.drafter.validate(self.config, tree)
     vocab = self.config.vocab_size
+    widest = max(t.max_children for t in self.menu)
+    if widest > vocab:
+      raise ConfigError(f"a draft tree whose node has {widest} children is invalid for a "
+                        f"vocabulary of {vocab} tokens: the children of a node are distinct "
+                        "tokens")
     if self.eos_id is not None:
-      many = isinstance(self.eos_id, (list, tuple, np.ndarray))
-      ids = tuple(self.eos_id) if many else (self.eos_id,)
+      eos = self.eos_id
+      if isinstance(eos, (np.ndarray, jax.Array)) and not isinstance(eos, jax.core.Tracer):
+        eos = np.asarray(eos)  # an array of ids: its entries, or its one entry
+        eos = eos.tolist() if eos.ndim == 1 else eos.item() if eos.ndim == 0 else eos
+      many = isinstance(eos, (list, tuple))
+      ids = tuple(eos) if many else (eos,)
       bad = [i for i in ids if not is_int(i) or not 0 <= i < vocab]
       if bad or not ids:
         raise ConfigError(f"eos_id={self.eos_id!r} is invalid"
                           + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
                           + f": must be None, a token id in [0, {vocab}) or a non-empty "
                           "sequence of them")
-      if many:  # a tuple of ints: the loop is jit's static argument, so it must hash
-        object.__setattr__(self, "eos_id", tuple(int(i) for i in ids))
-    if not is_int(self.pad_id):
-      raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int")
+      # Python ints: the loop is jit's static argument, so it must hash
+      object.__setattr__(self, "eos_id", tuple(int(i) for i in ids) if many else int(ids[0]))
+    if not (is_int(self.pad_id) and -2**31 <= self.pad_id < 2**31):
+      raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int that fits int32 "
+                        "(the filler of the returned tokens after each row's end)")
+    object.__setattr__(self, "pad_id", int(self.pad_id))
 
   @property
   def menu(self) -> tuple[DraftTree, ...]:
@@ -327,6 +341,10 @@ class DecodeLoop:
     """
     if acceptance is not None:
       self._check_acceptance(acceptance)
+    # Padding may hold anything (`check_prompt_values`), but an id past the vocabulary embeds
+    # as NaN, and the attention mask's zero weights times NaN would poison the row: zero it.
+    prompt_tokens = jnp.where(jnp.arange(prompt_tokens.shape[1]) < prompt_lengths[:, None],
+                              prompt_tokens, 0)
     if (self.speculation is not None
         and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]),
                                               self.max_new_tokens)):

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from specjax.checks import is_int
 from specjax.decoding.calibrate import calibrate
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.engine import DecodeLoop
@@ -77,7 +78,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   prompt_tokens = as_ids(prompt_tokens, "prompt_tokens", 2)
   prompt_lengths = as_ids(prompt_lengths, "prompt_lengths", 1)
   if max_len is None and isinstance(config, ModelConfig):  # just enough; DecodeLoop reports
-    new = max_new_tokens if isinstance(max_new_tokens, int) else 0  # a bad config or length
+    new = int(max_new_tokens) if is_int(max_new_tokens) else 0  # a bad config or length
     nodes = max(t.num_nodes for t in (speculation.menu if isinstance(speculation, Adaptive)
                                       else (tree,)))
     max_len = min(prompt_tokens.shape[1] + new + nodes + 1, config.max_position)

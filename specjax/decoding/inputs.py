@@ -35,6 +35,9 @@ def check_prompt_values(prompt_tokens: Any, prompt_lengths: Any, *, vocab_size: 
   """Raise `ValueError` naming the first prompt length or id this loop cannot decode from
   (NumPy; also run as a host callback for prompts traced under a caller's `jit`)."""
   tokens, lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+  if tokens.shape[1] < shortest:
+    raise ValueError(f"prompt_tokens has width {tokens.shape[1]}: shorter than the shortest "
+                     f"prompt this drafter and tree can start from ({shortest} tokens)")
   if lengths.min() < shortest or lengths.max() > tokens.shape[1]:
     raise ValueError(f"prompt_lengths must be in [{shortest}, {tokens.shape[1]}] (the shortest "
                      f"prompt this drafter and tree can start from is {shortest}), got min "
@@ -53,12 +56,17 @@ def as_ids(x: Any, name: str, ndim: int) -> jax.Array:
   """`x` as int32, refusing what the cast would change: another rank, fractional values or
   ids past int32 (which would wrap to other tokens), and an empty batch."""
   if not isinstance(x, jax.core.Tracer):
-    values = np.asarray(x)
+    try:
+      values = np.asarray(x)
+    except ValueError as e:  # NumPy's word for rows of different lengths: "inhomogeneous"
+      raise ValueError(f"{name} is ragged ({e}): rows must have one width; right-pad the "
+                       "prompts to the longest and pass each row's length in prompt_lengths"
+                       ) from None
     if values.ndim != ndim or values.shape[0] == 0:
       raise ValueError(f"{name} has shape {values.shape}: must be "
                        f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'} with batch >= 1")
-    if not np.issubdtype(values.dtype, np.integer):
-      if not (np.issubdtype(values.dtype, np.floating) and np.all(values == np.round(values))):
+    if not jnp.issubdtype(values.dtype, jnp.integer):  # jnp: bfloat16 is a float there
+      if not (jnp.issubdtype(values.dtype, jnp.floating) and np.all(values == np.round(values))):
         raise ValueError(f"{name} has dtype {values.dtype} with non-integer values: token ids "
                          "and lengths must be integers")
     big = np.abs(values.astype(np.float64)) >= 2**31
@@ -69,6 +77,9 @@ def as_ids(x: Any, name: str, ndim: int) -> jax.Array:
   elif x.ndim != ndim:
     raise ValueError(f"{name} has shape {x.shape}: must be "
                      f"{'[batch, prompt_len]' if ndim == 2 else '[batch]'}")
+  elif not jnp.issubdtype(x.dtype, jnp.integer):  # the cast would truncate, unseen under jit
+    raise ValueError(f"{name} is traced with dtype {x.dtype}: token ids and lengths must have "
+                     "an integer dtype")
   return jnp.asarray(x, jnp.int32)
 
 

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from specjax.checks import is_int, is_number
 from specjax.errors import ConfigError
 
 _NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
 _MIN_TEMPERATURE = 1e-30  # float32 normals reach 1.2e-38; logits / 1e-30 stay finite
-
-
-def _is_number(value) -> bool:
-  """A real number that is not a bool (NaN passes here and fails the range checks)."""
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +38,17 @@ class SamplingConfig:
 
   def __post_init__(self):
     # bool is an int to Python: True would sample at temperature 1 or keep the top-1 token.
-    if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+    if not (is_number(self.temperature) and 0 <= self.temperature < math.inf):
       raise ConfigError(f"temperature={self.temperature!r} is invalid: must be a finite number "
                         ">= 0 (0 means greedy)")
     if 0 < self.temperature < _MIN_TEMPERATURE:
       raise ConfigError(f"temperature={self.temperature!r} is too small to divide float32 "
                         f"logits by: use 0 for greedy decoding or a temperature >= "
                         f"{_MIN_TEMPERATURE:g}")
-    if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
-            and self.top_k >= 0):
+    if not (is_int(self.top_k) and self.top_k >= 0):
       raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an int >= 0 (0 = off)")
-    if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+    object.__setattr__(self, "top_k", int(self.top_k))  # a NumPy int would not go to JSON
+    if not (is_number(self.top_p) and 0 < self.top_p <= 1):
       raise ConfigError(f"top_p={self.top_p!r} is invalid: must be a number in (0, 1] (1 = off)")
 
   @property

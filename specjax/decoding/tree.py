@@ -55,9 +55,9 @@ class DraftTree:
   @classmethod
   def chain(cls, k: int) -> DraftTree:
     """A single path of k draft tokens."""
-    if not (isinstance(k, int) and k >= 0):
+    if not (is_int(k) and k >= 0):
       raise ConfigError(f"chain length k={k!r} is invalid: must be an int >= 0")
-    return cls(tuple(range(k)))
+    return cls(tuple(range(int(k))))
 
   @classmethod
   def from_widths(cls, widths: Sequence[int]) -> DraftTree:
@@ -65,9 +65,13 @@ class DraftTree:
 
     Children of one parent are its top-1, top-2, ... candidates (see `rank`).
     """
+    if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
+      raise ConfigError(f"widths={widths!r} is invalid: must be a sequence of ints >= 1, the "
+                        "children of each node at each depth (e.g. (4, 2, 1))")
     widths = tuple(widths)
-    if not all(isinstance(w, int) and w >= 1 for w in widths):
+    if not all(is_int(w) and w >= 1 for w in widths):
       raise ConfigError(f"widths={widths!r} is invalid: every width must be an int >= 1")
+    widths = tuple(int(w) for w in widths)
     parents: list[int] = []
     frontier = [0]
     for w in widths:

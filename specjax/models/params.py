@@ -14,7 +14,7 @@ Logical axes (see `param_axes`) are `PartitionSpec`s of *logical* names — "voc
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -143,8 +143,10 @@ _HEADS = ("['mtp']", "['medusa']")  # drafting heads: optional for what does not
 
 
 @functools.lru_cache(maxsize=32)
-def _leaf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  shapes = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+def init_shapes(init: Callable[[Any, jax.Array], Params], config: Any
+                ) -> dict[str, tuple[int, ...]]:
+  """The shape of each leaf (by `keystr` path) that `init(config, key)` makes, traced only."""
+  shapes = jax.eval_shape(functools.partial(init, config), jax.random.key(0))
   return {jax.tree_util.keystr(k): tuple(x.shape)
           for k, x in jax.tree_util.tree_leaves_with_path(shapes)}
 
@@ -159,7 +161,17 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
   if not isinstance(params, dict):
     raise ConfigError(f"{name} must be a dict of arrays as init_params(config, key) or "
                       f"load_hf(...) return, got {type(params).__name__}")
-  want = _leaf_shapes(config)
+  check_leaves(params, init_shapes(init_params, config), name, _HEADS,
+               f"Config: d_model={config.d_model}, n_layers={config.n_layers}, vocab_size="
+               f"{config.vocab_size}; pass the config the parameters were made with (load_hf "
+               "returns both)")
+
+
+def check_leaves(params: Params, want: dict[str, tuple[int, ...]], name: str,
+                 optional: tuple[str, ...], hint: str) -> None:
+  """Raise a `ConfigError` unless the leaves of `params` are `want`'s (`keystr` path ->
+  shape), each of a float dtype; paths starting with one of `optional` may be missing.
+  `hint` ends the message (the config's sizes and where matching parameters come from)."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
   got = {jax.tree_util.keystr(k): tuple(jnp.shape(x)) for k, x in leaves}
   # An integer or bool weight computes without error, in a different model (casts truncate).
@@ -167,8 +179,8 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
   not_float = sorted(k for k in want.keys() & dtypes.keys()
                      if not jnp.issubdtype(dtypes[k], jnp.floating))
   wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
-  missing = sorted(k for k in want.keys() - got.keys() if not k.startswith(_HEADS))
-  extra = sorted(k for k in got.keys() - want.keys() if not k.startswith(_HEADS))
+  missing = sorted(k for k in want.keys() - got.keys() if not k.startswith(optional))
+  extra = sorted(k for k in got.keys() - want.keys() if not k.startswith(optional))
   if wrong or missing or extra or not_float:
     problems = ([f"{name}{k} has shape {got[k]}, the config needs {want[k]}" for k in wrong]
                 + [f"{name}{k} has dtype {dtypes[k]}: allowed a float dtype (float32, "
@@ -177,6 +189,4 @@ def check_params(params: Params, config: ModelConfig, name: str = "params") -> N
                 + [f"{name}{k} is not part of this model" for k in extra])
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     raise ConfigError("parameters do not match the model config: " + "; ".join(problems[:3])
-                      + more + f". Config: d_model={config.d_model}, n_layers={config.n_layers}"
-                      f", vocab_size={config.vocab_size}; pass the config the parameters were "
-                      "made with (load_hf returns both)")
+                      + more + ". " + hint)

@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding import DraftModelDrafter, DraftTree, SamplingConfig, generate
+from specjax.decoding import (DraftModelDrafter, DraftSource, DraftTree, Eagle3Drafter,
+                              Eagle3Weights, MTPDrafter, NGramDrafter, SamplingConfig,
+                              build_drafter, calibrate, default_drafter, generate)
 from specjax.errors import ConfigError
-from specjax.models import ModelConfig, init_params
+from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
 
 CONFIG = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
                      head_dim=16, mlp_dim=64, max_position=64)
@@ -28,9 +30,100 @@ def test_a_prompt_token_outside_the_vocabulary_is_named(token):
     _generate(prompts=PROMPTS.at[1, 2].set(token))
 
 
-def test_padding_after_a_prompt_may_hold_anything():
-  out = _generate(prompts=PROMPTS.at[0, 3].set(-7))
-  np.testing.assert_array_equal(out.tokens, _generate().tokens)
+DRAFT = CONFIG.replace(n_layers=1)
+DRAFTERS = {"plain": {}, "ngram": dict(drafter=NGramDrafter(), tree=DraftTree.chain(2)),
+            "draft model": dict(drafter=DraftModelDrafter(DRAFT), tree=DraftTree.chain(2),
+                                drafter_params=init_params(DRAFT, jax.random.key(1)))}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("pad", [-7, 16, 1000, -1000])
+def test_padding_after_a_prompt_may_hold_anything(pad, drafter):
+  """Even ids past the vocabulary, which would embed as NaN and poison the row through the
+  attention mask's zero weights (0 x NaN)."""
+  out = _generate(prompts=PROMPTS.at[0, 3].set(pad), **DRAFTERS[drafter])
+  clean = _generate(**DRAFTERS[drafter])
+  np.testing.assert_array_equal(out.tokens, clean.tokens)
+  np.testing.assert_array_equal(out.logprobs, clean.logprobs)
+
+
+@pytest.mark.parametrize("prompts,lengths,needle", [
+    (PROMPTS + 0.7, LENGTHS, "prompt_tokens is traced with dtype float32"),
+    (PROMPTS > 2, LENGTHS, "prompt_tokens is traced with dtype bool"),
+    (PROMPTS, LENGTHS + 0.5, "prompt_lengths is traced with dtype float32"),
+])
+def test_non_integer_prompts_under_the_callers_jit_are_refused_not_truncated(prompts, lengths,
+                                                                              needle):
+  run = jax.jit(lambda p, n: generate(PARAMS, CONFIG, p, n, jax.random.key(0),
+                                      max_new_tokens=2).tokens)
+  with pytest.raises(ValueError, match=needle):
+    run(prompts, lengths)
+
+
+def test_numpy_ints_and_arrays_are_taken_where_python_ints_are():
+  reference = _generate(tree=DraftTree.chain(2), drafter=NGramDrafter(), eos_id=(5, 9),
+                        compaction=1, sampling=SamplingConfig(0.5, top_k=4))
+  out = _generate(max_new_tokens=np.int64(4), tree=DraftTree.chain(np.int32(2)),
+                  drafter=NGramDrafter(max_ngram=np.int64(3)), eos_id=jnp.array([5, 9]),
+                  compaction=np.int8(1), max_len=np.int64(12),
+                  sampling=SamplingConfig(0.5, top_k=np.int64(4)))
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  for eos in (np.array(5), jnp.array(5), np.int64(5)):
+    np.testing.assert_array_equal(_generate(eos_id=eos).tokens, _generate(eos_id=5).tokens)
+
+
+def _eagle3(**change):
+  head = Eagle3Config.for_target(CONFIG, draft_vocab_size=8)
+  weights = Eagle3Weights(init_eagle3(head, jax.random.key(2)), jnp.arange(8, dtype=jnp.int32))
+  return _generate(drafter=Eagle3Drafter(head), tree=DraftTree.chain(2),
+                   drafter_params=weights.replace(**change))
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: _generate(**{**DRAFTERS["draft model"], "tree": DraftTree.from_widths((20,))}),
+     r"a draft tree whose node has 20 children is invalid for a vocabulary of 16 tokens"),
+    (lambda: _generate(max_len=20.0), r"max_len=20\.0 is invalid: must be an int in \[1, "
+                                      r"config\.max_position=64\]"),
+    (lambda: _generate(max_len="20"), r"max_len='20' is invalid"),
+    (lambda: _generate(max_len=65), r"max_len=65 is invalid"),
+    (lambda: _generate(pad_id=2**40), r"pad_id=1099511627776 is invalid: must be an int that "
+                                      "fits int32"),
+    (lambda: NGramDrafter(max_ngram=2.5), r"NGramDrafter\(min_ngram=1, max_ngram=2\.5\) is "
+                                          "invalid: need ints"),
+    (lambda: NGramDrafter(True, True), r"NGramDrafter\(min_ngram=True, max_ngram=True\)"),
+    (lambda: DraftTree.chain(True), r"chain length k=True is invalid"),
+    (lambda: DraftTree.from_widths(3), r"widths=3 is invalid: must be a sequence of ints"),
+    (lambda: _eagle3(d2t=jnp.arange(8.0)), r"Eagle3Weights\.d2t has dtype float32: must be "
+                                           "integer target ids"),
+    (lambda: _eagle3(params={}), r"Eagle3Weights\.params\['fc'\] is missing"),
+    (lambda: _generate(drafter=DraftModelDrafter(DRAFT.replace(max_position=8)),
+                       drafter_params=init_params(DRAFT, jax.random.key(1)),
+                       tree=DraftTree.chain(2)),
+     r"DraftModelDrafter\.config\.max_position=8 is too small for this call: .* 11 slots"),
+    (lambda: calibrate({**PARAMS, "embed": PARAMS["embed"][:8]}, CONFIG, NGramDrafter(),
+                       (DraftTree.chain(1),), batch_sizes=(2,), prompt_len=4,
+                       max_new_tokens=3, cache_dir=None),
+     r"params\['embed'\] has shape \(8, 32\)"),
+    (lambda: calibrate(PARAMS, CONFIG, NGramDrafter(), (DraftTree.chain(1),), batch_sizes=(2,),
+                       prompt_len=4, max_new_tokens=3, cache_dir=123),
+     r"cache_dir=123 is invalid: must be a directory path"),
+    (lambda: build_drafter("mtp", CONFIG), r"source=ModelConfig\(.*\) is invalid: must be a "
+                                           "DraftSource"),
+    (lambda: default_drafter(None), r"target=None is invalid"),
+])
+def test_bad_arguments_are_refused_naming_them(call, needle):
+  with pytest.raises(ConfigError, match=needle):
+    call()
+
+
+@pytest.mark.parametrize("prompts,lengths,needle", [
+    (np.zeros((2, 0), np.int32), np.array([0, 0]),
+     r"prompt_tokens has width 0: shorter than the shortest prompt .* \(1 tokens\)"),
+    ([[1, 2, 3], [4, 5]], np.array([3, 2]), r"prompt_tokens is ragged .* right-pad"),
+])
+def test_prompts_of_no_width_or_ragged_rows_are_named(prompts, lengths, needle):
+  with pytest.raises(ValueError, match=needle):
+    generate(PARAMS, CONFIG, prompts, lengths, jax.random.key(0), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.checks import is_number
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, top_w
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
@@ -374,6 +375,17 @@ def draft_level_by_level(tree: DraftTree, sampling: SamplingConfig, key: jax.Arr
 
 def check_confidence(drafter: Drafter, confidence: float) -> None:
   """Raise a `ConfigError` unless `confidence` is a valid early-stop threshold."""
-  if not (isinstance(confidence, (int, float)) and 0.0 <= confidence < 1.0):
+  if not (is_number(confidence) and 0.0 <= confidence < 1.0):
     raise ConfigError(f"{type(drafter).__name__}.confidence={confidence!r} is invalid: must be "
                       "a draft probability in [0, 1) (0: always draft the whole tree)")
+
+
+def check_draft_cache(drafter: Drafter, max_position: int, max_len: int) -> None:
+  """Raise a `ConfigError` unless a drafter's own cache of `max_len` slots (the target's)
+  fits the positions its model was configured for."""
+  if max_len > max_position:
+    raise ConfigError(
+        f"{type(drafter).__name__}.config.max_position={max_position} is too small for this "
+        f"call: the drafter keeps a cache as long as the target's, {max_len} slots (prompt "
+        "buffer + max_new_tokens + draft tree nodes + 1); shorten the prompt or "
+        "max_new_tokens, or use a drafter configured for longer sequences")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
-                                            check_confidence, commit_if_full,
+                                            check_confidence, check_draft_cache, commit_if_full,
                                             commit_if_pending, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -75,6 +75,7 @@ class DraftModelDrafter(Drafter):
     if drafter_params is None:
       raise ConfigError("DraftModelDrafter needs generate(..., drafter_params=<draft params>)")
     check_params(drafter_params, self.config, "drafter_params")
+    check_draft_cache(self, self.config.max_position, max_len)
     b, prompt_width = prompt.hidden.shape[:2]
     cache = KVCache.create(self.config, b, max_len)
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (b, prompt_width))

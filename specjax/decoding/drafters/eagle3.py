@@ -35,16 +35,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
-                                            check_confidence, commit_if_full, commit_if_pending,
-                                            draft_level_by_level)
+                                            check_confidence, check_draft_cache, commit_if_full,
+                                            commit_if_pending, draft_level_by_level)
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache, attention_mask
 from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import (Eagle3Config, eagle3_cache, eagle3_draft_logits, eagle3_layer,
-                                   fuse, select_aux, to_target_vocab)
-from specjax.models.params import Params
+                                   fuse, init_eagle3, select_aux, to_target_vocab)
+from specjax.models.params import Params, check_leaves, init_shapes
 from specjax.models.transformer import embed
 
 
@@ -87,14 +87,20 @@ def _check_weights(weights: Any, config: Eagle3Config) -> None:
   if not isinstance(weights, Eagle3Weights):
     raise ConfigError(f"Eagle3Drafter needs generate(..., drafter_params=Eagle3Weights(params, "
                       f"d2t)), got {type(weights).__name__}")
-  w, e = config.draft_vocab_size, config.d_model
-  if tuple(weights.d2t.shape) != (w,):
-    raise ConfigError(f"Eagle3Weights.d2t has shape {tuple(weights.d2t.shape)}: expected ({w},) "
-                      "(the draft vocabulary size of the drafter's Eagle3Config)")
-  head = tuple(weights.params["lm_head"].shape)
-  if head != (e, w):
-    raise ConfigError(f"Eagle3Weights.params['lm_head'] has shape {head}: expected {(e, w)} "
-                      "for the drafter's Eagle3Config")
+  w = config.draft_vocab_size
+  if tuple(jnp.shape(weights.d2t)) != (w,):
+    raise ConfigError(f"Eagle3Weights.d2t has shape {tuple(jnp.shape(weights.d2t))}: expected "
+                      f"({w},) (the draft vocabulary size of the drafter's Eagle3Config)")
+  if not jnp.issubdtype(jnp.result_type(weights.d2t), jnp.integer):
+    raise ConfigError(f"Eagle3Weights.d2t has dtype {jnp.result_type(weights.d2t)}: must be "
+                      "integer target ids, one per draft id (load_eagle3 returns them)")
+  if not isinstance(weights.params, dict):
+    raise ConfigError(f"Eagle3Weights.params must be a dict of arrays as init_eagle3 or "
+                      f"load_eagle3 return, got {type(weights.params).__name__}")
+  check_leaves(weights.params, init_shapes(init_eagle3, config), "Eagle3Weights.params", (),
+               f"Eagle3Config: d_model={config.d_model}, draft_vocab_size={w}, mlp_dim="
+               f"{config.mlp_dim}; pass the config the head was made with (load_eagle3 "
+               "returns both)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +150,7 @@ class Eagle3Drafter(Drafter):
            plain_rounds=False) -> Eagle3State:
     """Run the layer over the prompt on the target's features and commit r positions."""
     _check_weights(drafter_params, self.config)
+    check_draft_cache(self, self.config.max_position, max_len)
     b, p, e = prompt.hidden.shape
     r = ctx.seq_len - 1  # root position == prompt length
     features = fuse(drafter_params.params, self.config, select_aux(self.config, prompt.layers))

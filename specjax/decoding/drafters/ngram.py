@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.checks import is_int
 from specjax.decoding.drafters.base import Drafter, NoState, Proposal
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -55,9 +56,12 @@ class NGramDrafter(Drafter):
   min_ngram: int = 1
 
   def __post_init__(self):
-    if not 1 <= self.min_ngram <= self.max_ngram:
-      raise ConfigError(f"NGramDrafter(min_ngram={self.min_ngram}, max_ngram="
-                        f"{self.max_ngram}) is invalid: need 1 <= min_ngram <= max_ngram")
+    if not (is_int(self.min_ngram) and is_int(self.max_ngram)
+            and 1 <= self.min_ngram <= self.max_ngram):
+      raise ConfigError(f"NGramDrafter(min_ngram={self.min_ngram!r}, max_ngram="
+                        f"{self.max_ngram!r}) is invalid: need ints 1 <= min_ngram <= max_ngram")
+    object.__setattr__(self, "min_ngram", int(self.min_ngram))  # hashed as a static argument
+    object.__setattr__(self, "max_ngram", int(self.max_ngram))
 
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
     if not tree.is_chain():

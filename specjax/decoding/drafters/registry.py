@@ -142,6 +142,9 @@ def check_draft_source(name: Any, checkpoint: str | None, field: str = "drafter"
 def default_drafter(target: ModelConfig) -> str:
   """The drafter `target` supports with no weights of its own: its MTP modules, else its
   Medusa heads, else n-gram lookup (a public checkpoint has neither head)."""
+  if not isinstance(target, ModelConfig):
+    raise ConfigError(f"target={target!r} is invalid: must be the target's "
+                      "specjax.models.ModelConfig")
   if target.num_mtp_modules:
     return "mtp"
   if target.num_medusa_heads:
@@ -157,6 +160,9 @@ def build_drafter(name: str, source: DraftSource) -> tuple[Drafter | None, Any]:
     ConfigError: an unknown name, a missing checkpoint (`check_draft_source`), or a builder
       that returns no `Drafter`.
   """
+  if not isinstance(source, DraftSource):
+    raise ConfigError(f"source={source!r} is invalid: must be a DraftSource(target=<the "
+                      "target's ModelConfig>, checkpoint=<path or None>)")
   check_draft_source(name, source.checkpoint)
   if name == NONE:
     return None, None
