@@ -148,19 +148,26 @@ class CharTokenizer:
   def save(self, directory: str | os.PathLike) -> None:
     """Write `tokenizer.json` and `tokenizer_config.json` to `directory` (which must exist):
     a character-level tokenizer that `HFTokenizer.from_dir` and transformers'
-    `AutoTokenizer` load with the same ids, specials and decoding as this one."""
+    `AutoTokenizer` load with the same ids, specials and decoding as this one, and whose
+    prompts both start with BOS, as specjax's (`encode_prompt`) do."""
     vocab = {t: i for i, t in enumerate(self.SPECIAL_TOKENS)} | dict(self._ids)
     raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=None))
     raw.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("[\\s\\S]"),
                                                         behavior="isolated")
     raw.decoder = tokenizers.decoders.Fuse()  # characters, not words: joined without spaces
     raw.add_special_tokens(list(self.SPECIAL_TOKENS))
+    # transformers adds what tokenizer.json's post-processor adds (its add_bos_token is
+    # ignored when there is a tokenizer.json), so the BOS a specjax prompt starts with is
+    # written there, as Llama 3's tokenizer.json writes <|begin_of_text|>.
+    bos = self.SPECIAL_TOKENS[self.BOS]
+    raw.post_processor = tokenizers.processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, self.BOS)])
     directory = Path(directory)
     write_text_atomic(directory / "tokenizer.json", raw.to_str())
     pad, bos, eos = self.SPECIAL_TOKENS
     write_text_atomic(directory / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad, "bos_token": bos,
-        "eos_token": eos, "add_bos_token": False, "clean_up_tokenization_spaces": False},
+        "eos_token": eos, "add_bos_token": True, "clean_up_tokenization_spaces": False},
         indent=2) + "\n")
 
   def decode(self, ids: Sequence[int]) -> str:
@@ -221,6 +228,8 @@ class HFTokenizer:
     chat_template: the Jinja chat template of the model directory (`tokenizer_config.json`'s
       `chat_template`, or `chat_template.jinja`), rendered by `render_chat`; None: none.
     source: the directory or file it was loaded from (what a run's config records of it).
+    chat_template_note: why `chat_template` is None although the directory names one (an
+      empty template, named templates without a "default"): `render_chat`'s error says it.
   """
 
   tokenizer: tokenizers.Tokenizer = dataclasses.field(repr=False, metadata={"record": False})
@@ -231,6 +240,8 @@ class HFTokenizer:
   chat_template: str | None = dataclasses.field(default=None, repr=False,
                                                 metadata={"record": False})
   source: str | None = None
+  chat_template_note: str | None = dataclasses.field(default=None, repr=False,
+                                                     metadata={"record": False})
 
   def __post_init__(self):
     if not self.eos_ids:
@@ -250,7 +261,11 @@ class HFTokenizer:
 
   def encode(self, text: str) -> list[int]:
     _check_text(text)
-    return self.tokenizer.encode(text, add_special_tokens=False).ids
+    try:
+      return self.tokenizer.encode(text, add_special_tokens=False).ids
+    except Exception as err:  # tokenizers raises a bare Exception (a WordLevel without [UNK])
+      raise TokenizerError(f"text={_preview(text)} cannot be encoded by "
+                           f"{self.source or 'this tokenizer'}: {err}") from None
 
   def decode(self, ids: Sequence[int]) -> str:
     # Ids past the tokenizer's vocabulary decode to nothing, as in transformers: a model's
@@ -273,8 +288,8 @@ class HFTokenizer:
     """
     if self.chat_template is None:
       raise TokenizerError(f"{self.source or 'this tokenizer'} has no chat template "
-                           "(tokenizer_config.json's chat_template or chat_template.jinja); "
-                           "give prompts as text, or use a model directory that has one")
+                           f"({self.chat_template_note or _NO_TEMPLATE}); give prompts as "
+                           "text, or use a model directory that has one")
     template = _compiled_template(self.chat_template, self.source)
     special = lambda i: None if i is None else self.tokenizer.id_to_token(i)
     try:
@@ -311,7 +326,8 @@ class HFTokenizer:
     out = cls._build(path / "tokenizer.json", tok_config,
                      _read_json(path / "generation_config.json"), eos_token, pad_token,
                      bos_token)
-    return dataclasses.replace(out, chat_template=_chat_template(path, tok_config),
+    template, note = _chat_template(path, tok_config)
+    return dataclasses.replace(out, chat_template=template, chat_template_note=note,
                                source=str(path))
 
   @classmethod
@@ -389,22 +405,39 @@ class HFTokenizer:
                source=str(file))
 
 
-def _chat_template(path: Path, tok_config: Mapping[str, Any]) -> str | None:
-  """The chat template of model directory `path`: `chat_template.jinja` (how transformers
-  saves it since 4.43), else `tokenizer_config.json`'s `chat_template` (a string, or a list of
-  named templates of which "default" is the one)."""
+_NO_TEMPLATE = "tokenizer_config.json's chat_template or chat_template.jinja"
+
+
+def _chat_template(path: Path, tok_config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+  """`(template, note)`: the chat template of model directory `path` — `chat_template.jinja`
+  (how transformers saves it since 4.43), else `tokenizer_config.json`'s `chat_template` (a
+  string, or a list of named templates of which "default" is the one) —, or None and why
+  there is none that can be used. An empty template counts as none: it would render every
+  prompt as '' (transformers refuses it too)."""
   file = path / "chat_template.jinja"
+  where = str(file)
   if file.is_file():
-    return file.read_text()
-  value = tok_config.get("chat_template")
-  if isinstance(value, list):
-    named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
-    value = named.get("default")
-  if value is not None and not isinstance(value, str):
-    raise TokenizerError(f"{path / 'tokenizer_config.json'}: chat_template={value!r:.80} is "
-                         "invalid: allowed a Jinja template string, or a list of "
-                         "{name, template} with a 'default'")
-  return value
+    try:
+      value = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+      raise TokenizerError(f"{file}: not UTF-8 text ({err}); allowed a Jinja template saved "
+                           "as UTF-8: re-download it or save the tokenizer again") from None
+  else:
+    where = f"{path / 'tokenizer_config.json'}'s chat_template"
+    value = tok_config.get("chat_template")
+    if isinstance(value, list):
+      named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+      if "default" not in named:
+        return None, (f"{where} lists named templates {sorted(map(str, named))} and none is "
+                      "'default', the one a prompt is rendered with")
+      value = named["default"]
+    if value is not None and not isinstance(value, str):
+      raise TokenizerError(f"{path / 'tokenizer_config.json'}: chat_template={value!r:.80} is "
+                           "invalid: allowed a Jinja template string, or a list of "
+                           "{name, template} with a 'default'")
+  if value is not None and not value.strip():
+    return None, f"{where} is empty"
+  return value, None
 
 
 def _preview(messages: Any) -> str:

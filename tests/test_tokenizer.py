@@ -145,3 +145,80 @@ def test_check_vocab_fits_allows_a_padded_model_vocab_and_refuses_a_smaller_one(
   with pytest.raises(ConfigError, match=r"tokenizer vocab 8 > model vocab_size 7 \(ids 7\.\.7 "
                                         r"have no embedding\)"):
     check_vocab_fits(tok, 7)
+
+
+def _bpe_dir(path, raw_tokenizer, bos, post_processor: bool):
+  """A model directory of the module's BPE tokenizer, with tokenizer_config.json naming `bos`
+  (None: Qwen's null) and, with `post_processor`, Llama 3's TemplateProcessing that puts it
+  first."""
+  from tokenizers import processors
+  raw = RawTokenizer.from_str(raw_tokenizer.to_str())  # the module fixture stays unchanged
+  if post_processor:
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, raw.token_to_id(bos))])
+  raw.save(str(path / "tokenizer.json"))
+  _write(path, "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
+                                         "eos_token": "</s>", "bos_token": bos})
+  return path
+
+
+@pytest.mark.parametrize("kind", ["char_save", "llama3_style", "qwen_style"])
+def test_prompts_encode_as_transformers_autotokenizer_encodes_them(tmp_path, raw_tokenizer,
+                                                                   kind):
+  """What a user of a model directory gets from `AutoTokenizer(text)` is what specjax's
+  prompts hold (`encode_prompt`): BOS first where the model has one (a saved
+  `CharTokenizer`, whose prompts were trained with it; Llama 3's post-processor), none for
+  Qwen's null bos_token."""
+  from specjax.rl import encode_prompt
+  if kind == "char_save":
+    own = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.0123456789+=")
+    own.save(tmp_path)
+    texts = ["1+2=", "hello world", "", "a"]
+  else:
+    _bpe_dir(tmp_path, raw_tokenizer, None if kind == "qwen_style" else "<s>",
+             post_processor=kind == "llama3_style")
+    own, texts = None, TEXTS
+  ours = HFTokenizer.from_dir(tmp_path)
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  for text in texts:
+    want = ref(text)["input_ids"]
+    assert encode_prompt(ours, text) == want, text
+    if own is not None:  # the run's own tokenizer, whose ids the model was trained on
+      assert encode_prompt(own, text) == want, text
+  assert (ours.bos_id is None) == (kind == "qwen_style")
+
+
+@pytest.mark.parametrize("write, note", [
+    (lambda d: _write(d, "tokenizer_config.json", {"chat_template": ""}),
+     r"tokenizer_config\.json's chat_template is empty"),
+    (lambda d: (d / "chat_template.jinja").write_text(" \n"), r"chat_template\.jinja is empty"),
+    (lambda d: _write(d, "tokenizer_config.json", {"chat_template": [
+        {"name": "tool_use", "template": "{{ messages[0].content }}"}]}),
+     r"lists named templates \['tool_use'\] and none is 'default'"),
+])
+def test_an_empty_or_undefaulted_chat_template_is_refused_when_rendering_naming_why(
+    model_dir, write, note):
+  """An empty template would render every prompt as '' (transformers refuses it), and named
+  templates without a "default" leave none to render with: either is no template, and the
+  error says which."""
+  write(model_dir)
+  tok = HFTokenizer.from_dir(model_dir)
+  assert tok.chat_template is None
+  with pytest.raises(TokenizerError, match=rf"has no chat template \(.*{note}"):
+    tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_refused_naming_it(model_dir):
+  (model_dir / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+  with pytest.raises(TokenizerError, match=r"chat_template\.jinja: not UTF-8 text"):
+    HFTokenizer.from_dir(model_dir)
+
+
+def test_text_the_tokenizer_cannot_encode_raises_a_tokenizer_error_naming_it(tmp_path):
+  """A WordLevel vocabulary without [UNK]: tokenizers raises a bare Exception."""
+  RawTokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token=None)).save(
+      str(tmp_path / "tokenizer.json"))
+  tok = HFTokenizer.from_dir(tmp_path)
+  assert tok.encode("a") == [0]
+  with pytest.raises(TokenizerError, match=r"text='zz' cannot be encoded by .*Missing \[UNK\]"):
+    tok.encode("zz")

@@ -78,4 +78,5 @@ def test_export_loads_in_transformers_and_decodes_greedily_as_specjax(trained_ru
   assert theirs[len(ids):] == ours
   hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   assert hf_tokenizer(prompt, add_special_tokens=False)["input_ids"] == TOK.encode(prompt)
+  assert hf_tokenizer(prompt)["input_ids"] == ids  # BOS first, as the run's prompts had it
   assert hf_tokenizer.decode(ours, skip_special_tokens=True) == TOK.decode(ours)

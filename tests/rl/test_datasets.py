@@ -135,6 +135,21 @@ def test_malformed_files_are_located(tmp_path, content, message):
     DatasetTask(str(path), TOK, [exact])
 
 
+def test_a_prompt_the_hf_tokenizer_cannot_encode_is_located(tmp_path):
+  """tokenizers raises a bare Exception for text a WordLevel vocabulary without [UNK] lacks:
+  the task names the row and the text, as for a character tokenizer's unknown character."""
+  from tokenizers import Tokenizer as RawTokenizer
+  from tokenizers import models, pre_tokenizers
+  raw = RawTokenizer(models.WordLevel({"1+1=": 0, "</s>": 1}, unk_token=None))
+  raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  raw.save(str(tmp_path / "tokenizer.json"))
+  tok = HFTokenizer.from_dir(tmp_path)
+  rows = [{"prompt": "1+1=", "answer": "2"}] * 4 + [{"prompt": "2+2=", "answer": "4"}]
+  with pytest.raises(TaskError, match=r"row 4.*cannot encode its prompt \(text='2\+2=' "
+                                      r"cannot be encoded"):
+    DatasetTask(rows, tok, [exact], test_source=rows[:1])
+
+
 def test_a_row_without_the_prompt_column_is_named():
   rows = _rows()
   rows[5] = {"question": "1+1=", "answer": "2", "level": 0}
