@@ -20,6 +20,7 @@ import functools
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -31,7 +32,7 @@ from specjax.checks import is_int
 from specjax.decoding import (Adaptive, DraftSource, DraftTree, SamplingConfig, build_drafter,
                               calibrate, check_draft_source, default_drafter, generate)
 from specjax.decoding.policy import describe
-from specjax.errors import ConfigError, SpecjaxError
+from specjax.errors import CheckpointError, ConfigError, SpecjaxError
 from specjax.hub import local_checkpoint
 from specjax.timing import interleaved
 from specjax.tokenizer import with_bos
@@ -62,7 +63,7 @@ def generate_command(
     checkpoint: a HuggingFace model directory (config.json, *.safetensors, tokenizer.json).
       Prompts start with the tokenizer's BOS when it has one; a row stops at any end id of
       the tokenizer, generation_config.json or config.json (`eos_token_id`, an id or a list).
-    prompt: prompts to continue (one batch row each).
+    prompt: prompts to continue (one batch row each), all after one --prompt: --prompt 'a' 'b'.
     demo: train the built-in tiny counting model (about a minute on CPU) and use it.
     drafter: where drafts come from, a registered name (`specjax.decoding.drafter_names`:
       none, draft-model, eagle3, medusa, mtp, ngram, and any `register_drafter` added);
@@ -112,6 +113,7 @@ def generate_command(
     bos_id, eos_id = None, tokenizer.eos_id  # the demo model is trained without BOS
   elif checkpoint is not None:
     checkpoint = str(local_checkpoint(checkpoint, "--checkpoint"))  # a Hub id: its snapshot
+    _check_hf_checkpoint(checkpoint)
     from specjax.models.hf import eos_token_ids, load_hf
     from specjax.tokenizer import HFTokenizer, check_vocab_fits
     tokenizer = HFTokenizer.from_dir(checkpoint)
@@ -128,6 +130,10 @@ def generate_command(
     drafter = default_drafter(config)
     print(f"drafter {drafter}: the default for this model (--drafter to choose another)")
   encoded = [with_bos(tokenizer.encode(p), bos_id) for p in prompt]
+  for p, e in zip(prompt, encoded):
+    if not e:  # decoding continues a prompt's last token: it needs one
+      raise ConfigError(f"prompt={p!r} is invalid: it encodes to no tokens (and the tokenizer "
+                        "has no BOS to start it); allowed a prompt of at least one token")
   width = max(len(e) for e in encoded)
   tokens = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
   for i, e in enumerate(encoded):
@@ -185,15 +191,53 @@ def generate_command(
           "ratios)")
 
 
+def _check_hf_checkpoint(path: str) -> None:
+  """Refuse a directory that is not an HF checkpoint before its files are read one by one: a
+  `specjax train` run directory (its config.json is the run's), or one without config.json."""
+  from specjax.models.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+  directory = Path(path)
+  weights = (directory / WEIGHTS_FILE).is_file() or (directory / INDEX_FILE).is_file()
+  if (directory / "checkpoints").is_dir() and not weights:
+    raise CheckpointError(f"--checkpoint {path}: a specjax train run directory, not an HF "
+                          f"checkpoint; export its policy first: specjax export {path} OUT, "
+                          "then --checkpoint OUT")
+  if not (directory / CONFIG_FILE).is_file():
+    raise CheckpointError(f"--checkpoint {path}: no config.json there: not an HF checkpoint "
+                          "directory (config.json, *.safetensors, tokenizer.json)")
+
+
 def load_experiment(path: str):
-  """`get_config()` of a config file (a small Python file, see configs/)."""
+  """`get_config()` of a config file (a small Python file, see configs/).
+
+  Raises:
+    ConfigError: the file does not run (a syntax error, a failed import, an exception in
+      `get_config`), naming the file, the line and the error, which it chains (the traceback
+      with SPECJAX_TRACEBACK=1). A `SpecjaxError` of the config itself passes unchanged.
+  """
   if not Path(path).is_file():
     raise SystemExit(f"--config {path}: no such file; pass a config file such as "
                      "configs/arithmetic_tiny.py")
-  namespace = runpy.run_path(path)
-  if "get_config" not in namespace:
-    raise SystemExit(f"{path} defines no get_config(); see configs/arithmetic_tiny.py")
-  return namespace["get_config"]()
+  try:
+    namespace = runpy.run_path(path)
+    if "get_config" not in namespace:
+      raise SystemExit(f"{path} defines no get_config(); see configs/arithmetic_tiny.py")
+    return namespace["get_config"]()
+  except SpecjaxError:
+    raise
+  except Exception as err:
+    what = err.msg if isinstance(err, SyntaxError) else err  # its str repeats file and line
+    raise ConfigError(f"--config {path}{_config_line(path, err)}: {type(err).__name__}: "
+                      f"{what}") from err
+
+
+def _config_line(path: str, err: Exception) -> str:
+  """", line N": where in config file `path` `err` was raised (its syntax error's line, or
+  the file's last frame in the traceback); "" when none is in the file."""
+  same = lambda file: os.path.abspath(file or "") == os.path.abspath(path)
+  if isinstance(err, SyntaxError) and same(err.filename) and err.lineno:
+    return f", line {err.lineno}"
+  lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if same(f.filename)]
+  return f", line {lines[-1]}" if lines else ""
 
 
 def train_command(argv: list[str]) -> dict:
@@ -205,9 +249,11 @@ def train_command(argv: list[str]) -> dict:
   processes' devices (`--mesh.data/--mesh.fsdp/--mesh.tensor`). Only process 0 prints.
   """
   from specjax.rl.distributed import DEFAULT_CLUSTER_TIMEOUT_S, check_same_config, join_cluster
-  parser = argparse.ArgumentParser(prog="specjax train", add_help=False)
-  parser.add_argument("--config", required=True,
-                      help="a config file, e.g. configs/arithmetic_tiny.py")
+  parser = argparse.ArgumentParser(
+      prog="specjax train", add_help=False,
+      usage="specjax train --config FILE [--field value ...] (--config FILE --help lists the "
+            "fields)")
+  parser.add_argument("--config", help="a config file, e.g. configs/arithmetic_tiny.py")
   parser.add_argument("--coordinator-address", default=None,
                       help="HOST:PORT of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
   parser.add_argument("--num-processes", type=int, default=None,
@@ -218,6 +264,11 @@ def train_command(argv: list[str]) -> dict:
                       help="seconds to wait for process 0 and for all processes to join "
                            f"(default {DEFAULT_CLUSTER_TIMEOUT_S})")
   known, rest = parser.parse_known_args(argv)
+  if known.config is None:
+    if "-h" in rest or "--help" in rest:  # the fields are the config file's: listed with it
+      print(parser.format_help())
+      return {}
+    parser.error("the following arguments are required: --config")
   try:
     # Before anything touches a device: jax.distributed must come first.
     join_cluster(known.coordinator_address, known.num_processes, known.process_id,
@@ -445,6 +496,11 @@ def sim_calibrate_command(argv: list[str]) -> int:
                       help="small shapes, 2 repeats: a rough profile in a few seconds (to try "
                            "the command; its small matmuls run from the caches on a CPU)")
   args = parser.parse_args(argv)
+  out = Path(args.out).absolute()
+  if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+    # Checked before measuring (a minute), not when the profile is written.
+    parser.error(f"--out {args.out}: its directory {out.parent} does not exist or is not "
+                 "writable; allowed a file in an existing, writable directory")
   from specjax.experiments.device_profile import calibrate_profile  # starts JAX
   profile = calibrate_profile(dtype=args.dtype, **(_QUICK_CALIBRATION if args.quick else {}))
   Path(args.out).write_text(profile.to_json())
@@ -496,6 +552,11 @@ def main(argv: list[str] | None = None) -> None:
     if status:
       raise SystemExit(status)
     return
+  repeated = [a for a in argv if a == "--prompt" or a.startswith("--prompt=")]
+  if argv[0] == "generate" and len(repeated) > 1:
+    # tyro would keep the last one's prompts alone and drop the others without a word.
+    raise SystemExit(f"specjax generate: --prompt given {len(repeated)} times; give every "
+                     "prompt after one --prompt: --prompt 'first' 'second' ...")
   tyro.extras.subcommand_cli_from_dict(
       {"generate": generate_command}, args=argv,
       description="specjax train --config FILE | train-drafter [--config FILE] | generate")

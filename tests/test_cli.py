@@ -204,3 +204,58 @@ def test_train_prints_a_short_table_not_the_json_summary():
   assert table[3].startswith("drafter acceptance (probe)") and table[3].endswith("2.125")
   assert table[-1] == "rollout tokens/s: plain 1000, speculative 1300"
   assert len(table) == 5  # rows whose figures the summary lacks are left out
+
+
+def test_a_repeated_prompt_flag_is_refused_rather_than_keeping_the_last(tmp_path):
+  """tyro keeps only the last --prompt's values; one --prompt takes them all."""
+  with pytest.raises(SystemExit, match=r"--prompt given 2 times; give every prompt after one "
+                                       r"--prompt"):
+    main(["generate", "--checkpoint", str(tmp_path), "--prompt", "a", "--prompt=b"])
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_refused_before_generating(tmp_path,
+                                                                          generate_calls):
+  write_tiny_checkpoint(tmp_path)
+  _edit_json(tmp_path / "tokenizer_config.json", bos_token=None)  # Qwen's: no BOS to add
+  with pytest.raises(ConfigError, match=r"prompt='' is invalid: it encodes to no tokens"):
+    generate_command(checkpoint=str(tmp_path), prompt=("a", ""), drafter="none")
+  assert not generate_calls
+
+
+def test_generate_on_a_directory_that_is_not_a_checkpoint_says_what_it_is(tmp_path):
+  """An empty directory lacks config.json; a train run directory has one (the run's), and
+  the fix is to export it."""
+  from specjax.errors import CheckpointError
+  with pytest.raises(CheckpointError, match=r"no config\.json there: not an HF checkpoint"):
+    generate_command(checkpoint=str(tmp_path), prompt=("a",))
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "config.json").write_text(json.dumps({"run_dir": str(tmp_path)}))
+  with pytest.raises(CheckpointError, match=rf"a specjax train run directory, not an HF "
+                                            rf"checkpoint; .*specjax export {tmp_path} OUT"):
+    generate_command(checkpoint=str(tmp_path), prompt=("a",))
+
+
+@pytest.mark.parametrize("source, error, line", [
+    ("def get_config(:\n  return 1\n", "SyntaxError: invalid syntax", 1),
+    ("import os\nimport nonexistent_module_xyz\n", "ModuleNotFoundError: No module named", 2),
+    ("def get_config():\n  raise ValueError('boom')\n", "ValueError: boom", 2),
+])
+def test_a_config_file_that_fails_is_one_line_naming_file_line_and_error(tmp_path, source,
+                                                                         error, line):
+  """Not a traceback through runpy's frames: the file, the line and the error, which stays
+  chained for SPECJAX_TRACEBACK=1."""
+  path = tmp_path / "bad.py"
+  path.write_text(source)
+  with pytest.raises(ConfigError, match=rf"^--config {path}, line {line}: {error}") as info:
+    cli.load_experiment(str(path))
+  assert info.value.__cause__ is not None
+
+
+def test_train_help_without_a_config_prints_the_usage(capsys):
+  main(["train", "--help"])
+  out = capsys.readouterr().out
+  assert "usage: specjax train --config FILE" in out and "--config FILE --help lists" in out
+  with pytest.raises(SystemExit) as exit_info:
+    main(["train"])
+  assert exit_info.value.code == 2
+  assert "required: --config" in capsys.readouterr().err

@@ -306,6 +306,45 @@ def _meshes(config: ExperimentConfig) -> tuple[jax.sharding.Mesh, jax.sharding.M
   return train, make_mesh(data=-1, devices=devices[:n])
 
 
+def _check_not_past(run_dir: Path, steps: int) -> None:
+  """Refuse to "resume" a run whose latest checkpoint is past `steps`: it would run no step,
+  yet record `steps` as the run's length over the files of the longer run."""
+  saved = [int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.name.isdigit()]
+  if saved and max(saved) > steps:
+    raise ConfigError(f"steps={steps} is invalid: {run_dir} holds a checkpoint at step "
+                      f"{max(saved)}, past it; allowed steps >= {max(saved)} to continue the "
+                      "run (or another run_dir for a new one)")
+
+
+def _check_lengths(config: ExperimentConfig, tc: TrainConfig, train_width: int,
+                   test_width: int) -> None:
+  """Refuse, before the warm start, a run whose rollouts, held-out evaluation or acceptance
+  probe would not fit the model's `max_position`: each decodes into a cache of prompt width
+  + new tokens + draft tree nodes + 1 slots, which `generate` checks only when it runs."""
+  limit = config.model.max_position
+  trees = (tc.rollout.speculation.menu if tc.rollout.speculation is not None
+           else () if tc.rollout.tree is None else (tc.rollout.tree,))
+  nodes = max((t.num_nodes for t in trees), default=0)
+  new = config.rollout.max_new_tokens
+  for what, width, n in (("rollouts: the longest train prompt", train_width, nodes),
+                         ("the held-out evaluation: the longest held-out prompt", test_width, 0)):
+    room = limit - width - n - 1
+    if new > room:
+      allowed = (f"allowed rollout.max_new_tokens <= {room}" if room >= 1 else
+                 "no rollout.max_new_tokens fits")
+      raise ConfigError(
+          f"rollout.max_new_tokens={new} is invalid: {what} ({width} tokens) + {new} new "
+          f"tokens + {n} draft tree nodes + 1 = {width + new + n + 1} > model.max_position="
+          f"{limit}; {allowed} (or a larger model.max_position, a smaller rollout.tree_widths "
+          "tree, shorter prompts)")
+  if limit - test_width - nodes - 1 < 1:
+    raise ConfigError(
+        f"model.max_position={limit} is invalid: the drafter's acceptance probe "
+        f"(probe_acceptance) decodes the longest held-out prompt ({test_width} tokens) with "
+        f"the {nodes}-node rollout.tree_widths tree, which needs at least {test_width + nodes + 2} "
+        "positions; allowed a larger model.max_position, a smaller tree or shorter prompts")
+
+
 def run(config: ExperimentConfig, log=print) -> dict:
   """Run (or resume) the experiment; returns the final summary.
 
@@ -337,6 +376,7 @@ def _run(config: ExperimentConfig, log) -> dict:
                started=any((run_dir / "checkpoints").glob("[0-9]*")),
                defines="the policy, its task and its training", log=log,
                renamed=LEGACY_NAMES)
+  _check_not_past(run_dir, config.steps)
   if lead:
     record_config(run_dir, config)
   # The state's structure does not depend on how each round's tree is chosen (but for the
@@ -359,6 +399,8 @@ def _run(config: ExperimentConfig, log) -> dict:
   # Whole batches (shapes, measurements), and the rows this process's devices hold.
   reader = PromptReader(train_records, batch_size=prompts, pad_id=tok.pad_id,
                         seed=config.seed)
+  _check_lengths(config, tc, reader.padded_len,
+                 max((len(r["prompt"]) for r in test_records), default=0))
   mine = process_prompts(reader, mesh)
   batch_shardings = prompt_batch_shardings(reader.batch_at(0), mesh)
   feed = lambda position: global_batch(mine(position), batch_shardings, prompts)

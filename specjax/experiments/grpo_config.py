@@ -339,6 +339,11 @@ class ExperimentConfig:
                     f"must be a {kind.__name__}(...)")
     require_ints(self, ("steps",), 1)
     require_ints(self, ("seed",), 0)
+    rows = self.rollout.prompts_per_step * self.grpo.group_size
+    require_field(self.grpo, "num_minibatches", rows % self.grpo.num_minibatches == 0,
+                  f"must divide a step's rollout rows, rollout.prompts_per_step x "
+                  f"grpo.group_size = {self.rollout.prompts_per_step} x "
+                  f"{self.grpo.group_size} = {rows}", "grpo.")
     if self.policy_dir is not None:  # a Hub id becomes its local snapshot (specjax.hub)
       object.__setattr__(self, "policy_dir", str(local_checkpoint(self.policy_dir,
                                                                   "policy_dir")))

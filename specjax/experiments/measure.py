@@ -23,6 +23,7 @@ from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.drafters.group import with_group_size
 from specjax.decoding.engine import compaction_buckets
+from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
@@ -75,7 +76,12 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   """Mean acceptance length of the speculative rollout's tree (`rollout.tree_widths`, also with
   adaptive speculation) on held-out prompts, generating a fixed `tokens` per row (no EOS):
   it compares drafters on equal work even when the policy's response lengths change during
-  training."""
+  training. `tokens` is clipped to what the model's `max_position` leaves after the longest
+  prompt and the tree (the same for every call on the same records and config).
+
+  Raises:
+    ConfigError: not even one token fits.
+  """
   rc = config.fixed_tree().train_config().rollout
   if rc.drafter is None:
     return 1.0
@@ -83,6 +89,15 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   tok = config.task.tokenizer
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
+  width, nodes = batch.tokens.shape[1], rc.tree.num_nodes
+  room = config.model.max_position - width - nodes - 1
+  if room < 1:
+    raise ConfigError(f"model.max_position={config.model.max_position} is invalid: the "
+                      f"acceptance probe (probe_acceptance) decodes prompts of {width} tokens "
+                      f"with a {nodes}-node draft tree, which needs at least {width + nodes + 2} "
+                      "positions; allowed a larger max_position, a smaller tree or shorter "
+                      "prompts")
+  tokens = min(tokens, room)
   out = generate(params, config.model, batch.tokens, batch.lengths,
                  jax.random.key(config.seed + 2), max_new_tokens=tokens,
                  sampling=rc.sampling, drafter=drafter, tree=rc.tree, pad_id=tok.pad_id,

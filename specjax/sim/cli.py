@@ -98,7 +98,12 @@ def _profile(args) -> tuple[DeviceProfile, int]:
   if args.profile_json is None:
     return parse_devices(args.devices)
   count = re.match(r"\s*(\d+)", args.devices or "")
-  profile = DeviceProfile.from_json(pathlib.Path(args.profile_json).read_text())
+  try:
+    profile = DeviceProfile.from_json(pathlib.Path(args.profile_json).read_text())
+  except (OSError, UnicodeDecodeError) as error:
+    raise ConfigError(f"--profile-json {args.profile_json}: cannot read it ({error})") from None
+  except ConfigError as error:
+    raise ConfigError(f"--profile-json {args.profile_json}: {error}") from None
   return profile, int(count.group(1)) if count else 1
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from specjax.errors import ConfigError
 from specjax.sim import _checks as C
 
 
@@ -151,9 +152,34 @@ class DeviceProfile:
 
   @classmethod
   def from_json(cls, text: str) -> DeviceProfile:
-    raw = json.loads(text)
+    """The profile `to_json` wrote (what `specjax sim calibrate` saves).
+
+    Raises:
+      ConfigError: `text` is not JSON, not an object, lacks a field or has an unknown one, a
+        curve is not `{"knots": [[size, efficiency], ...]}`, or a value is out of range.
+    """
+    allowed = "allowed a DeviceProfile as JSON, as `specjax sim calibrate` writes it"
+    try:
+      raw = json.loads(text)
+    except ValueError as err:
+      raise ConfigError(f"DeviceProfile JSON is invalid: not JSON ({err}); {allowed}") from None
+    if not isinstance(raw, dict):
+      raise ConfigError(f"DeviceProfile JSON is invalid: a JSON {type(raw).__name__}; "
+                        f"{allowed} (an object)")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [n for n, f in fields.items() if n not in raw
+               and f.default is dataclasses.MISSING]
+    unknown = sorted(set(raw) - set(fields))
+    if missing or unknown:
+      problems = [f"{what} fields {names}" for what, names in (("missing", missing),
+                                                               ("unknown", unknown)) if names]
+      raise ConfigError(f"DeviceProfile JSON is invalid: {', '.join(problems)}; {allowed}")
     for field in ("matmul_eff", "kv_eff"):
-      raw[field] = Curve(tuple(tuple(k) for k in raw[field]["knots"]))
+      knots = raw[field].get("knots") if isinstance(raw[field], dict) else None
+      C.require(isinstance(knots, list) and all(isinstance(k, list) for k in knots),
+                f"DeviceProfile.{field}", raw[field],
+                'allowed {"knots": [[size, efficiency], ...]}')
+      raw[field] = Curve(tuple(tuple(k) for k in knots))
     return cls(**raw)
 
 

@@ -72,3 +72,26 @@ def test_simulated_speedup_predicts_the_runs_rollout_on_an_accelerator():
                                                  n_kv_heads=8, head_dim=128, mlp_dim=32768)})
   with pytest.raises(ConfigError, match="does not fit"):  # grpo.run logs it and ends the run
     simulated_speedup(huge, 6.0, [4096] * 128, 3.0)
+
+
+def test_the_acceptance_probe_is_clipped_to_the_models_positions_and_named_when_none_fit(
+    monkeypatch):
+  """The probe generates a fixed 16 tokens: where the longest held-out prompt and the tree
+  leave fewer positions it generates what fits; where none fit the error names the probe."""
+  from specjax.experiments import measure
+  model = MODEL.replace(max_position=24)
+  config = override(ExperimentConfig(task=TASK, model=model), {"rollout.tree_widths": (1, 1)})
+  asked = []
+
+  def fake_generate(*args, max_new_tokens, **kwargs):
+    asked.append(max_new_tokens)
+    return types.SimpleNamespace(stats=types.SimpleNamespace(tokens_per_round=1.5))
+
+  monkeypatch.setattr(measure, "generate", fake_generate)
+  records = lambda n: [{"prompt": [3] * n, "reference": "", "answer": 0.0}]
+  assert measure.probe_acceptance(None, config, records(4)) == 1.5
+  assert measure.probe_acceptance(None, config, records(10)) == 1.5
+  assert asked == [16, 24 - 10 - 2 - 1]  # prompt + new tokens + 2 tree nodes + 1 slots
+  with pytest.raises(ConfigError, match=r"the acceptance probe \(probe_acceptance\) decodes "
+                                        r"prompts of 21 tokens with a 2-node draft tree"):
+    measure.probe_acceptance(None, config, records(21))

@@ -280,6 +280,44 @@ def test_a_resume_that_would_silently_change_the_run_is_refused_naming_the_field
     check_resume(tmp_path, started, RESUMABLE_FIELDS, started=True, defines="", log=print)
 
 
+def test_minibatches_that_do_not_divide_the_rollout_rows_are_refused_at_config_time(
+    tmp_path):
+  """Caught by the update only after the warm start and the step-0 checkpoint, whose run
+  directory then refused the corrected value."""
+  with pytest.raises(ConfigError, match=r"^grpo\.num_minibatches=3 is invalid: must divide a "
+                                        r"step's rollout rows, .* = 4 x 4 = 16"):
+    tiny_experiment(tmp_path, {"grpo.num_minibatches": 3})
+  tiny_experiment(tmp_path, {"grpo.num_minibatches": 8})  # the negative control
+
+
+def test_responses_past_max_position_are_refused_before_the_warm_start(tmp_path):
+  """The longest train prompt + max_new_tokens + tree nodes + 1 must fit the model's
+  positions; the run fails naming the field before it trains or checkpoints anything."""
+  config = tiny_experiment(tmp_path, {"rollout.max_new_tokens": 30})
+  with pytest.raises(ConfigError, match=r"^rollout\.max_new_tokens=30 is invalid: rollouts: "
+                                        r"the longest train prompt \(\d+ tokens\) \+ 30 new "
+                                        r"tokens \+ 1 draft tree nodes \+ 1 = \d+ > "
+                                        r"model\.max_position=32; allowed rollout\."
+                                        r"max_new_tokens <= \d+"):
+    run(config, log=lambda _: None)
+  assert not (tmp_path / "checkpoints").exists()
+
+
+def test_resuming_past_steps_is_refused_without_touching_the_run(tmp_path):
+  """A run checkpointed at step 2 resumed with steps=1 would run nothing, then record
+  steps=1 over the longer run's config.json and summary.json."""
+  from specjax.experiments.run_record import record_config
+  started = tiny_experiment(tmp_path)
+  record_config(tmp_path, started)
+  (tmp_path / "checkpoints" / "2").mkdir(parents=True)  # what a 2-step run leaves
+  recorded = (tmp_path / "config.json").read_bytes()
+  with pytest.raises(ConfigError, match=r"^steps=1 is invalid: .* holds a checkpoint at step 2, "
+                                        r"past it; allowed steps >= 2"):
+    run(dataclasses.replace(started, steps=1), log=lambda _: None)
+  assert (tmp_path / "config.json").read_bytes() == recorded
+  assert not (tmp_path / "summary.json").exists()
+
+
 def test_a_run_started_before_the_config_groups_resumes_under_the_new_names(tmp_path):
   """A `config.json` recorded with the flat fields of earlier versions is read under the
   grouped names: the same run resumes without a message, a changed group field is still

@@ -277,6 +277,46 @@ def test_device_profiles_parse_and_round_trip_through_json():
   assert sim.DeviceProfile.from_json(profile.to_json()) == profile
 
 
+@pytest.mark.parametrize("text, message", [
+    ("not json", r"not JSON \(Expecting value"),
+    ("[1, 2]", r"a JSON list; allowed a DeviceProfile as JSON"),
+    ('{"name": "x"}', r"missing fields \['peak_flops', .*'collective_latency_s'\]"),
+    (None, r"DeviceProfile\.kv_eff=3 is invalid: allowed \{\"knots\""),
+    (None, r"unknown fields \['speed'\]"),
+])
+def test_a_profile_json_that_is_not_a_profile_is_refused_naming_what_is_wrong(
+    tmp_path, capsys, text, message):
+  """`specjax simulate --profile-json F` printed a traceback (JSONDecodeError, KeyError,
+  TypeError) for each; now the parser's one-line error names the file and the problem."""
+  import json
+  fields = json.loads(sim.parse_devices("H200")[0].to_json())
+  if text is None:
+    fields |= {"kv_eff": 3} if "kv_eff" in message else {"speed": 1.0}
+    text = json.dumps(fields)
+  with pytest.raises(ConfigError, match=message):
+    sim.DeviceProfile.from_json(text)
+  path = tmp_path / "profile.json"
+  path.write_text(text)
+  with pytest.raises(SystemExit) as exit_info:
+    simulate_main(["--profile-json", str(path)])
+  assert exit_info.value.code == 2
+  assert f"--profile-json {path}: DeviceProfile" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    simulate_main(["--profile-json", str(tmp_path / "missing.json")])
+  assert "missing.json: cannot read it" in capsys.readouterr().err
+
+
+def test_sim_calibrate_refuses_an_output_directory_that_does_not_exist_before_measuring(
+    tmp_path, capsys, monkeypatch):
+  from specjax.cli import main
+  from specjax.experiments import device_profile
+  monkeypatch.setattr(device_profile, "calibrate_profile", lambda **_: pytest.fail("measured"))
+  with pytest.raises(SystemExit) as exit_info:
+    main(["sim", "calibrate", "--out", str(tmp_path / "no" / "profile.json")])
+  assert exit_info.value.code == 2
+  assert f"its directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+
+
 def test_calibration_takes_the_repeats_of_its_shapes_in_turn():
   # Round robin after one warm-up pass: a burst of load from other work then slows every
   # shape alike instead of bending the efficiency curve (sequential repeats would give
