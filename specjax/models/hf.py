@@ -374,12 +374,19 @@ def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
   weight_dtype = np.dtype(config.weight_dtype)
   _read(tensors, files, weight_dtype, params)
   heads = _head_tensors(config)
+  heads_file = path / HEADS_FILE
   if heads:
-    heads_file = path / HEADS_FILE
     if not heads_file.is_file():
       raise CheckpointError(f"{path}: config.json lists draft heads but {HEADS_FILE} is "
                             "missing")
     _read(heads, {t.name: heads_file for t in heads}, weight_dtype, params)
+  elif heads_file.is_file():
+    # `save_hf` writes the file and config.json's "specjax" counts together and drops a stale
+    # file, so one without the other is a config.json rewritten by another tool.
+    warnings.warn(f"{heads_file} holds draft heads, but {config_file} has no \"specjax\" "
+                  "entry that counts them (num_mtp_modules, num_medusa_heads); loading the "
+                  "model without its heads: restore the entry to load them, or delete the "
+                  "file", stacklevel=2)
   return params, config
 
 

@@ -26,6 +26,9 @@ _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 # transformers' Qwen2 / Qwen3 config defaults, used where config.json omits the key.
 _HF_SLIDING_WINDOW = 4096
 _HF_MAX_WINDOW_LAYERS = 28
+# transformers' Qwen3Config head_dim when config.json omits it (Llama and Qwen2 derive it,
+# hidden_size // num_attention_heads).
+_HF_QWEN3_HEAD_DIM = 128
 _REQUIRED = object()
 
 
@@ -85,8 +88,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | Non
   Precedence follows transformers v5: a non-empty legacy `rope_scaling` wins over
   `rope_parameters`, and a `rope_theta` inside the chosen dict wins over the top-level one.
   """
-  params = (_mapping(hf.get("rope_scaling"), "rope_scaling")
-            or _mapping(hf.get("rope_parameters"), "rope_parameters"))
+  legacy = _mapping(hf.get("rope_scaling"), "rope_scaling")
+  source = "rope_scaling" if legacy else "rope_parameters"
+  params = legacy or _mapping(hf.get("rope_parameters"), "rope_parameters")
   theta = _float_field(params, "rope_theta", _float_field(hf, "rope_theta", 10_000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))
   partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -99,14 +103,17 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | Non
     raise ConfigError(f"config.json: rope type {rope_type!r} is unsupported: allowed "
                       "'default' (no scaling) or 'llama3'")
   original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-  missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+  # A null factor is as missing as an absent one (transformers fails on it too).
+  missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
+             if params.get(k) is None]
   if missing or original is None:
     missing += [] if original is not None else ["original_max_position_embeddings"]
     raise ConfigError(f"config.json: llama3 rope scaling is missing {missing}")
+  number = lambda name: _float_field(params, name, 0.0, where=f"config.json {source}")
   return theta, Llama3RopeScaling(
-      factor=float(params["factor"]),
-      low_freq_factor=float(params["low_freq_factor"]),
-      high_freq_factor=float(params["high_freq_factor"]),
+      factor=number("factor"),
+      low_freq_factor=number("low_freq_factor"),
+      high_freq_factor=number("high_freq_factor"),
       original_max_position=_int_field({"original_max_position_embeddings": original},
                                        "original_max_position_embeddings"),
   )
@@ -122,6 +129,11 @@ def _check_supported(hf: Mapping[str, Any], family: str, n_layers: int,
     raise ConfigError("config.json: mlp_bias=True is unsupported: allowed False (the MLP has "
                       "no biases)")
   layer_types = hf.get("layer_types")
+  if layer_types is not None and not (isinstance(layer_types, list)
+                                      and all(isinstance(t, str) for t in layer_types)):
+    raise ConfigError(f"config.json: layer_types={layer_types!r:.80} is invalid: allowed a "
+                      "list of layer type names, one per layer, such as ['full_attention', "
+                      "...]")
   if layer_types is not None:
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
@@ -178,6 +190,13 @@ def _family(hf: Mapping[str, Any]) -> str:
   return model_type
 
 
+def _head_dim(hf: Mapping[str, Any], family: str, d_model: int, n_heads: int) -> int:
+  """`head_dim`, or where config.json omits it transformers' default for the family."""
+  if hf.get("head_dim") is not None:
+    return _int_field(hf, "head_dim")
+  return _HF_QWEN3_HEAD_DIM if family == "qwen3" else d_model // n_heads
+
+
 def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
                    dtype: str | None = None) -> ModelConfig:
   """The `ModelConfig` of an HF `config.json` dict.
@@ -219,8 +238,7 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
       n_heads=n_heads,
       n_kv_heads=(_int_field(hf, "num_key_value_heads")
                   if hf.get("num_key_value_heads") is not None else n_heads),
-      head_dim=(_int_field(hf, "head_dim") if hf.get("head_dim") is not None
-                else d_model // n_heads),
+      head_dim=_head_dim(hf, family, d_model, n_heads),
       mlp_dim=_int_field(hf, "intermediate_size"),
       rope_theta=theta,
       rope_scaling=scaling,

@@ -125,7 +125,9 @@ class ModelSpec:
 
     heads, d_model = field("num_attention_heads"), field("hidden_size")
     head_dim = hf.get("head_dim")
-    if head_dim is None:  # transformers' default: the model width split over the heads
+    if head_dim is None and kind == "qwen3":  # transformers' Qwen3Config default (the loader's)
+      head_dim = 128
+    elif head_dim is None:  # transformers' default: the model width split over the heads
       head_dim = d_model // heads if is_int(d_model) and is_int(heads) and heads > 0 else 0
     dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:

@@ -232,6 +232,61 @@ def test_non_integral_float_int_field_is_refused_integral_float_is_accepted(save
     load_hf(path)
 
 
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("factor, match", [
+    (None, r"llama3 rope scaling is missing \['factor'\]"),
+    ([8.0], r"rope_scaling: factor=\[8\.0\] is invalid: allowed a finite number"),
+    ("8.0", r"rope_scaling: factor='8\.0' is invalid: allowed a finite number"),
+])
+def test_a_llama3_rope_factor_that_is_not_a_number_is_refused_naming_it(factor, match):
+  """null or a list used to raise a bare TypeError, and "8.0" was taken as 8.0."""
+  hf = hf_io.config_to_hf(_config()) | {"rope_scaling": _LLAMA3 | {"factor": factor}}
+  with pytest.raises(ConfigError, match=match):
+    hf_io.config_from_hf(hf)
+  assert hf_io.config_from_hf(hf | {"rope_scaling": _LLAMA3}).rope_scaling.factor == 8.0
+
+
+def test_layer_types_given_as_a_string_is_refused_as_not_a_list():
+  hf = hf_io.config_to_hf(_config()) | {"layer_types": "full_attention"}
+  with pytest.raises(ConfigError, match=r"layer_types='full_attention' is invalid: allowed a "
+                                        r"list of layer type names"):
+    hf_io.config_from_hf(hf)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_config_without_head_dim_takes_transformers_default_for_the_family(family):
+  """Qwen3Config defaults head_dim to 128; Llama and Qwen2 derive it from the width."""
+  transformers = pytest.importorskip("transformers")
+  hf = hf_io.config_to_hf(_config(family, head_dim=8))
+  del hf["head_dim"]
+  reference = transformers.AutoConfig.for_model(**hf)
+  expected = getattr(reference, "head_dim", None) or hf["hidden_size"] // hf[
+      "num_attention_heads"]
+  assert hf_io.config_from_hf(hf).head_dim == expected
+  assert expected == (128 if family == "qwen3" else 8)
+
+
+def test_a_heads_file_that_config_json_does_not_count_warns_naming_it(tmp_path):
+  """`save_hf` writes the two together; a config.json rewritten without its "specjax" entry
+  would otherwise drop the heads without a word."""
+  config = _config(num_mtp_modules=1)
+  save_hf(init_params(config, jax.random.key(2)), config, tmp_path)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  del hf["specjax"]
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.warns(UserWarning, match=r"specjax_heads\.safetensors holds draft heads, but "
+                                       r".*config\.json has no \"specjax\" entry"):
+    params, loaded = load_hf(tmp_path)
+  assert loaded.num_mtp_modules == 0 and "mtp" not in params
+  with warnings.catch_warnings():  # the negative control: an export as save_hf wrote it
+    warnings.simplefilter("error")
+    save_hf(init_params(config, jax.random.key(2)), config, tmp_path)
+    assert load_hf(tmp_path)[1].num_mtp_modules == 1
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_])
 def test_integer_or_bool_weight_is_refused(tmp_path, dtype):
   config = _config(n_layers=1)

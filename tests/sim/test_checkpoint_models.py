@@ -61,6 +61,21 @@ def test_a_checkpoint_directory_has_the_parameters_transformers_builds(tmp_path,
   assert sim.model_spec(str(tmp_path / "my-model" / "config.json")) == spec
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_a_config_json_without_head_dim_has_transformers_default(tmp_path, family):
+  """Qwen3's is 128 whatever the width; the others split the width over the heads."""
+  FAMILIES[family]().save_pretrained(tmp_path)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  hf.pop("head_dim", None)
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  assert sim.model_spec(str(tmp_path)).total_params == _matmul_params(
+      transformers.AutoModelForCausalLM.from_config(
+          transformers.AutoConfig.from_pretrained(tmp_path)))
+  if family != "qwen3_moe":  # the loader reads dense families
+    from specjax.models import config_from_hf
+    assert config_from_hf(hf).head_dim == (128 if family == "qwen3" else 16)
+
+
 @pytest.mark.parametrize("preset", PUBLIC)
 def test_a_public_config_json_gives_its_preset(tmp_path, preset):
   (tmp_path / "config.json").write_text(json.dumps(PUBLIC[preset]))
