@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding import (DraftModelDrafter, DraftSource, DraftTree, Eagle3Drafter,
-                              Eagle3Weights, MTPDrafter, NGramDrafter, SamplingConfig,
-                              build_drafter, calibrate, default_drafter, generate)
+from specjax.decoding import (DraftModelDrafter, DraftTree, Eagle3Drafter, Eagle3Weights,
+                              NGramDrafter, SamplingConfig, build_drafter, calibrate,
+                              default_drafter, generate)
 from specjax.errors import ConfigError
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
 
