@@ -222,7 +222,9 @@ class HFTokenizer:
     tokenizer: the `tokenizers.Tokenizer`.
     eos_id: the id that ends a sequence.
     pad_id: the padding id (the EOS id when the tokenizer defines no pad token).
-    bos_id: the start-of-sequence id, or None.
+    bos_id: the id a prompt starts with, or None: the BOS that `tokenizer.json`'s
+      post-processor adds, as transformers' tokenizer adds it (a GPT-2-style tokenizer names
+      a BOS token and adds none), unless `bos_token` is passed to `from_dir` / `from_file`.
     eos_ids: every id that ends a sequence, `eos_id` first (chat models stop on several, e.g.
       generation_config.json's `eos_token_id` list).
     chat_template: the Jinja chat template of the model directory (`tokenizer_config.json`'s
@@ -230,6 +232,8 @@ class HFTokenizer:
     source: the directory or file it was loaded from (what a run's config records of it).
     chat_template_note: why `chat_template` is None although the directory names one (an
       empty template, named templates without a "default"): `render_chat`'s error says it.
+    chat_bos_id: the BOS token the directory names (`tokenizer_config.json`'s `bos_token`,
+      ...), which a chat template renders as `bos_token`; None: `bos_id`.
   """
 
   tokenizer: tokenizers.Tokenizer = dataclasses.field(repr=False, metadata={"record": False})
@@ -242,6 +246,8 @@ class HFTokenizer:
   source: str | None = None
   chat_template_note: str | None = dataclasses.field(default=None, repr=False,
                                                      metadata={"record": False})
+  chat_bos_id: int | None = dataclasses.field(default=None, repr=False,
+                                              metadata={"record": False})
 
   def __post_init__(self):
     if not self.eos_ids:
@@ -295,7 +301,8 @@ class HFTokenizer:
     try:
       return template.render(**variables, messages=list(messages),
                              add_generation_prompt=add_generation_prompt,
-                             bos_token=special(self.bos_id) or "",
+                             bos_token=special(self.chat_bos_id if self.chat_bos_id is not None
+                                               else self.bos_id) or "",
                              eos_token=special(self.eos_id), pad_token=special(self.pad_id))
     except Exception as err:  # jinja2's errors, and whatever the template's filters raise
       raise TokenizerError(f"the chat template of {self.source or 'this tokenizer'} does not "
@@ -308,6 +315,7 @@ class HFTokenizer:
 
     Guessing takes the first of `EOS_CANDIDATES` / `BOS_CANDIDATES` / `PAD_CANDIDATES` that
     is in the vocabulary; no EOS is an error, no BOS means None, no pad means the EOS id.
+    Without `bos_token`, prompts start with the BOS the post-processor adds (`bos_id`).
     """
     return cls._build(Path(path), {}, {}, eos_token, pad_token, bos_token)
 
@@ -319,7 +327,9 @@ class HFTokenizer:
     Each special token comes from, in order: the argument; `tokenizer_config.json`
     (`eos_token`, `pad_token`, `bos_token`; an explicit null BOS means none);
     `generation_config.json` (`eos_token_id` — its whole list goes to `eos_ids` —,
-    `pad_token_id`, `bos_token_id`); the guesses of `from_file`.
+    `pad_token_id`, `bos_token_id`); the guesses of `from_file`. The BOS found so is what a
+    chat template renders (`chat_bos_id`); without `bos_token`, a prompt starts with the BOS
+    `tokenizer.json`'s post-processor adds (`bos_id`), as in transformers.
     """
     path = local_checkpoint(path, "path")
     tok_config = _read_json(path / "tokenizer_config.json")
@@ -388,6 +398,13 @@ class HFTokenizer:
       bos_id = gen_id("bos_token_id")
     else:
       bos_id = guess(BOS_CANDIDATES)
+    chat_bos_id = bos_id
+    if bos_token is None:
+      # A prompt starts with what transformers puts there: the token tokenizer.json's
+      # post-processor adds in front (transformers ignores add_bos_token when there is a
+      # tokenizer.json), not any BOS the files name. An appended EOS is not a BOS.
+      added = tok.encode("", add_special_tokens=True).ids
+      bos_id = added[0] if added and added[0] != eos_id else None
 
     if pad_token is not None:
       pad_id = token_id(pad_token, "pad_token")
@@ -402,7 +419,7 @@ class HFTokenizer:
 
     eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
     return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids,
-               source=str(file))
+               source=str(file), chat_bos_id=chat_bos_id)
 
 
 _NO_TEMPLATE = "tokenizer_config.json's chat_template or chat_template.jinja"

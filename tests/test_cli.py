@@ -216,7 +216,9 @@ def test_a_repeated_prompt_flag_is_refused_rather_than_keeping_the_last(tmp_path
 def test_a_prompt_that_encodes_to_no_tokens_is_refused_before_generating(tmp_path,
                                                                           generate_calls):
   write_tiny_checkpoint(tmp_path)
-  _edit_json(tmp_path / "tokenizer_config.json", bos_token=None)  # Qwen's: no BOS to add
+  # Qwen's: no BOS named, none added by the post-processor (what a prompt starts with)
+  _edit_json(tmp_path / "tokenizer_config.json", bos_token=None)
+  _edit_json(tmp_path / "tokenizer.json", post_processor=None)
   with pytest.raises(ConfigError, match=r"prompt='' is invalid: it encodes to no tokens"):
     generate_command(checkpoint=str(tmp_path), prompt=("a", ""), drafter="none")
   assert not generate_calls

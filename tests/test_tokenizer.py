@@ -103,12 +103,14 @@ def test_hf_tokenizer_eos_from_generation_config_without_tokenizer_config(model_
   _write(model_dir, "generation_config.json",
          {"eos_token_id": [3, 2], "pad_token_id": 2, "bos_token_id": 1})
   tok = HFTokenizer.from_dir(model_dir)
-  assert (tok.eos_id, tok.eos_ids, tok.pad_id, tok.bos_id) == (3, (3, 2), 2, 1)
+  assert (tok.eos_id, tok.eos_ids, tok.pad_id, tok.chat_bos_id) == (3, (3, 2), 2, 1)
+  assert tok.bos_id is None  # a BOS no post-processor adds: prompts start without it
 
 
 def test_hf_tokenizer_from_file_guesses_documented_specials(model_dir):
   tok = HFTokenizer.from_file(model_dir / "tokenizer.json")
-  assert (tok.eos_id, tok.bos_id, tok.pad_id) == (2, 1, 0)  # "</s>", "<s>", "<pad>"
+  assert (tok.eos_id, tok.chat_bos_id, tok.pad_id) == (2, 1, 0)  # "</s>", "<s>", "<pad>"
+  assert tok.bos_id is None  # what prompts start with: the post-processor adds none
   explicit = HFTokenizer.from_file(model_dir / "tokenizer.json", eos_token="<|im_end|>")
   assert explicit.eos_id == 3
 
@@ -162,13 +164,14 @@ def _bpe_dir(path, raw_tokenizer, bos, post_processor: bool):
   return path
 
 
-@pytest.mark.parametrize("kind", ["char_save", "llama3_style", "qwen_style"])
+@pytest.mark.parametrize("kind", ["char_save", "llama3_style", "qwen_style", "gpt2_style"])
 def test_prompts_encode_as_transformers_autotokenizer_encodes_them(tmp_path, raw_tokenizer,
                                                                    kind):
   """What a user of a model directory gets from `AutoTokenizer(text)` is what specjax's
   prompts hold (`encode_prompt`): BOS first where the model has one (a saved
   `CharTokenizer`, whose prompts were trained with it; Llama 3's post-processor), none for
-  Qwen's null bos_token."""
+  Qwen's null bos_token, nor for a tokenizer that names a BOS its post-processor does not add
+  (GPT-2 style; its chat template still renders that BOS)."""
   from specjax.rl import encode_prompt
   if kind == "char_save":
     own = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.0123456789+=")
@@ -185,7 +188,9 @@ def test_prompts_encode_as_transformers_autotokenizer_encodes_them(tmp_path, raw
     assert encode_prompt(ours, text) == want, text
     if own is not None:  # the run's own tokenizer, whose ids the model was trained on
       assert encode_prompt(own, text) == want, text
-  assert (ours.bos_id is None) == (kind == "qwen_style")
+  assert (ours.bos_id is None) == (kind in ("qwen_style", "gpt2_style"))
+  if kind == "gpt2_style":
+    assert ours.chat_bos_id == ref.bos_token_id is not None
 
 
 @pytest.mark.parametrize("write, note", [

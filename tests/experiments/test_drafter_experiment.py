@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import models, pre_tokenizers, processors
 
 from specjax.cli import main
 from specjax.decoding import DraftTree, Eagle3Drafter, Eagle3Weights, SamplingConfig, generate
@@ -122,6 +122,10 @@ def _hf_target(directory):
   vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
   raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  # Llama's way: the post-processor puts the BOS first (what transformers, and so specjax's
+  # prompts, start with; tokenizer_config.json's bos_token alone adds none).
+  raw.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                     special_tokens=[("<s>", 1)])
   directory.mkdir()
   raw.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps(
