@@ -299,7 +299,8 @@ class DecodeLoop:
                     values: bool = True) -> None:
     """Raise a clear error unless the prompts fit this loop (shapes, lengths, ids, cache).
 
-    Shapes are checked here. Values (unless `values` is False) are checked here when they are
+    Shapes and the cache's size are always checked here (`__call__` checks them too). Values
+    (unless `values` is False) are checked here when they are
     concrete; under a caller's own `jit` they are checked when the program runs, by one host
     callback per call that raises the same message (the call fails, as it would outside
     `jit`, instead of returning a row decoded from past its prompt or with NaN log-probs),
@@ -311,6 +312,13 @@ class DecodeLoop:
     if prompt_lengths.shape != prompt_tokens.shape[:1]:
       raise ValueError(f"prompt_lengths must have shape [batch]={prompt_tokens.shape[:1]}, "
                        f"got {prompt_lengths.shape}")
+    needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
+    if needed > self.max_len:
+      raise ConfigError(
+          f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {self.max_new_tokens} + "
+          f"draft tree nodes {self.max_nodes} + 1 = {needed} does not fit the cache of "
+          f"{self.max_len} slots (config.max_position={self.config.max_position}); shorten "
+          f"the prompt or max_new_tokens, or raise max_position")
     if not values:
       return
     check = functools.partial(
@@ -320,25 +328,22 @@ class DecodeLoop:
       host_check(check, prompt_tokens, prompt_lengths)
     else:
       check(prompt_tokens, prompt_lengths)
-    needed = prompt_tokens.shape[1] + self.max_new_tokens + self.max_nodes + 1
-    if needed > self.max_len:
-      raise ConfigError(
-          f"prompt length {prompt_tokens.shape[1]} + max_new_tokens {self.max_new_tokens} + "
-          f"draft tree nodes {self.max_nodes} + 1 = {needed} does not fit the cache of "
-          f"{self.max_len} slots (config.max_position={self.config.max_position}); shorten "
-          f"the prompt or max_new_tokens, or raise max_position")
 
   @functools.partial(jax.jit, static_argnums=0)
   def __call__(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
                key: jax.Array, drafter_params: Any = None,
                acceptance: AcceptanceCounts | None = None) -> GenerationResult:
-    """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`).
+    """Generate from `[B, P]` right-padded prompts of `[B]` lengths (see `generate`). Their
+    shapes are checked here, their values are not: `generate` checks them, or call
+    `check_prompts` first.
 
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
     A call that the prior alone shows cannot gain from its drafter
     (`Adaptive.plain_throughout`, decided while tracing) runs without one whatever the counts
     say, and returns them unchanged.
     """
+    # Shapes and the cache's size (static); values are `generate`'s to check (check_prompts).
+    self.check_prompts(prompt_tokens, prompt_lengths, values=False)
     if acceptance is not None:
       self._check_acceptance(acceptance)
     # Padding may hold anything (`check_prompt_values`), but an id past the vocabulary embeds

@@ -160,3 +160,14 @@ def test_tiny_temperatures_give_finite_log_probs_and_the_argmax(temperature):
 def test_a_temperature_that_is_not_a_finite_number_is_refused(temperature):
   with pytest.raises(ConfigError, match="temperature"):
     SamplingConfig(temperature=temperature)
+
+
+def test_a_decode_loop_called_directly_checks_shapes_and_the_cache_size():
+  from specjax.decoding import DecodeLoop
+  loop = DecodeLoop(config=CONFIG, max_new_tokens=4, max_len=8)
+  with pytest.raises(ConfigError, match=r"prompt length 4 \+ max_new_tokens 4 .* = 9 does not "
+                                        "fit the cache of 8 slots"):
+    loop(PARAMS, PROMPTS, LENGTHS, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"prompt_lengths must have shape \[batch\]=\(2,\)"):
+    DecodeLoop(config=CONFIG, max_new_tokens=4, max_len=9)(PARAMS, PROMPTS, LENGTHS[:1],
+                                                           jax.random.key(0))
