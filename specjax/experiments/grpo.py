@@ -44,9 +44,9 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
-from specjax.experiments.measure import (evaluate, probe_acceptance, rollout_arm_seconds,
-                                         rollout_arms, rollout_costs, rollout_speedup,
-                                         simulated_speedup)
+from specjax.experiments.measure import (evaluate, probe_acceptance, probe_room,
+                                         rollout_arm_seconds, rollout_arms, rollout_costs,
+                                         rollout_speedup, simulated_speedup)
 from specjax.experiments.metrics_log import MetricsLog
 from specjax.experiments.run_metrics import (jsonable, part_acceptance, plot_curves,
                                              tensorboard_scalars)
@@ -337,12 +337,7 @@ def _check_lengths(config: ExperimentConfig, tc: TrainConfig, train_width: int,
           f"tokens + {n} draft tree nodes + 1 = {width + new + n + 1} > model.max_position="
           f"{limit}; {allowed} (or a larger model.max_position, a smaller rollout.tree_widths "
           "tree, shorter prompts)")
-  if limit - test_width - nodes - 1 < 1:
-    raise ConfigError(
-        f"model.max_position={limit} is invalid: the drafter's acceptance probe "
-        f"(probe_acceptance) decodes the longest held-out prompt ({test_width} tokens) with "
-        f"the {nodes}-node rollout.tree_widths tree, which needs at least {test_width + nodes + 2} "
-        "positions; allowed a larger model.max_position, a smaller tree or shorter prompts")
+  probe_room(limit, test_width, nodes)
 
 
 def run(config: ExperimentConfig, log=print) -> dict:

@@ -71,6 +71,18 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
   return float((np.asarray(rewards) >= getattr(task, "success_reward", 1.0)).mean())
 
 
+def probe_room(max_position: int, width: int, nodes: int) -> int:
+  """The tokens `probe_acceptance` can generate after prompts of `width` tokens with a tree of
+  `nodes` nodes; a `ConfigError` when not even one fits."""
+  room = max_position - width - nodes - 1
+  if room < 1:
+    raise ConfigError(f"model.max_position={max_position} is invalid: the acceptance probe "
+                      f"(probe_acceptance) decodes prompts of {width} tokens with a {nodes}-node "
+                      f"draft tree, which needs at least {width + nodes + 2} positions; allowed "
+                      "a larger max_position, a smaller tree or shorter prompts")
+  return room
+
+
 def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
                      tokens: int = 16, drafter_params: Eagle3Weights | None = None) -> float:
   """Mean acceptance length of the speculative rollout's tree (`rollout.tree_widths`, also with
@@ -89,15 +101,8 @@ def probe_acceptance(params, config: ExperimentConfig, records: list[dict],
   tok = config.task.tokenizer
   batch = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id,
                        shuffle=False).batch_at(0)
-  width, nodes = batch.tokens.shape[1], rc.tree.num_nodes
-  room = config.model.max_position - width - nodes - 1
-  if room < 1:
-    raise ConfigError(f"model.max_position={config.model.max_position} is invalid: the "
-                      f"acceptance probe (probe_acceptance) decodes prompts of {width} tokens "
-                      f"with a {nodes}-node draft tree, which needs at least {width + nodes + 2} "
-                      "positions; allowed a larger max_position, a smaller tree or shorter "
-                      "prompts")
-  tokens = min(tokens, room)
+  tokens = min(tokens, probe_room(config.model.max_position, batch.tokens.shape[1],
+                                  rc.tree.num_nodes))
   out = generate(params, config.model, batch.tokens, batch.lengths,
                  jax.random.key(config.seed + 2), max_new_tokens=tokens,
                  sampling=rc.sampling, drafter=drafter, tree=rc.tree, pad_id=tok.pad_id,
