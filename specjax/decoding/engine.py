@@ -30,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax.checks import is_int
 from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
                                             TargetFeatures, take_rows)
-from specjax.decoding.inputs import check_prompt_values, host_check
+from specjax.decoding.inputs import check_loop, check_prompt_values, host_check
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
@@ -203,73 +202,8 @@ class DecodeLoop:
   verifier: Verifier = LosslessVerifier()
 
   def __post_init__(self):
-    if not isinstance(self.config, ModelConfig):
-      raise ConfigError(f"config={self.config!r} is invalid: must be a "
-                        "specjax.models.ModelConfig (e.g. config_from_hf(...))")
-    if not (is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
-      raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} is invalid: must be an int "
-                        ">= 1")
-    if not (is_int(self.max_len) and 1 <= self.max_len <= self.config.max_position):
-      raise ConfigError(f"max_len={self.max_len!r} is invalid: must be an int in [1, "
-                        f"config.max_position={self.config.max_position}] (the cache slots)")
-    if not isinstance(self.sampling, SamplingConfig):
-      raise ConfigError(f"sampling={self.sampling!r} is invalid: must be a "
-                        "specjax.decoding.SamplingConfig (e.g. SamplingConfig(temperature=0.7))")
-    if not isinstance(self.tree, DraftTree):
-      raise ConfigError(f"tree={self.tree!r} is invalid: must be a specjax.decoding.DraftTree")
-    if self.speculation is not None:
-      if not isinstance(self.speculation, Adaptive):
-        raise ConfigError(f"speculation={self.speculation!r} is invalid: must be "
-                          "specjax.decoding.Adaptive(menu=...) or None")
-      if self.tree.num_nodes:
-        raise ConfigError("pass either tree=... (a fixed tree) or speculation=Adaptive(menu) "
-                          "(a tree chosen per round), not both")
-      if self.drafter is None:
-        raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
-    if not (is_int(self.compaction) and self.compaction >= 0):
-      raise ConfigError(f"compaction={self.compaction!r} is invalid: must be an int >= 0 "
-                        "(halvings of the batch)")
-    for field in ("max_new_tokens", "max_len", "compaction"):  # hashed as static arguments
-      object.__setattr__(self, field, int(getattr(self, field)))
-    if not callable(self.verifier):
-      raise ConfigError(f"verifier={self.verifier!r} is invalid: must be a "
-                        "specjax.decoding.Verifier, e.g. LosslessVerifier()")
-    if self.max_nodes and self.drafter is None:
-      raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
-    if self.drafter is not None and not isinstance(self.drafter, Drafter):
-      raise ConfigError(f"drafter={self.drafter!r} is invalid: must be a "
-                        "specjax.decoding.Drafter (MTPDrafter(), NGramDrafter(), ...)")
-    if self.drafter is not None:
-      if not isinstance(self.drafter.sampled, (bool, np.bool_)):
-        raise ConfigError(f"{type(self.drafter).__name__}(sampled={self.drafter.sampled!r}) is "
-                          "invalid: must be True (sampled drafts) or False")
-      for tree in self.menu:
-        self.drafter.validate(self.config, tree)
-    vocab = self.config.vocab_size
-    widest = max(t.max_children for t in self.menu)
-    if widest > vocab:
-      raise ConfigError(f"a draft tree whose node has {widest} children is invalid for a "
-                        f"vocabulary of {vocab} tokens: the children of a node are distinct "
-                        "tokens")
-    if self.eos_id is not None:
-      eos = self.eos_id
-      if isinstance(eos, (np.ndarray, jax.Array)) and not isinstance(eos, jax.core.Tracer):
-        eos = np.asarray(eos)  # an array of ids: its entries, or its one entry
-        eos = eos.tolist() if eos.ndim == 1 else eos.item() if eos.ndim == 0 else eos
-      many = isinstance(eos, (list, tuple))
-      ids = tuple(eos) if many else (eos,)
-      bad = [i for i in ids if not is_int(i) or not 0 <= i < vocab]
-      if bad or not ids:
-        raise ConfigError(f"eos_id={self.eos_id!r} is invalid"
-                          + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
-                          + f": must be None, a token id in [0, {vocab}) or a non-empty "
-                          "sequence of them")
-      # Python ints: the loop is jit's static argument, so it must hash
-      object.__setattr__(self, "eos_id", tuple(int(i) for i in ids) if many else int(ids[0]))
-    if not (is_int(self.pad_id) and -2**31 <= self.pad_id < 2**31):
-      raise ConfigError(f"pad_id={self.pad_id!r} is invalid: must be an int that fits int32 "
-                        "(the filler of the returned tokens after each row's end)")
-    object.__setattr__(self, "pad_id", int(self.pad_id))
+    for field, value in check_loop(self).items():
+      object.__setattr__(self, field, value)
 
   @property
   def menu(self) -> tuple[DraftTree, ...]:

@@ -1,4 +1,5 @@
-"""Checks of what callers pass to `generate`, before anything is traced or compiled.
+"""Checks of what callers pass to `generate` and `DecodeLoop`, before anything is traced or
+compiled.
 
 Each error names the argument, the offending entry and what is allowed. Prompt values are
 checked with NumPy when concrete; `DecodeLoop.check_prompts` runs the same check as a host
@@ -13,7 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
+from specjax.decoding.drafters.base import Drafter
+from specjax.decoding.policy import Adaptive
+from specjax.decoding.sampling import SamplingConfig
+from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
+from specjax.models.config import ModelConfig
 
 
 def check_key(key: Any) -> None:
@@ -81,6 +88,79 @@ def as_ids(x: Any, name: str, ndim: int) -> jax.Array:
     raise ValueError(f"{name} is traced with dtype {x.dtype}: token ids and lengths must have "
                      "an integer dtype")
   return jnp.asarray(x, jnp.int32)
+
+
+def check_loop(loop: Any) -> dict[str, Any]:
+  """Raise a `ConfigError` naming the first argument of `DecodeLoop` `loop` that cannot work
+  (and what is allowed); return the fields to store as Python ints (NumPy ints and arrays of
+  ids are taken)."""
+  if not isinstance(loop.config, ModelConfig):
+    raise ConfigError(f"config={loop.config!r} is invalid: must be a "
+                      "specjax.models.ModelConfig (e.g. config_from_hf(...))")
+  if not (is_int(loop.max_new_tokens) and loop.max_new_tokens >= 1):
+    raise ConfigError(f"max_new_tokens={loop.max_new_tokens!r} is invalid: must be an int "
+                      ">= 1")
+  if not (is_int(loop.max_len) and 1 <= loop.max_len <= loop.config.max_position):
+    raise ConfigError(f"max_len={loop.max_len!r} is invalid: must be an int in [1, "
+                      f"config.max_position={loop.config.max_position}] (the cache slots)")
+  if not isinstance(loop.sampling, SamplingConfig):
+    raise ConfigError(f"sampling={loop.sampling!r} is invalid: must be a "
+                      "specjax.decoding.SamplingConfig (e.g. SamplingConfig(temperature=0.7))")
+  if not isinstance(loop.tree, DraftTree):
+    raise ConfigError(f"tree={loop.tree!r} is invalid: must be a specjax.decoding.DraftTree")
+  if loop.speculation is not None:
+    if not isinstance(loop.speculation, Adaptive):
+      raise ConfigError(f"speculation={loop.speculation!r} is invalid: must be "
+                        "specjax.decoding.Adaptive(menu=...) or None")
+    if loop.tree.num_nodes:
+      raise ConfigError("pass either tree=... (a fixed tree) or speculation=Adaptive(menu) "
+                        "(a tree chosen per round), not both")
+    if loop.drafter is None:
+      raise ConfigError("speculation=Adaptive(...) needs a drafter: pass drafter=...")
+  if not (is_int(loop.compaction) and loop.compaction >= 0):
+    raise ConfigError(f"compaction={loop.compaction!r} is invalid: must be an int >= 0 "
+                      "(halvings of the batch)")
+  # Python ints: the loop is jit's static argument, hashed, and its fields go to JSON
+  fields = {f: int(getattr(loop, f)) for f in ("max_new_tokens", "max_len", "compaction")}
+  if not callable(loop.verifier):
+    raise ConfigError(f"verifier={loop.verifier!r} is invalid: must be a "
+                      "specjax.decoding.Verifier, e.g. LosslessVerifier()")
+  if loop.max_nodes and loop.drafter is None:
+    raise ConfigError("a draft tree needs a drafter: pass drafter=... or tree=None")
+  if loop.drafter is not None and not isinstance(loop.drafter, Drafter):
+    raise ConfigError(f"drafter={loop.drafter!r} is invalid: must be a "
+                      "specjax.decoding.Drafter (MTPDrafter(), NGramDrafter(), ...)")
+  if loop.drafter is not None:
+    if not isinstance(loop.drafter.sampled, (bool, np.bool_)):
+      raise ConfigError(f"{type(loop.drafter).__name__}(sampled={loop.drafter.sampled!r}) is "
+                        "invalid: must be True (sampled drafts) or False")
+    for tree in loop.menu:
+      loop.drafter.validate(loop.config, tree)
+  vocab = loop.config.vocab_size
+  widest = max(t.max_children for t in loop.menu)
+  if widest > vocab:
+    raise ConfigError(f"a draft tree whose node has {widest} children is invalid for a "
+                      f"vocabulary of {vocab} tokens: the children of a node are distinct "
+                      "tokens")
+  if loop.eos_id is not None:
+    eos = loop.eos_id
+    if isinstance(eos, (np.ndarray, jax.Array)) and not isinstance(eos, jax.core.Tracer):
+      eos = np.asarray(eos)  # an array of ids: its entries, or its one entry
+      eos = eos.tolist() if eos.ndim == 1 else eos.item() if eos.ndim == 0 else eos
+    many = isinstance(eos, (list, tuple))
+    ids = tuple(eos) if many else (eos,)
+    bad = [i for i in ids if not is_int(i) or not 0 <= i < vocab]
+    if bad or not ids:
+      raise ConfigError(f"eos_id={loop.eos_id!r} is invalid"
+                        + (f" ({', '.join(map(repr, bad))} not a token id)" if bad else "")
+                        + f": must be None, a token id in [0, {vocab}) or a non-empty "
+                        "sequence of them")
+    fields["eos_id"] = tuple(int(i) for i in ids) if many else int(ids[0])
+  if not (is_int(loop.pad_id) and -2**31 <= loop.pad_id < 2**31):
+    raise ConfigError(f"pad_id={loop.pad_id!r} is invalid: must be an int that fits int32 "
+                      "(the filler of the returned tokens after each row's end)")
+  fields["pad_id"] = int(loop.pad_id)
+  return fields
 
 
 # The lowering platforms of each backend `jax.default_backend()` names.
