@@ -402,9 +402,10 @@ class HFTokenizer:
     if bos_token is None:
       # A prompt starts with what transformers puts there: the token tokenizer.json's
       # post-processor adds in front (transformers ignores add_bos_token when there is a
-      # tokenizer.json), not any BOS the files name. An appended EOS is not a BOS.
-      added = tok.encode("", add_special_tokens=True).ids
-      bos_id = added[0] if added and added[0] != eos_id else None
+      # tokenizer.json), not any BOS the files name. An appended EOS is not a BOS; a special
+      # token in front is, even where it is the EOS too (GPT-2's <|endoftext|> both ways).
+      added = tok.encode("a", add_special_tokens=True)
+      bos_id = added.ids[0] if added.ids and added.special_tokens_mask[0] else None
 
     if pad_token is not None:
       pad_id = token_id(pad_token, "pad_token")

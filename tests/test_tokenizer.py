@@ -164,22 +164,24 @@ def _bpe_dir(path, raw_tokenizer, bos, post_processor: bool):
   return path
 
 
-@pytest.mark.parametrize("kind", ["char_save", "llama3_style", "qwen_style", "gpt2_style"])
+@pytest.mark.parametrize("kind", ["char_save", "llama3_style", "qwen_style", "gpt2_style",
+                                  "bos_is_eos"])
 def test_prompts_encode_as_transformers_autotokenizer_encodes_them(tmp_path, raw_tokenizer,
                                                                    kind):
   """What a user of a model directory gets from `AutoTokenizer(text)` is what specjax's
   prompts hold (`encode_prompt`): BOS first where the model has one (a saved
   `CharTokenizer`, whose prompts were trained with it; Llama 3's post-processor), none for
   Qwen's null bos_token, nor for a tokenizer that names a BOS its post-processor does not add
-  (GPT-2 style; its chat template still renders that BOS)."""
+  (GPT-2 style; its chat template still renders that BOS); the EOS where the post-processor
+  puts the EOS in front (one token for both)."""
   from specjax.rl import encode_prompt
   if kind == "char_save":
     own = CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.0123456789+=")
     own.save(tmp_path)
     texts = ["1+2=", "hello world", "", "a"]
   else:
-    _bpe_dir(tmp_path, raw_tokenizer, None if kind == "qwen_style" else "<s>",
-             post_processor=kind == "llama3_style")
+    bos = {"qwen_style": None, "bos_is_eos": "</s>"}.get(kind, "<s>")
+    _bpe_dir(tmp_path, raw_tokenizer, bos, post_processor=kind in ("llama3_style", "bos_is_eos"))
     own, texts = None, TEXTS
   ours = HFTokenizer.from_dir(tmp_path)
   ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
@@ -191,6 +193,8 @@ def test_prompts_encode_as_transformers_autotokenizer_encodes_them(tmp_path, raw
   assert (ours.bos_id is None) == (kind in ("qwen_style", "gpt2_style"))
   if kind == "gpt2_style":
     assert ours.chat_bos_id == ref.bos_token_id is not None
+  if kind == "bos_is_eos":
+    assert ours.bos_id == ours.eos_id == ref.eos_token_id
 
 
 @pytest.mark.parametrize("write, note", [

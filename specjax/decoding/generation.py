@@ -87,6 +87,10 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
                     compaction=compaction, eos_id=eos_id, pad_id=pad_id, verifier=verifier)
   loop.check_prompts(prompt_tokens, prompt_lengths, values=check_values)
   check_params(params, config)
+  if loop.speculative:
+    drafter.check_params(drafter_params)
+  if isinstance(acceptance, AcceptanceCounts):  # its type and shapes: DecodeLoop's to check
+    acceptance.check_values()
   if speculation is not None and speculation.costs is None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):
       raise ConfigError("speculation=Adaptive(menu) without costs cannot be calibrated under "

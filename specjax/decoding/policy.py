@@ -198,6 +198,23 @@ class AcceptanceCounts:
     return cls(reached=jnp.zeros((entries, depth), jnp.float32),
                hits=jnp.zeros((entries, depth), jnp.float32), rounds=jnp.zeros((), jnp.int32))
 
+  def check_values(self) -> None:
+    """Raise a `ConfigError` if concrete counts cannot be counts (NaN, negative, or more hits
+    than row-rounds that reached the depth): the policy would read them as evidence. Traced
+    counts are not checked."""
+    if any(isinstance(x, jax.core.Tracer) for x in (self.reached, self.hits)):
+      return
+    reached, hits = np.asarray(self.reached), np.asarray(self.hits)
+    for name, x in (("reached", reached), ("hits", hits)):
+      if not (np.all(np.isfinite(x)) and np.all(x >= 0)):
+        raise ConfigError(f"acceptance.{name} holds {x[~(np.isfinite(x) & (x >= 0))][0]}: "
+                          "counts must be finite and >= 0 (pass an earlier call's "
+                          "stats.acceptance, or None to start from the prior)")
+    if np.any(hits > reached * (1 + 1e-5) + 1e-6):
+      raise ConfigError("acceptance.hits exceeds acceptance.reached: a depth cannot be "
+                        "accepted in more row-rounds than reached it (pass an earlier call's "
+                        "stats.acceptance, or None)")
+
   def scaled(self, weight: float) -> AcceptanceCounts:
     """The counts weighing `weight` times as much evidence (the round count unchanged)."""
     return self.replace(reached=weight * self.reached, hits=weight * self.hits)

@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from support import CyclingPolicy, progression_batch
-from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DecodeLoop,
-                              DraftModelDrafter, DraftTree, MedusaDrafter, MTPDrafter,
-                              NGramDrafter, SamplingConfig, calibrate, generate)
+
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DecodeLoop, DraftModelDrafter,
+                              DraftTree, MTPDrafter, MedusaDrafter, NGramDrafter, SamplingConfig,
+                              calibrate, generate)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter
-from specjax.stragglers import expected_normal_max
 from specjax.errors import ConfigError
 from specjax.models import init_params
+from specjax.stragglers import expected_normal_max
 
 GREEDY = SamplingConfig(temperature=0.0)
 CHAINS = (DraftTree.chain(1), DraftTree.chain(2), DraftTree.chain(4))
@@ -519,6 +519,7 @@ class _Heavy(NGramDrafter):
 
 def test_round_parts_split_a_round_into_drafting_verify_and_the_engines_rest():
   from support import MODEL
+
   from specjax.decoding import round_parts
   from specjax.decoding.calibrate import _Echo
   params = init_params(MODEL, jax.random.key(0))

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decoding import (DraftModelDrafter, DraftTree, Eagle3Drafter, Eagle3Weights,
-                              NGramDrafter, SamplingConfig, build_drafter, calibrate,
+from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftTree, Eagle3Drafter,
+                              Eagle3Weights, NGramDrafter, SamplingConfig, build_drafter, calibrate,
                               default_drafter, generate)
 from specjax.errors import ConfigError
 from specjax.models import Eagle3Config, ModelConfig, init_eagle3, init_params
@@ -96,6 +96,10 @@ def _eagle3(**change):
     (lambda: _eagle3(d2t=jnp.arange(8.0)), r"Eagle3Weights\.d2t has dtype float32: must be "
                                            "integer target ids"),
     (lambda: _eagle3(params={}), r"Eagle3Weights\.params\['fc'\] is missing"),
+    (lambda: _eagle3(d2t=jnp.arange(8) + 12), r"Eagle3Weights\.d2t maps to target ids in "
+                                              r"\[12, 19\]: allowed 0\.\.15"),
+    # The checkpoint's offsets (target id = draft id + offset) passed as ids: not injective.
+    (lambda: _eagle3(d2t=jnp.zeros(8, jnp.int32)), r"d2t is not injective.*load_eagle3"),
     (lambda: _generate(drafter=DraftModelDrafter(DRAFT.replace(max_position=8)),
                        drafter_params=init_params(DRAFT, jax.random.key(1)),
                        tree=DraftTree.chain(2)),
@@ -171,3 +175,19 @@ def test_a_decode_loop_called_directly_checks_shapes_and_the_cache_size():
   with pytest.raises(ValueError, match=r"prompt_lengths must have shape \[batch\]=\(2,\)"):
     DecodeLoop(config=CONFIG, max_new_tokens=4, max_len=9)(PARAMS, PROMPTS, LENGTHS[:1],
                                                            jax.random.key(0))
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda c: c.replace(reached=c.reached.at[1, 0].set(jnp.nan)),
+     r"acceptance\.reached holds nan: counts must be finite and >= 0"),
+    (lambda c: c.replace(hits=c.hits.at[1, 0].set(-2.0)), r"acceptance\.hits holds -2\.0"),
+    (lambda c: c.replace(hits=c.reached + 1.0), r"acceptance\.hits exceeds acceptance\.reached"),
+])
+def test_acceptance_counts_that_cannot_be_counts_are_refused(change, needle):
+  policy = Adaptive.up_to(DraftTree.chain(2)).with_costs(
+      CostTable((2,), ((1.0,), (1.5,), (2.0,))))
+  kwargs = dict(drafter=NGramDrafter(), speculation=policy)
+  counts = _generate(**kwargs).stats.acceptance
+  _generate(**kwargs, acceptance=counts)  # an earlier call's counts are accepted
+  with pytest.raises(ConfigError, match=needle):
+    _generate(**kwargs, acceptance=change(counts))

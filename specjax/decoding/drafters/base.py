@@ -210,6 +210,12 @@ class Drafter(abc.ABC):
   def validate(self, config: ModelConfig, tree: DraftTree) -> None:
     """Raise a `ConfigError` if this drafter cannot fill `tree` for `config`."""
 
+  def check_params(self, drafter_params: Any) -> None:
+    """Raise a `ConfigError` if `drafter_params` cannot be this drafter's. `generate` calls it
+    before tracing, so concrete values can be checked here (under a caller's `jit` they are
+    tracers: check what their shapes tell); `init` sees only tracers."""
+    del drafter_params
+
   def min_prompt_length(self, tree: DraftTree) -> int:
     """Shortest prompt this drafter can start from with `tree`."""
     del tree

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.decoding.drafters.base import (PLAIN_WINDOW, AcceptedWindow, Drafter, Proposal,
@@ -42,8 +43,8 @@ from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache, attention_mask
 from specjax.models.config import ModelConfig
-from specjax.models.eagle3 import (Eagle3Config, eagle3_cache, eagle3_draft_logits, eagle3_layer,
-                                   fuse, init_eagle3, select_aux, to_target_vocab)
+from specjax.models.eagle3 import (Eagle3Config, check_d2t, eagle3_cache, eagle3_draft_logits,
+                                   eagle3_layer, fuse, init_eagle3, select_aux, to_target_vocab)
 from specjax.models.params import Params, check_leaves, init_shapes
 from specjax.models.transformer import embed
 
@@ -128,6 +129,15 @@ class Eagle3Drafter(Drafter):
       raise ConfigError(f"Eagle3Drafter(config={self.config!r}) is invalid: must be the head's "
                         "specjax.models.Eagle3Config (Eagle3Config.for_target(...))")
     self.config.check_target(config)
+
+  def check_params(self, drafter_params: Any) -> None:
+    _check_weights(drafter_params, self.config)
+    if not isinstance(drafter_params.d2t, jax.core.Tracer):
+      try:  # out-of-range or repeated ids would silently drop or misplace drafts
+        check_d2t(np.asarray(drafter_params.d2t), self.config)
+      except ConfigError as e:
+        raise ConfigError(f"Eagle3Weights.{e} (load_eagle3 returns a valid d2t: target ids, "
+                          "not the checkpoint's offsets)") from None
 
   def _logits(self, weights: Eagle3Weights, stream: jax.Array) -> jax.Array:
     """`[B, M, V]` full-vocabulary logits (-1e30 outside the draft vocabulary)."""

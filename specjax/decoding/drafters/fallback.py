@@ -88,6 +88,10 @@ class FallbackDrafter(Drafter):
     self.primary.validate(config, tree)
     self.fallback.validate(config, tree)
 
+  def check_params(self, drafter_params: Any) -> None:
+    self.primary.check_params(drafter_params)
+    self.fallback.check_params(drafter_params)
+
   def min_prompt_length(self, tree: DraftTree) -> int:
     return max(self.primary.min_prompt_length(tree), self.fallback.min_prompt_length(tree))
 
