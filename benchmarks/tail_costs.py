@@ -1,6 +1,7 @@
 """What a speculative round costs in a rollout's tail: each compaction bucket, each drafter.
 
   python benchmarks/tail_costs.py                       # long-tail config, group and MTP
+  python benchmarks/tail_costs.py --config MY_CONFIG.py --drafters medusa
   python benchmarks/tail_costs.py --buckets 2,8 --drafters group     # a quick look
 
 For a GRPO config (default `configs/arithmetic_long_tail.py`; its policy with random weights:
@@ -39,9 +40,10 @@ def main(argv=None) -> int:
   parser.add_argument("--config", type=Path, default=ROOT / "configs" / "arithmetic_long_tail.py")
   parser.add_argument("--buckets", default="2,4,8,16,32,64,128",
                       help="comma-separated increasing batch sizes")
-  parser.add_argument("--drafters", default="group,mtp", help="registered drafter names")
-  parser.add_argument("--depth", type=int, default=3, help="longest chain (MTP: at most its "
-                      "modules)")
+  parser.add_argument("--drafters", default=None, help="registered drafter names (default: "
+                      "the config's drafter and group)")
+  parser.add_argument("--depth", type=int, default=3, help="longest chain (MTP, Medusa: at "
+                      "most the model's modules / heads)")
   parser.add_argument("--repeats", type=int, default=5, help="measurements per entry (median)")
   args = parser.parse_args(argv)
   config = runpy.run_path(str(args.config))["get_config"]()
@@ -52,10 +54,12 @@ def main(argv=None) -> int:
   print(f"{args.config.name}: {config.model.d_model}-wide, {config.model.n_layers} layers, "
         f"prompt {prompt_len} + {config.rollout.max_new_tokens} tokens, "
         f"jax {jax.__version__} on {jax.devices()[0].platform}")
-  for name in args.drafters.split(","):
+  names = args.drafters.split(",") if args.drafters else ["group", config.drafter.name]
+  heads = {"mtp": config.model.num_mtp_modules, "medusa": config.model.num_medusa_heads}
+  for name in dict.fromkeys(names):
     drafter = with_group_size(build_drafter(name, DraftSource(config.model))[0],
                               config.grpo.group_size)
-    depth = min(args.depth, config.model.num_mtp_modules) if name == "mtp" else args.depth
+    depth = min(args.depth, heads[name]) if name in heads else args.depth
     menu = Adaptive.up_to(DraftTree.chain(depth))
     costs = calibrate(params, config.model, drafter, menu, batch_sizes=buckets,
                       prompt_len=prompt_len, max_new_tokens=config.rollout.max_new_tokens,

@@ -66,23 +66,65 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
 
   Temperature, then top-k, then top-p (on the top-k-filtered distribution), renormalised.
   For greedy decoding this is the temperature-1 distribution (only its argmax is used).
+
+  Top-k keeps every token whose logit reaches the k-th largest (ties included). Top-p keeps
+  a token when the mass of the tokens before it, sorted by logit (equal logits by id), is
+  below `top_p`. Neither sorts the vocabulary when top-k is on: the cut is found among the
+  k largest logits; top-p alone looks among the `_TOP_P_CANDIDATES` largest first and sorts
+  the whole vocabulary only for rows whose candidates hold less than `top_p` of the mass.
   """
   logits = _scaled(logits, sampling)
   vocab = logits.shape[-1]
-  if sampling.top_k and sampling.top_k < vocab:
-    kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
-    logits = jnp.where(logits >= kth, logits, _NEG)
+  top_k = sampling.top_k if sampling.top_k < vocab else 0
+  if not top_k and sampling.top_p >= 1.0:
+    return jax.nn.log_softmax(logits, axis=-1)
+  # Descending, equal logits lowest id first: the order of a stable sort.
+  values, ids = jax.lax.top_k(logits, top_k or min(vocab, _TOP_P_CANDIDATES))
+  # The k-th largest as a min: sliced out (`values[..., -1:]`), XLA:CPU sorts the whole
+  # vocabulary instead of running its top-k (100x slower at V = 152k).
+  last = values.min(-1, keepdims=True)
+  if top_k:
+    logits = jnp.where(logits >= last, logits, _NEG)
   if sampling.top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token when the mass strictly before it is below top_p (always keeps the best).
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = before < sampling.top_p
-    keep = jnp.zeros_like(keep_sorted).at[
-        tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
+    keep, covered = _nucleus_among(logits, values, ids, last, sampling.top_p)
+    if not top_k:  # tokens below the candidates may belong to the nucleus: sort those rows
+      keep = jax.lax.cond(covered.all(), lambda: keep,
+                          lambda: jnp.where(covered, keep, _nucleus_sorted(logits,
+                                                                           sampling.top_p)))
     logits = jnp.where(keep, logits, _NEG)
   return jax.nn.log_softmax(logits, axis=-1)
+
+
+_TOP_P_CANDIDATES = 256
+
+
+def _nucleus_among(logits: jax.Array, values: jax.Array, ids: jax.Array, last: jax.Array,
+                   top_p: float) -> tuple[jax.Array, jax.Array]:
+  """Top-p over the largest logits `values [..., K]` (ids `ids`, smallest `last`): the kept
+  tokens `[..., V]`, and `[..., 1]` whether that is the whole nucleus — the listed tokens and
+  those tied with `last` (which a stable sort puts right after them, lowest id first) hold
+  at least `top_p`, so no token after them is kept."""
+  log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  probs = jnp.exp(values - log_z)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  where = tuple(jnp.indices(ids.shape)[:-1]) + (ids,)
+  listed = jnp.zeros(logits.shape, bool).at[where].set(True)
+  keep = jnp.zeros(logits.shape, bool).at[where].set(before < top_p)
+  tied = (logits == last) & ~listed
+  rank = jnp.cumsum(tied, axis=-1) - 1
+  mass, p_tied = probs.sum(-1, keepdims=True), jnp.exp(last - log_z)
+  keep = keep | (tied & (mass + rank * p_tied < top_p))
+  return keep, mass + tied.sum(-1, keepdims=True) * p_tied >= top_p
+
+
+def _nucleus_sorted(logits: jax.Array, top_p: float) -> jax.Array:
+  """Top-p by sorting the whole vocabulary: the kept tokens `[..., V]`."""
+  order = jnp.argsort(-logits, axis=-1)
+  probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+  # Keep a token when the mass strictly before it is below top_p (always keeps the best).
+  keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p
+  return jnp.zeros_like(keep_sorted).at[
+      tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
 
 
 def reported_logprobs(logits: jax.Array, tokens: jax.Array,
