@@ -404,8 +404,7 @@ class HFTokenizer:
       # post-processor adds in front (transformers ignores add_bos_token when there is a
       # tokenizer.json), not any BOS the files name. An appended EOS is not a BOS; a special
       # token in front is, even where it is the EOS too (GPT-2's <|endoftext|> both ways).
-      added = tok.encode("a", add_special_tokens=True)
-      bos_id = added.ids[0] if added.ids and added.special_tokens_mask[0] else None
+      bos_id = _front_special(tok, eos_id)
 
     if pad_token is not None:
       pad_id = token_id(pad_token, "pad_token")
@@ -421,6 +420,16 @@ class HFTokenizer:
     eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
     return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids,
                source=str(file), chat_bos_id=chat_bos_id)
+
+
+def _front_special(tok: Any, eos_id: int) -> int | None:
+  """The special token `tok`'s post-processor puts in front of a text, or None."""
+  try:
+    added = tok.encode("a", add_special_tokens=True)
+  except Exception:  # a vocabulary without "a" nor an unknown token (tokenizers' Exception)
+    ids = tok.encode("", add_special_tokens=True).ids  # front or back: an EOS counts as back
+    return ids[0] if ids and ids[0] != eos_id else None
+  return added.ids[0] if added.ids and added.special_tokens_mask[0] else None
 
 
 _NO_TEMPLATE = "tokenizer_config.json's chat_template or chat_template.jinja"
