@@ -5,6 +5,7 @@
                                                 # training on first use)
     python benchmarks/peer.py --quick           # smoke: batch 1, 24 new tokens, 2 repeats
     python benchmarks/peer.py --batches 1 --chain 4 --json out.json
+    python benchmarks/peer.py --checkpoint MODEL_DIR [--draft DRAFT_DIR]   # your checkpoint
 
 The peer is transformers' `generate` (PyTorch; the CPU wheel of the test extra), the reference
 every user of a HF checkpoint has. Both libraries read one checkpoint directory: the target of
@@ -51,6 +52,13 @@ All arms are warmed up (compiled, for specjax) first; then repeats are interleav
   token for token (the script exits with an error otherwise); transformers' rows may part
   from them where two logits nearly tie and the libraries' float32 arithmetic orders them
   differently.
+
+`--checkpoint DIR` runs the same comparison on a HF checkpoint of your own (Llama 3, Qwen2,
+Qwen3; float32 in both libraries), with `--draft DIR` a draft model of the same vocabulary for
+the draft-model rows (without it those rows are left out). Its prompts are random token ids,
+each row a random 8-token segment repeated, so that n-gram drafting has text to copy; the
+logits are compared on random documents. Speculation's figures on random prompts say little
+about its acceptance on your text; plain decoding's say how the two libraries run the model.
 
 What this does not compare: `torch.compile` / static caches on the transformers side, and
 serving engines (vLLM, SGLang), which need a GPU.
@@ -123,10 +131,27 @@ class ForwardCounter:
     self.calls += 1
 
 
-def specjax_arms(paths: tuple[Path, Path], prompts: np.ndarray, max_new: int,
+def pad_id(path: Path) -> int:
+  """The pad id transformers' `generate` is given for checkpoint `path` (config.json's
+  pad_token_id, else its first EOS, else 0: no row is padded, it only silences a warning)."""
+  hf = json.loads((path / "config.json").read_text())
+  pad = hf.get("pad_token_id")
+  if pad is None:
+    pad = hf.get("eos_token_id")
+    pad = pad[0] if isinstance(pad, list) and pad else pad
+  return int(pad) if isinstance(pad, int) else 0
+
+
+def own_prompts(rng: np.random.Generator, vocab: int, batch: int, length: int) -> np.ndarray:
+  """`[batch, length]` random ids, each row a random 8-token segment repeated (text that an
+  n-gram drafter can copy from)."""
+  segment = rng.integers(0, vocab, (batch, 8))
+  return np.tile(segment, (1, -(-length // 8)))[:, :length].astype(np.int32)
+
+
+def specjax_arms(paths: tuple[Path, Path | None], prompts: np.ndarray, max_new: int,
                  sampling: SamplingConfig, chain: int) -> list[Arm]:
   params, config = load_hf(paths[0])
-  draft, draft_config = load_hf(paths[1])
   lengths = np.full((prompts.shape[0],), prompts.shape[1], np.int32)
 
   def arm(method: str, peer: str | None, drafter=None, tree=None, drafter_params=None) -> Arm:
@@ -138,9 +163,13 @@ def specjax_arms(paths: tuple[Path, Path], prompts: np.ndarray, max_new: int,
       return tokens, float(out.stats.tokens_per_round)
     return Arm("specjax", method, peer, run)
 
-  return [arm("plain", "plain"),
+  arms = [arm("plain", "plain"),
           arm(f"n-gram chain{chain}", f"prompt lookup {chain}", NGramDrafter(max_ngram=3),
-              DraftTree.chain(chain)),
+              DraftTree.chain(chain))]
+  if paths[1] is None:
+    return arms
+  draft, draft_config = load_hf(paths[1])
+  return arms + [
           arm(f"draft model chain{chain}", f"assisted {chain}",
               DraftModelDrafter(draft_config, sampled=sampling.temperature > 0),
               DraftTree.chain(chain), draft),
@@ -149,14 +178,14 @@ def specjax_arms(paths: tuple[Path, Path], prompts: np.ndarray, max_new: int,
                                 confidence=CONFIDENCE), DraftTree.chain(DEEP), draft)]
 
 
-def transformers_arms(paths: tuple[Path, Path], prompts: np.ndarray, max_new: int,
-                      sampling: SamplingConfig, chain: int) -> list[Arm]:
+def transformers_arms(paths: tuple[Path, Path | None], prompts: np.ndarray, max_new: int,
+                      sampling: SamplingConfig, chain: int, pad: int) -> list[Arm]:
   import torch
   from transformers import AutoModelForCausalLM
   model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32).eval()
   counter = ForwardCounter(model)
   ids = torch.tensor(prompts, dtype=torch.long)
-  options = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=M.PAD,
+  options = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad,
                  eos_token_id=None)
   if sampling.temperature > 0:
     options |= dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0)
@@ -183,16 +212,17 @@ def transformers_arms(paths: tuple[Path, Path], prompts: np.ndarray, max_new: in
 
   arms = [arm("plain", "plain")]
   if prompts.shape[0] == 1:  # transformers drafts for one sequence at a time
-    arms += [arm(f"prompt lookup {chain}", f"n-gram chain{chain}",
-                 prompt_lookup_num_tokens=chain, max_matching_ngram_size=3),
-             arm(f"assisted {chain}", f"draft model chain{chain}",
+    arms.append(arm(f"prompt lookup {chain}", f"n-gram chain{chain}",
+                    prompt_lookup_num_tokens=chain, max_matching_ngram_size=3))
+  if prompts.shape[0] == 1 and paths[1] is not None:
+    arms += [arm(f"assisted {chain}", f"draft model chain{chain}",
                  assistant_model=assistant(matched=True)),
              arm("assisted (defaults)", f"draft model chain{DEEP} conf",
                  assistant_model=assistant(matched=False))]
   return arms
 
 
-def logit_gap(paths: tuple[Path, Path], docs: np.ndarray) -> float:
+def logit_gap(paths: tuple[Path, Path | None], docs: np.ndarray) -> float:
   """Max |specjax logits - transformers logits| of the target over `docs` `[B, T]`."""
   import torch
   from transformers import AutoModelForCausalLM
@@ -256,6 +286,22 @@ def format_rows(rows: list[dict[str, Any]], greedy: bool) -> list[str]:
   return lines
 
 
+def trained_setup(args: argparse.Namespace, rng: np.random.Generator, tmp: Path, log
+                  ) -> tuple[tuple[Path, Path], int, Callable[[int, int], np.ndarray], np.ndarray]:
+  """`spec_decode.py`'s trained target and draft model (trained on first use) as checkpoint
+  directories under `tmp`; their pad id, a prompt maker and held-out documents."""
+  lang_spec, train_spec = M.LanguageSpec(), M.TrainSpec()
+  cache = Path(args.cache_dir)
+  if args.quick and not M.is_cached(cache, lang_spec, train_spec):
+    train_spec = M.QUICK_TRAIN
+    log("--quick without cached models: training the short QUICK_TRAIN schedule")
+  target, draft, _ = M.load_or_train(cache, lang_spec, train_spec, log=log)
+  lang = M.PhraseLanguage(lang_spec)
+  make_prompts = lambda b, n: lang.batch(rng, b, n)[0].astype(np.int32)
+  return (write_checkpoints(target, draft, tmp), M.PAD, make_prompts,
+          lang.batch(rng, 4, 64)[0].astype(np.int32))
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8)")
@@ -269,7 +315,12 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--cache-dir", default=str(Path(__file__).parent / ".cache"),
                   help="trained models (shared with spec_decode.py)")
   ap.add_argument("--json", default=None, help="also write the rows to this file")
+  ap.add_argument("--checkpoint", default=None,
+                  help="a HF checkpoint directory of your own instead of the trained one")
+  ap.add_argument("--draft", default=None, help="with --checkpoint: a draft model's directory")
   args = ap.parse_args(argv)
+  if args.draft and not args.checkpoint:
+    ap.error("--draft goes with --checkpoint")
   batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,8")).split(",")]
   max_new = args.max_new or (24 if args.quick else 96)
   repeats = args.repeats or (2 if args.quick else 5)
@@ -286,26 +337,25 @@ def main(argv: list[str] | None = None) -> None:
       f"{torch.get_num_threads()} threads, transformers {transformers.__version__}; "
       f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
 
-  lang_spec, train_spec = M.LanguageSpec(), M.TrainSpec()
-  cache = Path(args.cache_dir)
-  if args.quick and not M.is_cached(cache, lang_spec, train_spec):
-    train_spec = M.QUICK_TRAIN
-    log("--quick without cached models: training the short QUICK_TRAIN schedule")
-  target, draft, info = M.load_or_train(cache, lang_spec, train_spec, log=log)
-  lang = M.PhraseLanguage(lang_spec)
   rng = np.random.default_rng(EVAL_SEED)
   rows: list[dict[str, Any]] = []
   with tempfile.TemporaryDirectory() as tmp:
-    paths = write_checkpoints(target, draft, Path(tmp))
-    docs = lang.batch(rng, 4, 64)[0].astype(np.int32)
+    if args.checkpoint:
+      paths = (Path(args.checkpoint), Path(args.draft) if args.draft else None)
+      config = load_hf(paths[0])[1]
+      pad = pad_id(paths[0])
+      make_prompts = lambda b, n: own_prompts(rng, config.vocab_size, b, n)
+      docs = rng.integers(0, config.vocab_size, (4, 64)).astype(np.int32)
+    else:
+      paths, pad, make_prompts, docs = trained_setup(args, rng, Path(tmp), log)
     log(f"one checkpoint, two libraries: max |logit difference| {logit_gap(paths, docs):.2e} "
         f"over 4 held-out documents of 64 tokens")
     for mode in modes:
       sampling = SamplingConfig(0.0 if mode == "greedy" else 1.0)
       for batch in batches:
-        prompts = lang.batch(rng, batch, PROMPT_LEN)[0].astype(np.int32)
+        prompts = make_prompts(batch, PROMPT_LEN)
         arms = (specjax_arms(paths, prompts, max_new, sampling, args.chain)
-                + transformers_arms(paths, prompts, max_new, sampling, args.chain))
+                + transformers_arms(paths, prompts, max_new, sampling, args.chain, pad))
         t = time.perf_counter()
         batch_rows = bench(arms, repeats, greedy=mode == "greedy")
         log(f"\n{mode}, batch {batch}, {max_new} new tokens, prompts of {PROMPT_LEN} "

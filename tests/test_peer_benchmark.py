@@ -60,3 +60,35 @@ def test_both_libraries_decode_one_checkpoint_and_specjax_speculation_stays_loss
     assert (r["x_peer"] is not None) == paired, r
     if r["mode"] == "greedy" and r["library"] == "specjax":  # lossless, or main() would exit
       assert r["same"] == r["batch"], r
+
+
+def test_own_prompts_repeat_a_segment_of_ids_inside_the_vocabulary():
+  own_prompts = load_benchmark("peer").own_prompts
+  prompts = own_prompts(np.random.default_rng(0), 50, 3, 20)
+  assert prompts.shape == (3, 20) and prompts.dtype == np.int32
+  assert prompts.min() >= 0 and prompts.max() < 50
+  np.testing.assert_array_equal(prompts[:, 8:16], prompts[:, :8])
+
+
+@pytest.mark.slow
+def test_a_users_own_checkpoint_is_compared_without_a_draft_model(tmp_path, capsys):
+  """`--checkpoint DIR`: a Qwen3 checkpoint written by transformers itself, no draft model:
+  plain and n-gram rows in both libraries, logits that agree, no draft-model rows."""
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+      vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
+  model.save_pretrained(tmp_path / "mine")
+  out_json = tmp_path / "rows.json"
+  load_benchmark("peer").main(["--checkpoint", str(tmp_path / "mine"), "--max-new", "6",
+                               "--repeats", "1", "--batches", "1", "--modes", "greedy",
+                               "--json", str(out_json)])
+  out = capsys.readouterr().out
+  assert float(out.split("max |logit difference| ")[1].split()[0]) < 1e-4, out
+  rows = json.loads(out_json.read_text())
+  assert {(r["library"], r["method"]) for r in rows} == {
+      ("specjax", "plain"), ("specjax", "n-gram chain3"), ("transformers", "plain"),
+      ("transformers", "prompt lookup 3")}
+  assert all(r["same"] == 1 for r in rows if r["library"] == "specjax"), rows
