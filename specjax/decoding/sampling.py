@@ -20,6 +20,7 @@ from specjax.errors import ConfigError
 
 _NEG = -1e30  # masked logit; finite so that 0 * _NEG is 0, not nan
 _MIN_TEMPERATURE = 1e-30  # float32 normals reach 1.2e-38; logits / 1e-30 stay finite
+_TOP_P_CANDIDATES = 256  # top-p alone looks for its cut among this many largest logits first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
   a token when the mass of the tokens before it, sorted by logit (equal logits by id), is
   below `top_p`. Neither sorts the vocabulary when top-k is on: the cut is found among the
   k largest logits; top-p alone looks among the `_TOP_P_CANDIDATES` largest first and sorts
-  the whole vocabulary only for rows whose candidates hold less than `top_p` of the mass.
+  the whole vocabulary (of the batch's rows at once) only when some row's candidates and the
+  tokens tied with the last of them hold less than `top_p` of its mass.
   """
   logits = _scaled(logits, sampling)
   vocab = logits.shape[-1]
@@ -93,9 +95,6 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
                                                                            sampling.top_p)))
     logits = jnp.where(keep, logits, _NEG)
   return jax.nn.log_softmax(logits, axis=-1)
-
-
-_TOP_P_CANDIDATES = 256
 
 
 def _nucleus_among(logits: jax.Array, values: jax.Array, ids: jax.Array, last: jax.Array,
