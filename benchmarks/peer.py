@@ -84,7 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _spec_models as M  # noqa: E402
 from specjax.decoding import (DraftModelDrafter, DraftTree, NGramDrafter,  # noqa: E402
                               SamplingConfig, generate)
-from specjax.models import forward, load_hf, save_hf  # noqa: E402
+from specjax.models import eos_token_ids, forward, load_hf, save_hf  # noqa: E402
 from specjax.timing import interleaved  # noqa: E402
 
 PROMPT_LEN = 32
@@ -134,12 +134,8 @@ class ForwardCounter:
 def pad_id(path: Path) -> int:
   """The pad id transformers' `generate` is given for checkpoint `path` (config.json's
   pad_token_id, else its first EOS, else 0: no row is padded, it only silences a warning)."""
-  hf = json.loads((path / "config.json").read_text())
-  pad = hf.get("pad_token_id")
-  if pad is None:
-    pad = hf.get("eos_token_id")
-    pad = pad[0] if isinstance(pad, list) and pad else pad
-  return int(pad) if isinstance(pad, int) else 0
+  pad = json.loads((path / "config.json").read_text()).get("pad_token_id")
+  return pad if isinstance(pad, int) else next(iter(eos_token_ids(path)), 0)
 
 
 def own_prompts(rng: np.random.Generator, vocab: int, batch: int, length: int) -> np.ndarray:
