@@ -66,7 +66,8 @@ class DecodeState:
     emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
     drafts: scalar draft tokens verified in rows' rounds.
     tree_rounds: `[I]` rounds per menu entry (rounds with the drafter off count as plain).
-    segments: scalar runs of one tree the policy started (`segment`; 0 without a policy).
+    segments: scalar runs of one tree the policy started (`segment`; 0 without a policy;
+      rounds with the drafter off run outside them).
     acceptance: `AcceptanceCounts` the speculation policy reads.
     drafter_off: scalar bool, the policy switched the drafter off (`Adaptive.off`): its state
       is no longer kept in step, so every later round is plain.
@@ -274,7 +275,10 @@ class DecodeLoop:
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
     A call that the prior alone shows cannot gain from its drafter
     (`Adaptive.plain_throughout`, decided while tracing) runs without one whatever the counts
-    say, and returns them unchanged.
+    say, and returns them unchanged. A call whose counts already have the policy switch the
+    drafter off before its first round (`Adaptive.off`: it would for the rest of the call)
+    runs without one too, decided on device: no drafter prefill, no drafter state, the
+    counts returned decayed by every plain round as the loop would have.
     """
     # Shapes and the cache's size (static); values are `generate`'s to check (check_prompts).
     self.check_prompts(prompt_tokens, prompt_lengths, values=False)
@@ -288,6 +292,22 @@ class DecodeLoop:
         and self.speculation.plain_throughout(self.buckets(prompt_tokens.shape[0]),
                                               self.max_new_tokens)):
       return self._without_drafter(params, prompt_tokens, prompt_lengths, key, acceptance)
+    speculate = functools.partial(self._speculate, params, prompt_tokens, prompt_lengths, key,
+                                  drafter_params)
+    if self.speculation is None or acceptance is None:
+      return speculate(acceptance)
+    b = prompt_tokens.shape[0]
+    first = self.speculation.choose(acceptance, b, jnp.asarray(b),
+                                    jnp.asarray(self.max_new_tokens - 1, jnp.float32))
+    return jax.lax.cond(first == self.speculation.off,
+                        functools.partial(self._without_drafter, params, prompt_tokens,
+                                          prompt_lengths, key, decay=True),
+                        speculate, acceptance)
+
+  def _speculate(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                 key: jax.Array, drafter_params: Any,
+                 acceptance: AcceptanceCounts | None) -> GenerationResult:
+    """The call with its drafter (and policy, if any): prefill, then each compaction phase."""
     state = self.prefill(params, prompt_tokens, prompt_lengths, key, drafter_params)
     if acceptance is not None:
       state = state.replace(acceptance=acceptance)
@@ -299,7 +319,7 @@ class DecodeLoop:
       def cond(s: DecodeState, smaller=smaller):
         return ((~s.done).sum() > smaller) & (s.rounds < self.max_new_tokens)
 
-      state = jax.lax.while_loop(cond, functools.partial(self.segment, params, cond), state)
+      state = self.phase(params, cond, state)
       if smaller:  # file every row's output, then keep the live rows (and some finished)
         outputs = outputs.put(rows, RowOutputs.of(state))
         keep = jnp.argsort(state.done, stable=True)[:smaller]
@@ -310,17 +330,22 @@ class DecodeLoop:
 
   def _without_drafter(self, params: Params, prompt_tokens: jax.Array,
                        prompt_lengths: jax.Array, key: jax.Array,
-                       acceptance: AcceptanceCounts | None = None) -> GenerationResult:
+                       acceptance: AcceptanceCounts | None = None, *,
+                       decay: bool = False) -> GenerationResult:
     """Plain decoding with no drafter state at all, its statistics shaped as the policy's
     (every round counted as the menu's plain entry): what a call runs when the policy would
-    choose plain decoding in every round (`Adaptive.plain_throughout`). Counts passed in
-    come back as they were: plain rounds tell nothing about the drafter."""
+    choose plain decoding in every round (`Adaptive.plain_throughout`) or switch the drafter
+    off before the first. Counts passed in come back as they were (plain rounds tell nothing
+    about the drafter), or with `decay` faded by `Adaptive.decay` per round, as the rounds of
+    a loop whose policy switched the drafter off fade them."""
     result = self.drafter_free(prompt_tokens.shape[1])(params, prompt_tokens, prompt_lengths,
                                                        key)
     stats = result.stats
     depth = max(self.envelope.depth, 1)
     if acceptance is None:
       acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
+    elif decay:
+      acceptance = acceptance.scaled(jnp.float32(self.speculation.decay) ** stats.rounds)
     return result.replace(stats=stats.replace(
         accepted_per_depth=jnp.zeros((depth,), jnp.float32),
         tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
@@ -400,43 +425,58 @@ class DecodeLoop:
           prompt, plain_rounds=self.speculation is not None))
     return state
 
-  # One round ------------------------------------------------------------------------------
+  # Phases, segments, rounds ---------------------------------------------------------------
+
+  def phase(self, params: Params, more: Any, s: DecodeState) -> DecodeState:
+    """The rounds at one batch size, while `more(state)` holds.
+
+    With a speculation policy: segments (`segment`) while the policy picks a menu entry,
+    then, once it switches the drafter off (`Adaptive.off`, for the rest of the call), plain
+    rounds that leave the drafter behind. Those run outside the segments' `lax.switch`, which
+    copies the caches into and out of its branch: a phase that starts with the drafter off
+    (the counts carried into the call already say that no tree pays, or an earlier phase
+    switched it off) costs what plain decoding without a drafter costs.
+    """
+    if self.speculation is None:
+      return jax.lax.while_loop(more, functools.partial(self.round_of, 0, params), s)
+    off = self.speculation.off
+    drafting = lambda s: more(s) & ~s.drafter_off & (self._choice(s) != off)
+    s = jax.lax.while_loop(drafting, functools.partial(self.segment, params, more), s)
+    s = s.replace(drafter_off=s.drafter_off | more(s))  # the policy chose off, or already had
+    plain = functools.partial(self.round_of, 0, params, keep_drafter=False)
+    return jax.lax.while_loop(more, plain, s)
+
+  def _progress(self, s: DecodeState) -> tuple[jax.Array, jax.Array]:
+    """The live rows and the most tokens one of them still needs (the policy's stragglers):
+    the batch is done when its slowest row is, in as many plain rounds."""
+    live = (~s.done).sum()
+    left = jnp.where(s.done, 0, self.max_new_tokens - s.generated).max()
+    return live, left.astype(jnp.float32)
+
+  def _choice(self, s: DecodeState) -> jax.Array:
+    """The menu entry (or `Adaptive.off`) the policy picks for the next round."""
+    return self.speculation.choose(s.acceptance, s.seq.shape[0], *self._progress(s))
 
   def segment(self, params: Params, more: Any, s: DecodeState) -> DecodeState:
-    """Rounds of one tree: the fixed tree's one round, or, with a speculation policy, the
-    entry it picks, for as long as `more(state)` holds and the policy keeps it
-    (`Adaptive.keeps`).
+    """Rounds of the menu entry the policy picks (never drafter off: `phase` runs those), for
+    as long as `more(state)` holds and the policy keeps it (`Adaptive.keeps`).
 
     Running a segment rather than a round per `lax.switch` matters: XLA copies the caches
     into and out of the switch, a full pass over them, which per round cost more than the
     speculation saved at batch 16 (see `benchmarks/spec_decode.py`); per segment it is paid
     only when the choice changes.
     """
-    if self.speculation is None:
-      return self.round_of(0, params, s)
     batch = s.seq.shape[0]
-
-    def progress(s: DecodeState) -> tuple[jax.Array, jax.Array]:
-      """The live rows and the most tokens one of them still needs (the policy's
-      stragglers): the batch is done when its slowest row is, in as many plain rounds."""
-      live = (~s.done).sum()
-      left = jnp.where(s.done, 0, self.max_new_tokens - s.generated).max()
-      return live, left.astype(jnp.float32)
 
     def run(entry: int, s: DecodeState) -> DecodeState:
       keep = lambda s: more(s) & self.speculation.keeps(entry, s.acceptance, batch,
-                                                        *progress(s))
+                                                        *self._progress(s))
       return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
                                 self.round_of(entry, params, s))
 
-    def run_off(s: DecodeState) -> DecodeState:  # for the rest of the call (this phase)
-      plain = functools.partial(self.round_of, 0, params, keep_drafter=False)
-      return jax.lax.while_loop(more, plain, plain(s.replace(drafter_off=jnp.array(True))))
-
-    off = self.speculation.off
-    entry = jnp.where(s.drafter_off, off,
-                      self.speculation.choose(s.acceptance, batch, *progress(s)))
-    branches = [functools.partial(run, i) for i in range(len(self.menu))] + [run_off]
+    # `phase` enters a segment only when the choice is a menu entry (the same computation).
+    entry = jnp.minimum(self._choice(s), len(self.menu) - 1)
+    branches = [functools.partial(run, i) for i in range(len(self.menu))]
     return jax.lax.switch(entry, branches, s.replace(segments=s.segments + 1))
 
   def round_of(self, entry: int, params: Params, s: DecodeState, *,

@@ -531,7 +531,8 @@ def _run(config: ExperimentConfig, log) -> dict:
 
   log(f"evaluating the trained policy on {len(test_records)} held-out prompts, then timing "
       "its rollouts speculative vs plain")
-  final = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
+  final = local_copy({"params": _policy(state), "drafter": state.drafter_weights,
+                      "acceptance": state.acceptance})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
              "accuracy_after": evaluate(params, config, test_records),
@@ -552,7 +553,8 @@ def _run(config: ExperimentConfig, log) -> dict:
     summary["probe_acceptance_after_frozen"] = probe_acceptance(
         params, config, test_records, drafter_params=draft_model_params(config, log=None))
     save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
-  summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs)
+  summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs,
+                             final["acceptance"])
   if jax.default_backend() == "cpu":  # what an accelerator would make of this run's rollout
     try:
       summary |= simulated_speedup(config, summary["prompt_length"],
@@ -580,8 +582,9 @@ def _arm_timer(config: ExperimentConfig, batch, costs: CostTable | None):
   arms, compiled = rollout_arms(config, batch, costs), []
 
   def time_arms(state: TrainState, step: int) -> dict[str, float]:
-    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
-    args = (arms, local["params"], local["drafter"], jax.random.key(step))
+    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights,
+                        "acceptance": state.acceptance})
+    args = (arms, local["params"], local["drafter"], jax.random.key(step), local["acceptance"])
     if not compiled:
       compiled.append(rollout_arm_seconds(*args))
     return rollout_arm_seconds(*args)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig, calibrate, generate
+from specjax.decoding import (AcceptanceCounts, CostTable, Eagle3Weights, SamplingConfig, calibrate,
+                              generate)
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.drafters.group import with_group_size
 from specjax.decoding.engine import compaction_buckets
@@ -177,11 +178,17 @@ def tail_round_share(row_rounds, live_fraction: float = 0.25) -> float:
 
 def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
                  ) -> dict[str, Any]:
-  """The rollout's arms on `batch` (B = prompts x G rows), each `(params, drafter_params, key)
-  -> GenerationResult`: plain decoding with the rollout's compaction (`plain`), the run's
-  speculative decoding with it (`spec`; `costs` for adaptive speculation) and, when the
-  rollout compacts, plain decoding without compaction (`uncompacted`). With drafter "none"
-  plain and spec are both plain decoding."""
+  """The rollout's arms on `batch` (B = prompts x G rows), each `(params, drafter_params, key,
+  acceptance=None) -> GenerationResult`: plain decoding with the rollout's compaction
+  (`plain`), the run's speculative decoding with it (`spec`; `costs` for adaptive
+  speculation) and, when the rollout compacts, plain decoding without compaction
+  (`uncompacted`). With drafter "none" plain and spec are both plain decoding.
+
+  `acceptance`: the train state's counts (`TrainState.acceptance`, None where the run does
+  not carry them). The speculative arm starts from them as the run's next rollout would,
+  scaled by the rollout's carry: what a GRPO step's rollout costs, not a first call's that
+  spends its first rounds finding out what the drafter accepts. The plain arms ignore them.
+  """
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
@@ -190,35 +197,43 @@ def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
   for name in names:
     rc = config.train_config("none" if name != "spec" else None, costs).rollout
 
-    def arm(params, drafter_params, key, rc=rc, name=name):
+    def arm(params, drafter_params, key, acceptance=None, rc=rc, name=name):
+      carried = (acceptance.scaled(rc.acceptance_carry)
+                 if acceptance is not None and rc.acceptance_carry else None)
       return generate(params, config.model, tokens, lengths, key,
                       max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
                       drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,
                       eos_id=rc.eos_id, compaction=0 if name == "uncompacted" else rc.compaction,
-                      drafter_params=drafter_params if rc.drafter else None)
-    arms[name] = arm
+                      drafter_params=drafter_params if rc.drafter else None, acceptance=carried,
+                      check_values=False)
+    # Compiled whole, as the train step runs its rollout: no arm pays `generate`'s host-side
+    # checks per call (milliseconds, and more for the speculative arm's) in its timing. The
+    # prompts are the task's, encoded by its tokenizer, which the config checked.
+    arms[name] = jax.jit(arm)
   return arms
 
 
-def rollout_arm_seconds(arms: dict[str, Any], params, drafter_params, key: jax.Array
-                        ) -> dict[str, float]:
-  """One call of each of `rollout_arms` on the current policy, back to back, the same key:
-  `rollout_s_<arm>`, the seconds each took. Along training (`eval.arms_every`) this shows
-  what speculation and compaction buy as the policy moves; the arms are compiled by their
-  first call, so call this once untimed first."""
+def rollout_arm_seconds(arms: dict[str, Any], params, drafter_params, key: jax.Array,
+                        acceptance: AcceptanceCounts | None = None) -> dict[str, float]:
+  """One call of each of `rollout_arms` on the current policy, back to back, the same key
+  (and the state's `acceptance` counts): `rollout_s_<arm>`, the seconds each took. Along
+  training (`eval.arms_every`) this shows what speculation and compaction buy as the policy
+  moves; the arms are compiled by their first call, so call this once untimed first."""
   out = {}
   for name, arm in arms.items():
     start = time.perf_counter()
-    jax.block_until_ready(arm(params, drafter_params, key))
+    jax.block_until_ready(arm(params, drafter_params, key, acceptance))
     out[f"rollout_s_{name}"] = time.perf_counter() - start
   return out
 
 
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None,
-                    costs: CostTable | None = None) -> dict[str, Any]:
+                    costs: CostTable | None = None,
+                    acceptance: AcceptanceCounts | None = None) -> dict[str, Any]:
   """Rollout tokens per second of plain and speculative decoding, same engine, same prompts
-  (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`).
+  (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`); `acceptance`,
+  the train state's counts, which the speculative arm starts from as the run's rollouts do.
 
   The arms are `rollout_arms`: `plain` and `spec` with the rollout's compaction, and
   `uncompacted` plain decoding when it compacts. Each repeat runs every arm back to back, first
@@ -237,7 +252,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   compaction = config.rollout.compaction
   named = rollout_arms(config, batch, costs)
   names = tuple(named)
-  arms = [functools.partial(arm, params, drafter_params) for arm in named.values()]
+  arms = [functools.partial(arm, params, drafter_params, acceptance=acceptance)
+          for arm in named.values()]
   for arm in arms:
     jax.block_until_ready(arm(jax.random.key(0)))  # compile
 

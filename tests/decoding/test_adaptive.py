@@ -414,6 +414,39 @@ def test_switching_the_drafter_off_mid_call_stays_exact_and_stays_off(
   np.testing.assert_array_equal(out.lengths, plain.lengths)
   rounds = np.asarray(out.stats.tree_rounds)
   assert rounds[1] == 2 and rounds[0] == int(out.stats.rounds) - 2 > 0, rounds
+  # Once off, the plain rounds run outside the segments' switch (no pass over the caches).
+  assert int(out.stats.segments) == 1
+
+
+def test_counts_that_already_switch_the_drafter_off_run_the_call_without_it(progression_models):
+  m = progression_models
+  prompts, lengths = _prompts()
+  menu = (DraftTree.chain(1), DraftTree.chain(3))
+  # At the prior a chain pays at 4 rows, so the call keeps its drafter (decided while
+  # tracing); counts of a drafter that accepts nothing switch it off before the first round,
+  # plain decoding alone being the cheaper (decided on device).
+  policy = Adaptive(menu, costs=CostTable((4,), ((1.0,), (1.2,), (1.5,)), alone=(0.9,)))
+  assert not policy.plain_throughout((4,), 24)
+  poor = _counts(policy, 0.0, rows=64.0)
+  assert int(policy.choose(poor, 4)) == policy.off
+  sampling = SamplingConfig(temperature=1.0)
+  run = lambda **kw: generate(m["params"], m["config"], prompts, lengths, jax.random.key(3),
+                              max_new_tokens=24, sampling=sampling, **kw)
+  plain = run()
+  out = run(drafter=MTPDrafter(), speculation=policy, acceptance=poor)
+  # Plain decoding's very program: its draws, tokens and log-probs.
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_allclose(out.logprobs, plain.logprobs, atol=1e-6)
+  rounds = int(plain.stats.rounds)
+  np.testing.assert_array_equal(out.stats.tree_rounds, [rounds, 0, 0])
+  assert int(out.stats.segments) == 0 and int(out.stats.acceptance.rounds) == rounds
+  # The counts fade as that many plain rounds of the loop fade them: the tree is tried again
+  # in a later call once the evidence against it has decayed.
+  np.testing.assert_allclose(out.stats.acceptance.reached,
+                             np.asarray(poor.reached) * policy.decay ** rounds, rtol=1e-4)
+  # Counts that favour a chain run it.
+  good = run(drafter=MTPDrafter(), speculation=policy, acceptance=_counts(policy, 0.95, 64.0))
+  assert int(np.asarray(good.stats.tree_rounds)[1:].sum()) > 0
 
 
 @pytest.mark.slow

@@ -3,12 +3,15 @@
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.decoding import AcceptanceCounts, CostTable
 from specjax.errors import ConfigError
 from specjax.experiments import ExperimentConfig, override
-from specjax.experiments.measure import rollout_speedup, simulated_speedup, tail_round_share
+from specjax.experiments.measure import (rollout_arms, rollout_speedup, simulated_speedup,
+                                         tail_round_share)
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, encode_prompt
 
@@ -16,6 +19,15 @@ TASK = ArithmeticTask(max_digits=1, num_operands=2, max_operands=6, operand_deca
                       operators="+", worked=True, num_train=64, num_test=16)
 MODEL = ModelConfig(vocab_size=TASK.tokenizer.vocab_size, d_model=32, n_layers=1, n_heads=2,
                     n_kv_heads=2, head_dim=16, mlp_dim=64, num_mtp_modules=2, max_position=96)
+
+
+def _batch(n: int) -> types.SimpleNamespace:
+  """The first `n` training prompts, right-padded, as a `PromptReader` batch holds them."""
+  prompts = [encode_prompt(TASK.tokenizer, e.prompt) for e in TASK.examples("train")[:n]]
+  width = max(map(len, prompts))
+  return types.SimpleNamespace(
+      tokens=np.array([p + [TASK.tokenizer.pad_id] * (width - len(p)) for p in prompts]),
+      lengths=np.array([len(p) for p in prompts]))
 
 
 @pytest.mark.parametrize("row_rounds,share", [
@@ -33,11 +45,7 @@ def test_tail_round_share_counts_rounds_with_a_quarter_of_the_rows_live(row_roun
 def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
   """Plain and speculative decoding both compacted, and plain decoding without compaction,
   from one interleaved measurement."""
-  prompts = [encode_prompt(TASK.tokenizer, e.prompt) for e in TASK.examples("train")[:4]]
-  width = max(map(len, prompts))
-  batch = types.SimpleNamespace(
-      tokens=np.array([p + [TASK.tokenizer.pad_id] * (width - len(p)) for p in prompts]),
-      lengths=np.array([len(p) for p in prompts]))
+  batch = _batch(4)
   params = init_params(MODEL, jax.random.key(0))
   config = override(ExperimentConfig(task=TASK, model=MODEL), {
       "rollout.compaction": 2, "rollout.max_new_tokens": 40, "rollout.temperature": 0.0,
@@ -50,6 +58,28 @@ def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
   assert len(summary["response_lengths"]) == 16  # 4 prompts x G = 4, the plain arm's lengths
   assert all(1 <= n <= 40 for n in summary["response_lengths"])
   assert summary["prompt_length"] == pytest.approx(batch.lengths.mean())
+
+
+def test_the_speculative_arm_starts_from_the_runs_carried_counts():
+  """As the run's next rollout would: counts that switch the drafter off make the arm plain
+  decoding's own program (same draws); without them it drafts at the prior."""
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {
+      "rollout.speculation": "adaptive", "rollout.tree_widths": (1, 1),
+      "rollout.max_new_tokens": 16, "grpo.group_size": 2})
+  # Plain decoding alone is the cheapest round; at the prior (0.9) chain2 still pays.
+  costs = CostTable((8,), ((1.0,), (1.2,), (1.5,)), alone=(0.9,))
+  arms = rollout_arms(config, _batch(4), costs)
+  params = init_params(MODEL, jax.random.key(0))
+  shape = (3, 2)  # plain, chain1, chain2; depth 2
+  poor = AcceptanceCounts(reached=jnp.full(shape, 64.0), hits=jnp.zeros(shape),
+                          rounds=jnp.zeros((), jnp.int32))  # halved by the carry: still enough
+  key = jax.random.key(1)
+  plain = arms["plain"](params, None, key)
+  off = arms["spec"](params, None, key, poor)
+  np.testing.assert_array_equal(off.tokens, plain.tokens)
+  assert int(np.asarray(off.stats.tree_rounds)[1:].sum()) == 0
+  fresh = arms["spec"](params, None, key)
+  assert int(np.asarray(fresh.stats.tree_rounds)[1:].sum()) > 0
 
 
 def test_simulated_speedup_predicts_the_runs_rollout_on_an_accelerator():
