@@ -240,7 +240,7 @@ class Row:
   verify_ms: float    # median verify forward (the T=1 forward for plain)
   step_ms: float      # median T=1 forward timed alongside this row
   tree_share: str = ""  # adaptive rows: share of rounds each menu entry ran
-  segments: float = 0.0  # adaptive rows: runs of one tree per call (new tree or bucket: a new run)
+  segments: float = 0.0  # adaptive rows: runs of one tree per call (new tree or bucket, drafter on)
   per_repeat: list[float] = dataclasses.field(default_factory=list)  # ratio in each repeat
 
 

@@ -276,9 +276,10 @@ class DecodeLoop:
     A call that the prior alone shows cannot gain from its drafter
     (`Adaptive.plain_throughout`, decided while tracing) runs without one whatever the counts
     say, and returns them unchanged. A call whose counts already have the policy switch the
-    drafter off before its first round (`Adaptive.off`: it would for the rest of the call)
-    runs without one too, decided on device: no drafter prefill, no drafter state, the
-    counts returned decayed by every plain round as the loop would have.
+    drafter off (`Adaptive.off`, which lasts for the rest of a call), asked for the whole
+    batch before the prefill, runs without one too, decided on device: no drafter prefill,
+    no drafter state, the counts returned decayed by every plain round as the loop's rounds
+    with the drafter off decay them.
     """
     # Shapes and the cache's size (static); values are `generate`'s to check (check_prompts).
     self.check_prompts(prompt_tokens, prompt_lengths, values=False)
@@ -474,8 +475,10 @@ class DecodeLoop:
       return jax.lax.while_loop(keep, functools.partial(self.round_of, entry, params),
                                 self.round_of(entry, params, s))
 
-    # `phase` enters a segment only when the choice is a menu entry (the same computation).
-    entry = jnp.minimum(self._choice(s), len(self.menu) - 1)
+    # `phase` enters a segment only when its own evaluation of the choice is a menu entry;
+    # should this one round differently to off, the segment runs plain decoding.
+    entry = self._choice(s)
+    entry = jnp.where(entry == self.speculation.off, 0, entry)
     branches = [functools.partial(run, i) for i in range(len(self.menu))]
     return jax.lax.switch(entry, branches, s.replace(segments=s.segments + 1))
 

@@ -28,9 +28,9 @@ class GenerationStats:
       drafter stops early: `confidence`).
     tree_rounds: `[I]` rounds that ran each tree of the menu (one entry for a fixed tree).
     segments: runs of rounds of one tree that the speculation policy started (at each change
-      of tree and at the start of each compaction bucket), each a pass over the caches into
-      and out of `lax.switch` (`CostTable.switch`); 0 for a fixed tree. Plain rounds after the
-      policy switched the drafter off run outside them.
+      of tree and at the start of each compaction bucket while the drafter is on), each a
+      pass over the caches into and out of `lax.switch` (`CostTable.switch`); 0 for a fixed
+      tree. Rounds after the policy switched the drafter off run outside them.
     acceptance: the policy's `AcceptanceCounts` at the end of the call; pass them to the next
       call (`DecodeLoop.__call__(..., acceptance=...)`) to start from what was learnt.
     drafter: the drafter's own counts over the call (`Drafter.stats`): e.g. which of a

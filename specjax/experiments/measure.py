@@ -24,6 +24,7 @@ from specjax.decoding import (AcceptanceCounts, CostTable, Eagle3Weights, Sampli
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.drafters.group import with_group_size
 from specjax.decoding.engine import compaction_buckets
+from specjax.decoding.inputs import check_prompt_values
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
@@ -192,6 +193,9 @@ def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
   g = config.grpo.group_size
   tokens = jnp.repeat(batch.tokens, g, 0)
   lengths = jnp.repeat(batch.lengths, g, 0)
+  # Checked once here: the compiled arms do not check them call by call.
+  check_prompt_values(batch.tokens, batch.lengths, vocab_size=config.model.vocab_size,
+                      shortest=1)
   names = ("plain", "spec") + (("uncompacted",) if config.rollout.compaction else ())
   arms = {}
   for name in names:
@@ -207,8 +211,7 @@ def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
                       drafter_params=drafter_params if rc.drafter else None, acceptance=carried,
                       check_values=False)
     # Compiled whole, as the train step runs its rollout: no arm pays `generate`'s host-side
-    # checks per call (milliseconds, and more for the speculative arm's) in its timing. The
-    # prompts are the task's, encoded by its tokenizer, which the config checked.
+    # checks per call (milliseconds, and more for the speculative arm's) in its timing.
     arms[name] = jax.jit(arm)
   return arms
 

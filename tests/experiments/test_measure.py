@@ -82,6 +82,14 @@ def test_the_speculative_arm_starts_from_the_runs_carried_counts():
   assert int(np.asarray(fresh.stats.tree_rounds)[1:].sum()) > 0
 
 
+def test_the_arms_check_their_prompts_once_as_they_are_built():
+  """The compiled arms do not check prompt ids call by call: `rollout_arms` checks them."""
+  batch = _batch(2)
+  batch.tokens[1, 0] = MODEL.vocab_size
+  with pytest.raises(ValueError, match=r"prompt_tokens\[1, 0\] = .* is not a token id"):
+    rollout_arms(ExperimentConfig(task=TASK, model=MODEL), batch)
+
+
 def test_simulated_speedup_predicts_the_runs_rollout_on_an_accelerator():
   """The simulator on the run's own shapes: more acceptance never predicts less, the
   adaptive policy never predicts a loss, and a run without a modelled drafter gets nothing."""

@@ -249,8 +249,9 @@ class Drafter(abc.ABC):
 
   def stats(self, state: State | None) -> dict[str, jax.Array]:
     """Counts of this drafter's own over a call, summed over its rounds and reported beside
-    the loop's (`GenerationStats.drafter`): scalars, the same keys whatever the state; all
-    zero for `state` None (a call that never drafted). A pair `<name>_rounds`,
+    the loop's (`GenerationStats.drafter`): scalars, the same keys, shapes and dtypes
+    whatever the state (a call may choose on device between drafting and not); all zero for
+    `state` None (a call that never drafted). A pair `<name>_rounds`,
     `<name>_tokens` is the row-rounds that part `<name>` drafted and the tokens they emitted
     (`FallbackDrafter`'s two drafters); a GRPO run logs `acceptance_<name>` from them."""
     del state
