@@ -275,11 +275,11 @@ class DecodeLoop:
     `acceptance`: the speculation policy's counts from an earlier call (`stats.acceptance`).
     A call that the prior alone shows cannot gain from its drafter
     (`Adaptive.plain_throughout`, decided while tracing) runs without one whatever the counts
-    say, and returns them unchanged. A call whose counts already have the policy switch the
-    drafter off (`Adaptive.off`, which lasts for the rest of a call), asked for the whole
-    batch before the prefill, runs without one too, decided on device: no drafter prefill,
-    no drafter state, the counts returned decayed by every plain round as the loop's rounds
-    with the drafter off decay them.
+    say, and returns them unchanged. So does a call whose counts already have the policy
+    switch the drafter off (`Adaptive.off`, which lasts for the rest of a call), asked for the
+    whole batch before the prefill, decided on device: no drafter prefill, no drafter state.
+    Rounds with the drafter off tell nothing about it and leave the counts as they are (what
+    fades them between calls is the caller's carry, e.g. `RolloutConfig.acceptance_carry`).
     """
     # Shapes and the cache's size (static); values are `generate`'s to check (check_prompts).
     self.check_prompts(prompt_tokens, prompt_lengths, values=False)
@@ -302,7 +302,7 @@ class DecodeLoop:
                                     jnp.asarray(self.max_new_tokens - 1, jnp.float32))
     return jax.lax.cond(first == self.speculation.off,
                         functools.partial(self._without_drafter, params, prompt_tokens,
-                                          prompt_lengths, key, decay=True),
+                                          prompt_lengths, key),
                         speculate, acceptance)
 
   def _speculate(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
@@ -331,22 +331,18 @@ class DecodeLoop:
 
   def _without_drafter(self, params: Params, prompt_tokens: jax.Array,
                        prompt_lengths: jax.Array, key: jax.Array,
-                       acceptance: AcceptanceCounts | None = None, *,
-                       decay: bool = False) -> GenerationResult:
+                       acceptance: AcceptanceCounts | None = None) -> GenerationResult:
     """Plain decoding with no drafter state at all, its statistics shaped as the policy's
     (every round counted as the menu's plain entry): what a call runs when the policy would
     choose plain decoding in every round (`Adaptive.plain_throughout`) or switch the drafter
-    off before the first. Counts passed in come back as they were (plain rounds tell nothing
-    about the drafter), or with `decay` faded by `Adaptive.decay` per round, as the rounds of
-    a loop whose policy switched the drafter off fade them."""
+    off before the first. Counts passed in come back as they were: rounds without the drafter
+    tell nothing about it."""
     result = self.drafter_free(prompt_tokens.shape[1])(params, prompt_tokens, prompt_lengths,
                                                        key)
     stats = result.stats
     depth = max(self.envelope.depth, 1)
     if acceptance is None:
       acceptance = AcceptanceCounts.zeros(len(self.menu), depth)
-    elif decay:
-      acceptance = acceptance.scaled(jnp.float32(self.speculation.decay) ** stats.rounds)
     return result.replace(stats=stats.replace(
         accepted_per_depth=jnp.zeros((depth,), jnp.float32),
         tree_rounds=jnp.zeros((len(self.menu),), jnp.int32).at[0].set(stats.rounds),
@@ -498,7 +494,7 @@ class DecodeLoop:
                                            emission)
     last_hidden = jnp.where(s.done[:, None], s.last_hidden,
                             _take_path(out.hidden, ver.path[:, -1:])[:, 0])
-    return self._count(entry, s, proposal, ver, emission).replace(
+    return self._count(entry, s, proposal, ver, emission, keep_drafter).replace(
         seq=_scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
         logp=_scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
         seq_len=s.seq_len + emission.count, generated=s.generated + emission.count,
@@ -579,15 +575,17 @@ class DecodeLoop:
     return self.drafter.update(params, self.config, drafter_state, result)
 
   def _count(self, entry: int, s: DecodeState, proposal: Proposal, ver: VerifyResult,
-             emission: Emission) -> DecodeState:
+             emission: Emission, keep_drafter: bool = True) -> DecodeState:
     """Round statistics: drafts cut by EOS or max_new_tokens are not counted as accepted
-    (the policy's acceptance counts, which estimate the drafter, count them)."""
+    (the policy's acceptance counts, which estimate the drafter, count them). The counts
+    decay every round the drafter is kept (`Adaptive.decay`), not once it is off."""
     active = ~s.done
     drafts = (proposal.tokens.shape[1] if proposal.drafted is None
               else proposal.drafted.sum(1, dtype=jnp.int32))
     emitted_drafts = jnp.minimum(ver.num_accepted, emission.count)
     depth_hits = (emitted_drafts[:, None] > jnp.arange(s.accepted_at_depth.shape[0])[None, :])
-    decay = self.speculation.decay if self.speculation is not None else 1.0
+    # Rounds with the drafter off (for the rest of the call) leave the counts as they are.
+    decay = self.speculation.decay if self.speculation is not None and keep_drafter else 1.0
     acceptance = s.acceptance.observe(entry, self.menu[entry].depth, ver.num_accepted, active,
                                       decay)
     return s.replace(rounds=s.rounds + 1, row_rounds=s.row_rounds + active,

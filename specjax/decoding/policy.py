@@ -249,8 +249,9 @@ class Adaptive:
       evidence against it has decayed (a round in every few dozen, when it does not pay).
     prior_rounds: weight of the prior, and of the pooled estimate in each entry's, in
       row-rounds.
-    decay: factor applied to the counts every round, so that the estimates follow a drafter
-      whose acceptance changes along the generation (1: never forget).
+    decay: factor applied to the counts every round that keeps the drafter, so that the
+      estimates follow a drafter whose acceptance changes along the generation (1: never
+      forget). Rounds with the drafter off leave them as they are.
     switch_margin: the entry that ran the last round runs again while its expected tokens per
       second are within this fraction of the best entry's (hysteresis): the estimates are
       noisy, and a switch driven by noise costs a worse round. (What the change itself

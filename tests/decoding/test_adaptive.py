@@ -440,10 +440,10 @@ def test_counts_that_already_switch_the_drafter_off_run_the_call_without_it(prog
   rounds = int(plain.stats.rounds)
   np.testing.assert_array_equal(out.stats.tree_rounds, [rounds, 0, 0])
   assert int(out.stats.segments) == 0 and int(out.stats.acceptance.rounds) == rounds
-  # The counts fade as that many plain rounds of the loop fade them: the tree is tried again
-  # in a later call once the evidence against it has decayed.
-  np.testing.assert_allclose(out.stats.acceptance.reached,
-                             np.asarray(poor.reached) * policy.decay ** rounds, rtol=1e-4)
+  # Rounds without the drafter tell nothing about it: the counts come back as they were
+  # (a GRPO run's carry fades them from call to call, and the tree is tried again).
+  np.testing.assert_array_equal(out.stats.acceptance.reached, poor.reached)
+  np.testing.assert_array_equal(out.stats.acceptance.hits, poor.hits)
   # Counts that favour a chain run it.
   good = run(drafter=MTPDrafter(), speculation=policy, acceptance=_counts(policy, 0.95, 64.0))
   assert int(np.asarray(good.stats.tree_rounds)[1:].sum()) > 0
