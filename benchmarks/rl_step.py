@@ -52,7 +52,7 @@ import _spec_models as M  # noqa: E402
 
 from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, MTPDrafter,  # noqa: E402
                               SamplingConfig, calibrate)
-from specjax.decoding.engine import compaction_buckets  # noqa: E402
+from specjax.decoding.loop_state import compaction_buckets  # noqa: E402
 from specjax.experiments.measure import tail_round_share  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
 from specjax.rl.losses import GRPOConfig  # noqa: E402

@@ -98,7 +98,7 @@ import _spec_models as M  # noqa: E402
 from specjax.decoding import (Adaptive, DraftModelDrafter, DraftTree,  # noqa: E402
                               Eagle3Drafter, MedusaDrafter, MTPDrafter, NGramDrafter,
                               SamplingConfig, calibrate, generate)
-from specjax.decoding.engine import compaction_buckets  # noqa: E402
+from specjax.decoding.loop_state import compaction_buckets  # noqa: E402
 from specjax.decoding.policy import describe  # noqa: E402
 from specjax.models import KVCache, forward  # noqa: E402
 

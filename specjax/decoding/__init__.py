@@ -10,8 +10,9 @@ from specjax.decoding.drafters import (AcceptedWindow, DraftContext, DraftModelD
                                        TargetFeatures, build_drafter, check_draft_source,
                                        check_drafter_name, default_drafter, draft_level_by_level,
                                        drafter_names, needs_checkpoint, register_drafter)
-from specjax.decoding.engine import DecodeLoop, DecodeState
+from specjax.decoding.engine import DecodeLoop
 from specjax.decoding.generation import generate
+from specjax.decoding.loop_state import DecodeState
 from specjax.decoding.policy import AcceptanceCounts, Adaptive, CostTable
 from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import SamplingConfig, processed_logprobs, reported_logprobs

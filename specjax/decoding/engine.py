@@ -14,6 +14,7 @@ drafter sees what was accepted. Rows accept different numbers of tokens; EOS and
 `DecodeLoop` holds everything static about a call (model and sampling configuration,
 drafter, tree, stopping rules, verifier) and is itself the static argument of the compiled
 loop, as gemma's sampler is; `specjax.decoding.generate` is the function most callers want.
+What the loop carries from round to round is `specjax.decoding.loop_state`'s.
 
 Shape letters: see `specjax` (B batch, P prompt buffer, L = P + max_new sequence buffer,
 N draft nodes, D depth, V vocab, E d_model).
@@ -23,16 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from specjax.decoding.drafters.base import (DraftContext, Drafter, Proposal, RoundResult,
-                                            TargetFeatures, take_rows)
+from specjax.decoding.drafters.base import Drafter, Proposal, RoundResult, TargetFeatures, take_rows
 from specjax.decoding.inputs import check_loop, check_prompt_values, host_check
+from specjax.decoding.loop_state import (DecodeState, Emission, RowOutputs, compaction_buckets,
+                                         scatter_rows, take_path)
 from specjax.decoding.policy import AcceptanceCounts, Adaptive
 from specjax.decoding.results import GenerationResult, GenerationStats
 from specjax.decoding.sampling import (SamplingConfig, processed_logprobs, reported_logprobs,
@@ -44,127 +45,6 @@ from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.params import Params
 from specjax.models.transformer import ForwardOutput, forward, unembed
-
-
-@struct.dataclass
-class DecodeState:
-  """Carry of the decode loop.
-
-  Attributes:
-    seq: `[B, L]` prompt + generated tokens.
-    seq_len: `[B]` valid entries of `seq`; the last is the root (not yet in the cache).
-    logp: `[B, L]` reported log-probability of each generated token (at its `seq` index).
-    generated: `[B]` tokens generated so far.
-    done: `[B]`.
-    cache: target `KVCache` holding `seq_len - 1` committed entries per row.
-    last_hidden: `[B, E]` target hidden at position `seq_len - 2`.
-    drafter_state: the drafter's state (`Drafter.init`), None without a drafter.
-    key: PRNG key for the next round.
-    rounds: scalar round counter.
-    row_rounds: `[B]`.
-    accepted_at_depth: `[max(D, 1)]` accepted-draft counts per depth, summed over row-rounds.
-    emitted: scalar tokens emitted in rounds (excluding the first token from the prefill).
-    drafts: scalar draft tokens verified in rows' rounds.
-    tree_rounds: `[I]` rounds per menu entry (rounds with the drafter off count as plain).
-    segments: scalar runs of one tree the policy started (`segment`; 0 without a policy;
-      rounds with the drafter off run outside them).
-    acceptance: `AcceptanceCounts` the speculation policy reads.
-    drafter_off: scalar bool, the policy switched the drafter off (`Adaptive.off`): its state
-      is no longer kept in step, so every later round is plain.
-  """
-
-  seq: jax.Array
-  seq_len: jax.Array
-  logp: jax.Array
-  generated: jax.Array
-  done: jax.Array
-  cache: KVCache
-  last_hidden: jax.Array
-  drafter_state: Any
-  key: jax.Array
-  rounds: jax.Array
-  row_rounds: jax.Array
-  accepted_at_depth: jax.Array
-  emitted: jax.Array
-  drafts: jax.Array
-  tree_rounds: jax.Array
-  segments: jax.Array
-  acceptance: AcceptanceCounts
-  drafter_off: jax.Array
-
-  # Loop-wide fields, and the drafter's state (which `Drafter.take_rows` selects rows of).
-  UNBATCHED: ClassVar[tuple[str, ...]] = ("drafter_state", "key", "rounds",
-                                          "accepted_at_depth", "emitted", "drafts", "tree_rounds",
-                                          "segments", "acceptance", "drafter_off")
-
-  @property
-  def context(self) -> DraftContext:
-    return DraftContext(seq=self.seq, seq_len=self.seq_len, last_hidden=self.last_hidden,
-                        done=self.done)
-
-
-@struct.dataclass
-class Emission:
-  """The tokens one round appends to each row.
-
-  Attributes:
-    tokens: `[B, D + 1]` accepted drafts, then the next token; entry j is valid for j < count.
-    logprobs: `[B, D + 1]` their reported log-probabilities.
-    count: `[B]` tokens appended (0 for rows already done; cut at EOS and max_new_tokens).
-    done: `[B]` rows that are done after this round.
-  """
-
-  tokens: jax.Array
-  logprobs: jax.Array
-  count: jax.Array
-  done: jax.Array
-
-
-def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array,
-                  count: jax.Array) -> jax.Array:
-  """`buf[b, start[b] + j] = values[b, j]` for `j < count[b]`; other writes are dropped."""
-  j = jnp.arange(values.shape[1])[None, :]
-  idx = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])
-  return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(values.astype(buf.dtype),
-                                                           mode="drop")
-
-
-def _take_path(x: jax.Array, path: jax.Array) -> jax.Array:
-  """`x[b, path[b, j]]` for x `[B, N + 1, ...]` and path `[B, D + 1]`."""
-  return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
-@struct.dataclass
-class RowOutputs:
-  """What the result needs of every row, kept at the full batch while the loop compacts.
-
-  Attributes:
-    seq, logp: `[B, L]`; generated, done, row_rounds: `[B]` (as in `DecodeState`).
-  """
-
-  seq: jax.Array
-  logp: jax.Array
-  generated: jax.Array
-  done: jax.Array
-  row_rounds: jax.Array
-
-  @classmethod
-  def of(cls, s: DecodeState) -> RowOutputs:
-    return cls(seq=s.seq, logp=s.logp, generated=s.generated, done=s.done,
-               row_rounds=s.row_rounds)
-
-  def put(self, rows: jax.Array, part: RowOutputs) -> RowOutputs:
-    """These outputs with rows `rows` replaced by `part`'s."""
-    return jax.tree.map(lambda a, b: a.at[rows].set(b), self, part)
-
-
-def compaction_buckets(batch: int, halvings: int) -> tuple[int, ...]:
-  """The batch sizes a compacting loop runs at: B, then each halving (rounded up) while > 1."""
-  sizes = [batch]
-  for _ in range(halvings):
-    if sizes[-1] > 1:
-      sizes.append(-(-sizes[-1] // 2))
-  return tuple(sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +274,7 @@ class DecodeLoop:
     out = forward(params, self.config, prompt_tokens, positions, cache, advance=prompt_lengths,
                   hidden_layers=self.hidden_layers, compute_logits=False)
     last = (prompt_lengths - 1)[:, None]
-    last_hidden = _take_path(out.hidden, last)[:, 0]
+    last_hidden = take_path(out.hidden, last)[:, 0]
     logits = unembed(params, self.config, last_hidden)
     key, k_first = jax.random.split(key)
     first = sample_tokens(k_first, processed_logprobs(logits, self.sampling), self.sampling)
@@ -493,10 +373,10 @@ class DecodeLoop:
       drafter_state = self._update_drafter(params, s, drafter_state, node_tokens, out, ver,
                                            emission)
     last_hidden = jnp.where(s.done[:, None], s.last_hidden,
-                            _take_path(out.hidden, ver.path[:, -1:])[:, 0])
+                            take_path(out.hidden, ver.path[:, -1:])[:, 0])
     return self._count(entry, s, proposal, ver, emission, keep_drafter).replace(
-        seq=_scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
-        logp=_scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
+        seq=scatter_rows(s.seq, s.seq_len, emission.tokens, emission.count),
+        logp=scatter_rows(s.logp, s.seq_len, emission.logprobs, emission.count),
         seq_len=s.seq_len + emission.count, generated=s.generated + emission.count,
         done=emission.done, cache=cache, last_hidden=last_hidden, drafter_state=drafter_state,
         key=key)
@@ -536,7 +416,7 @@ class DecodeLoop:
     stops = lambda t: jnp.isin(t, jnp.asarray(eos))
     j = jnp.arange(tree.depth + 1)[None, :]
     a = ver.num_accepted
-    path_tokens = _take_path(node_tokens, ver.path)
+    path_tokens = take_path(node_tokens, ver.path)
     shifted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
     tokens = jnp.where(j == a[:, None], ver.next_token[:, None], shifted)
     count = a + 1
@@ -548,7 +428,7 @@ class DecodeLoop:
     if eos is not None:  # the last emitted token is EOS exactly when the row ended on it
       last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0]
       finished |= (count > 0) & stops(last)
-    logprobs = reported_logprobs(_take_path(out.logits, ver.path), tokens, self.sampling)
+    logprobs = reported_logprobs(take_path(out.logits, ver.path), tokens, self.sampling)
     return Emission(tokens=tokens, logprobs=logprobs, count=count, done=s.done | finished)
 
   def _commit(self, tree: DraftTree, s: DecodeState, cache: KVCache,
@@ -566,9 +446,9 @@ class DecodeLoop:
     if not self.speculative:
       return drafter_state
     # The path repeats its last accepted node, so features past `count` are harmless.
-    features = TargetFeatures(hidden=_take_path(out.hidden, ver.path),
-                              layers=tuple(_take_path(x, ver.path) for x in out.intermediates))
-    result = RoundResult(path_tokens=_take_path(node_tokens, ver.path),
+    features = TargetFeatures(hidden=take_path(out.hidden, ver.path),
+                              layers=tuple(take_path(x, ver.path) for x in out.intermediates))
+    result = RoundResult(path_tokens=take_path(node_tokens, ver.path),
                          next_tokens=emission.tokens, features=features,
                          start=s.seq_len - 1,
                          count=jnp.where(s.done, 0, ver.num_accepted + 1))

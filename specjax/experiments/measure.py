@@ -23,8 +23,8 @@ from specjax.decoding import (AcceptanceCounts, CostTable, Eagle3Weights, Sampli
                               generate)
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.drafters.group import with_group_size
-from specjax.decoding.engine import compaction_buckets
 from specjax.decoding.inputs import check_prompt_values
+from specjax.decoding.loop_state import compaction_buckets
 from specjax.errors import ConfigError
 from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
