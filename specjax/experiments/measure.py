@@ -202,8 +202,8 @@ def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
     rc = config.train_config("none" if name != "spec" else None, costs).rollout
 
     def arm(params, drafter_params, key, acceptance=None, rc=rc, name=name):
-      carried = (acceptance.scaled(rc.acceptance_carry)
-                 if acceptance is not None and rc.acceptance_carry else None)
+      # The speculative arm starts where the step's rollout would; plain arms have no policy.
+      carried = rc.carried(acceptance) if rc.speculation is not None else None
       return generate(params, config.model, tokens, lengths, key,
                       max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
                       drafter=rc.drafter, tree=rc.tree, speculation=rc.speculation,

@@ -50,7 +50,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
   Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
   drafter's own parameters (an EAGLE-3 head), if it has any; `acceptance`, counts the
   policy starts from (`TrainState.acceptance`), scaled here by
-  `RolloutConfig.acceptance_carry`. `check_values`: as in `generate` (the train step's
+  `RolloutConfig.acceptance_carry` (`RolloutConfig.carried`). `check_values`: as in `generate` (the train step's
   batches skip it: no host callback inside the step).
   """
   g = config.grpo.group_size
@@ -62,8 +62,7 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
                  tree=rc.tree, speculation=rc.speculation, eos_id=rc.eos_id, pad_id=pad_id,
                  compaction=rc.compaction,
                  drafter_params=drafter_params,
-                 acceptance=None if acceptance is None else acceptance.scaled(
-                     rc.acceptance_carry), check_values=check_values)
+                 acceptance=rc.carried(acceptance), check_values=check_values)
   tokens, response_mask, valid_mask, behaviour = _assemble(
       prompts, prompt_lengths, out.tokens, out.lengths, out.logprobs, pad_id)
   zeros = jnp.zeros(prompts.shape[:1], jnp.float32)

@@ -18,8 +18,8 @@ from support import child_env
 
 from specjax import sharding
 from specjax.checkpoint import DIGEST_FILE, CheckpointError, Checkpointer
-from specjax.decoding import (Adaptive, CostTable, DraftTree, FallbackDrafter, GroupDrafter,
-                              MTPDrafter, SamplingConfig)
+from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftTree, FallbackDrafter,
+                              GroupDrafter, MTPDrafter, SamplingConfig)
 from specjax.errors import ConfigError
 from specjax.experiments import override
 from specjax.models import ModelConfig, init_params
@@ -146,6 +146,19 @@ def test_a_rollout_with_group_drafting_in_front_of_mtp_reports_each_drafters_acc
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
   assert all(s.is_fully_replicated for s in
              jax.tree.leaves(rollout_shardings(roll, mesh).drafter_stats))
+
+
+def test_a_rollout_starts_from_the_last_rollouts_counts_weighed_by_the_carry():
+  menu = Adaptive((DraftTree.chain(1), DraftTree.chain(2)),
+                  costs=CostTable((16,), ((1.0,), (1.05,), (1.1,))))
+  rc = dataclasses.replace(_config().rollout, tree=None, speculation=menu, acceptance_carry=0.25)
+  last = AcceptanceCounts.zeros(3, 2).replace(reached=jnp.full((3, 2), 8.0),
+                                              hits=jnp.full((3, 2), 4.0), rounds=jnp.asarray(7))
+  carried = rc.carried(last)
+  np.testing.assert_array_equal(carried.reached, np.full((3, 2), 2.0))
+  np.testing.assert_array_equal(carried.hits, np.full((3, 2), 1.0))
+  assert int(carried.rounds) == 7  # the round count is not evidence
+  assert rc.carried(None) is None
 
 
 @pytest.mark.slow
