@@ -33,6 +33,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -485,7 +486,9 @@ def _run(config: ExperimentConfig, log) -> dict:
                                  state_sharding=shardings)
   if meta["step"] < config.steps:
     log("compiling the GRPO step (the first step's time includes it)")
-  time_arms = _arm_timer(config, reader.batch_at(0), costs)
+  # One set of rollout arms for the timings along training and the final measurement.
+  arms = rollout_arms(config, reader.batch_at(0), costs)
+  time_arms = _arm_timer(config, arms)
   position, last_checkpoint = meta["position"], meta["step"]
   with contextlib.ExitStack() as files:
     # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
@@ -554,7 +557,7 @@ def _run(config: ExperimentConfig, log) -> dict:
         params, config, test_records, drafter_params=draft_model_params(config, log=None))
     save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
   summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs,
-                             final["acceptance"])
+                             final["acceptance"], arms=arms)
   if jax.default_backend() == "cpu":  # what an accelerator would make of this run's rollout
     try:
       summary |= simulated_speedup(config, summary["prompt_length"],
@@ -573,13 +576,13 @@ def _run(config: ExperimentConfig, log) -> dict:
   return summary
 
 
-def _arm_timer(config: ExperimentConfig, batch, costs: CostTable | None):
+def _arm_timer(config: ExperimentConfig, arms: dict[str, Any]):
   """With `eval.arms_every`, a `(state, step) -> {rollout_s_<arm>: seconds}` that times one
-  call of each rollout arm on the state's policy (every process calls it: the policy is
-  gathered); the first call compiles the arms untimed. None without."""
+  call of each of `arms` (`rollout_arms`) on the state's policy (every process calls it: the
+  policy is gathered); the first call compiles the arms untimed. None without."""
   if not config.eval.arms_every:
     return None
-  arms, compiled = rollout_arms(config, batch, costs), []
+  compiled = []
 
   def time_arms(state: TrainState, step: int) -> dict[str, float]:
     local = local_copy({"params": _policy(state), "drafter": state.drafter_weights,

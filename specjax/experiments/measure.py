@@ -233,13 +233,15 @@ def rollout_arm_seconds(arms: dict[str, Any], params, drafter_params, key: jax.A
 def rollout_speedup(params, config: ExperimentConfig, batch,
                     drafter_params: Eagle3Weights | None = None,
                     costs: CostTable | None = None,
-                    acceptance: AcceptanceCounts | None = None) -> dict[str, Any]:
+                    acceptance: AcceptanceCounts | None = None,
+                    arms: dict[str, Any] | None = None) -> dict[str, Any]:
   """Rollout tokens per second of plain and speculative decoding, same engine, same prompts
   (B = prompts x G rows); `costs` for adaptive speculation (`rollout_costs`); `acceptance`,
   the train state's counts, which the speculative arm starts from as the run's rollouts do.
 
   The arms are `rollout_arms`: `plain` and `spec` with the rollout's compaction, and
-  `uncompacted` plain decoding when it compacts. Each repeat runs every arm back to back, first
+  `uncompacted` plain decoding when it compacts (`arms`: `rollout_arms(config, batch, costs)`
+  built earlier, e.g. for timings along training, so they are not compiled again). Each repeat runs every arm back to back, first
   in turn
   (`eval.speedup_repeats` repeats, or more until each arm has run `eval.speedup_seconds`), so
   that a slow spell of a shared machine hits all alike. `*_tokens_per_s` are medians over
@@ -253,7 +255,7 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   the shape `simulated_speedup` takes.
   """
   compaction = config.rollout.compaction
-  named = rollout_arms(config, batch, costs)
+  named = arms if arms is not None else rollout_arms(config, batch, costs)
   names = tuple(named)
   arms = [functools.partial(arm, params, drafter_params, acceptance=acceptance)
           for arm in named.values()]

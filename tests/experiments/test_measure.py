@@ -60,6 +60,27 @@ def test_rollout_speedup_reports_three_arms_when_the_rollout_compacts():
   assert summary["prompt_length"] == pytest.approx(batch.lengths.mean())
 
 
+def test_rollout_speedup_times_the_arms_it_is_given():
+  """A run builds its arms once (timed along training, then at the end): the final
+  measurement calls those, compiled already, rather than building and compiling new ones."""
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {
+      "rollout.max_new_tokens": 8, "drafter.name": "none", "grpo.group_size": 2,
+      "eval.speedup_repeats": 1, "eval.speedup_seconds": 0})
+  batch = _batch(2)
+  built, calls = rollout_arms(config, batch), {}
+
+  def counted(name, arm):
+    def call(*args, **kwargs):
+      calls[name] = calls.get(name, 0) + 1
+      return arm(*args, **kwargs)
+    return call
+
+  arms = {name: counted(name, arm) for name, arm in built.items()}
+  summary = rollout_speedup(init_params(MODEL, jax.random.key(0)), config, batch, arms=arms)
+  assert calls == {"plain": 2, "spec": 2}  # compile, then one repeat each
+  assert summary["speedup"] > 0
+
+
 def test_the_speculative_arm_starts_from_the_runs_carried_counts():
   """As the run's next rollout would: counts that switch the drafter off make the arm plain
   decoding's own program (same draws); without them it drafts at the prior."""
