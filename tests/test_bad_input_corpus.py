@@ -34,6 +34,7 @@ from specjax.cli import generate_command
 from specjax.cli import main as cli_main
 from specjax.decoding import (Adaptive, CostTable, DraftModelDrafter, DraftTree, Eagle3Drafter,
                               MTPDrafter, SamplingConfig, calibrate, generate)
+from specjax.decoding.inputs import check_key
 from specjax.errors import CheckpointError, ConfigError
 from specjax.experiments import (DrafterTrainConfig, Drafting, ExperimentConfig, Pipeline,
                                  RolloutSettings, WarmStart)
@@ -368,6 +369,22 @@ def test_generate_takes_a_typed_key_or_the_raw_key_data_of_prngkey_alike():
   typed = _generate_with_key(jax.random.key(0))
   for raw in (jax.random.PRNGKey(0), np.asarray(jax.random.PRNGKey(0))):
     np.testing.assert_array_equal(_generate_with_key(raw).tokens, typed.tokens)
+
+
+def test_the_raw_key_data_generate_takes_follows_the_default_prng_implementation():
+  """The raw key's shape is traced once per implementation, not per call: switching
+  `jax_default_prng_impl` (rbg keys hold 4 words, threefry 2) changes what is accepted."""
+  default = jax.config.jax_default_prng_impl
+  check_key(jax.random.PRNGKey(0))
+  try:
+    jax.config.update("jax_default_prng_impl", "rbg")
+    check_key(jax.random.PRNGKey(0))
+    with pytest.raises(ConfigError, match=r"uint32 of shape \(4,\)"):
+      check_key(jnp.zeros(2, jnp.uint32))
+  finally:
+    jax.config.update("jax_default_prng_impl", default)
+  with pytest.raises(ConfigError, match=r"uint32 of shape \(2,\)"):
+    check_key(jnp.zeros(4, jnp.uint32))
 
 
 def test_draft_tree_parents_given_as_a_list_or_numpy_ints_make_the_same_hashable_tree():

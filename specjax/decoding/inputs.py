@@ -8,6 +8,7 @@ callback when they are traced under a caller's own `jit`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -23,11 +24,18 @@ from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 
 
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  """The shape of one key's raw data under PRNG implementation `impl` (traced once each,
+  not per call: tracing costs a `generate` call most of its host time)."""
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+
+
 def check_key(key: Any) -> None:
   """Raise `ConfigError` unless `key` is one PRNG key: typed (`jax.random.key(seed)`) or the
   raw uint32 data of `jax.random.PRNGKey(seed)`. Anything else (a seed, None, a batch of
   keys) would fail deep inside the loop's first `jax.random.split`, naming no argument."""
-  raw_shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+  raw_shape = _raw_key_shape(jax.config.jax_default_prng_impl)
   array = isinstance(key, (jax.Array, np.ndarray))
   if not (array and ((key.shape == () and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key))
                      or (key.shape == raw_shape and key.dtype == np.uint32))):

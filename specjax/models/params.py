@@ -175,7 +175,8 @@ def check_leaves(params: Params, want: dict[str, tuple[int, ...]], name: str,
   leaves = jax.tree_util.tree_leaves_with_path(params)
   got = {jax.tree_util.keystr(k): tuple(jnp.shape(x)) for k, x in leaves}
   # An integer or bool weight computes without error, in a different model (casts truncate).
-  dtypes = {jax.tree_util.keystr(k): jnp.result_type(x) for k, x in leaves}
+  dtypes = {jax.tree_util.keystr(k): x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+            for k, x in leaves}
   not_float = sorted(k for k in want.keys() & dtypes.keys()
                      if not jnp.issubdtype(dtypes[k], jnp.floating))
   wrong = sorted(k for k in want.keys() & got.keys() if want[k] != got[k])
