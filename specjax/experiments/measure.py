@@ -241,8 +241,8 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
 
   The arms are `rollout_arms`: `plain` and `spec` with the rollout's compaction, and
   `uncompacted` plain decoding when it compacts (`arms`: `rollout_arms(config, batch, costs)`
-  built earlier, e.g. for timings along training, so they are not compiled again). Each repeat runs every arm back to back, first
-  in turn
+  built earlier, e.g. for timings along training, so they are not compiled again). Each
+  repeat runs every arm back to back, first in turn
   (`eval.speedup_repeats` repeats, or more until each arm has run `eval.speedup_seconds`), so
   that a slow spell of a shared machine hits all alike. `*_tokens_per_s` are medians over
   the repeats; each ratio is the median of the repeats' own ratios, which a machine whose
@@ -257,10 +257,10 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   compaction = config.rollout.compaction
   named = arms if arms is not None else rollout_arms(config, batch, costs)
   names = tuple(named)
-  arms = [functools.partial(arm, params, drafter_params, acceptance=acceptance)
-          for arm in named.values()]
-  for arm in arms:
-    jax.block_until_ready(arm(jax.random.key(0)))  # compile
+  calls = [functools.partial(arm, params, drafter_params, acceptance=acceptance)
+           for arm in named.values()]
+  for call in calls:
+    jax.block_until_ready(call(jax.random.key(0)))  # compile
 
   def run(arm, r: int):
     """One timed call (key r + 1: each repeat draws its own responses; the compile used key
@@ -269,7 +269,7 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
     out = jax.block_until_ready(arm(jax.random.key(r + 1)))
     return int(out.lengths.sum()), out.stats, out.lengths
 
-  seconds, runs = interleaved([functools.partial(run, arm) for arm in arms],
+  seconds, runs = interleaved([functools.partial(run, call) for call in calls],
                               config.eval.speedup_repeats, config.eval.speedup_seconds)
   rates = dict(zip(names, (np.array([call[0] for call in calls]) / s
                            for calls, s in zip(runs, seconds))))

@@ -49,9 +49,9 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
 
   Rewards and advantages are left at zero; `score` fills them in. `drafter_params` are the
   drafter's own parameters (an EAGLE-3 head), if it has any; `acceptance`, counts the
-  policy starts from (`TrainState.acceptance`), scaled here by
-  `RolloutConfig.acceptance_carry` (`RolloutConfig.carried`). `check_values`: as in `generate` (the train step's
-  batches skip it: no host callback inside the step).
+  policy starts from (`TrainState.acceptance`), scaled here by the carry
+  (`RolloutConfig.carried`). `check_values`: as in `generate` (the train step's batches skip
+  it: no host callback inside the step).
   """
   g = config.grpo.group_size
   rc = config.rollout

@@ -80,11 +80,6 @@ class RolloutConfig:
   compaction: int = 0
   success_reward: float = 1.0
 
-  def carried(self, acceptance: AcceptanceCounts | None) -> AcceptanceCounts | None:
-    """The counts a rollout starts from: the last rollout's `acceptance` (None: none) scaled
-    by `acceptance_carry` (0: the policy's prior, zeroed counts)."""
-    return None if acceptance is None else acceptance.scaled(self.acceptance_carry)
-
   def __post_init__(self):
     if not (is_number(self.success_reward) and np.isfinite(self.success_reward)):
       raise ConfigError(f"success_reward={self.success_reward!r} is invalid: must be a finite "
@@ -115,6 +110,10 @@ class RolloutConfig:
       raise ConfigError("drafter and tree go together: pass both, or neither for plain "
                         "rollouts")
 
+  def carried(self, acceptance: AcceptanceCounts | None) -> AcceptanceCounts | None:
+    """The counts a rollout starts from: the last rollout's `acceptance` (None: none) scaled
+    by `acceptance_carry` (0: the policy's prior, zeroed counts)."""
+    return None if acceptance is None else acceptance.scaled(self.acceptance_carry)
 
 
 def _eos_ids(eos_id: Any) -> int | tuple[int, ...] | None:
