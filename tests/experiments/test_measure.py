@@ -81,6 +81,24 @@ def test_rollout_speedup_times_the_arms_it_is_given():
   assert summary["speedup"] > 0
 
 
+def test_one_repeat_times_the_arms_alike():
+  """With drafter "none" both arms are plain decoding: one repeat each must read about 1x.
+  The timed call once also summed the response lengths eagerly, whose first use compiled
+  inside the first arm's timing (the plain arm's): 20-50x here."""
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {
+      "rollout.max_new_tokens": 8, "drafter.name": "none", "grpo.group_size": 2,
+      "eval.speedup_repeats": 1, "eval.speedup_seconds": 0})
+  summary = rollout_speedup(init_params(MODEL, jax.random.key(0)), config, _batch(2))
+  assert 0.2 < summary["speedup"] < 5
+
+
+@pytest.mark.parametrize("arms", [{}, ["plain", "spec"], {"plain": None}])
+def test_rollout_speedup_refuses_arms_that_are_not_rollout_arms(arms):
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {"drafter.name": "none"})
+  with pytest.raises(ConfigError, match="must be rollout_arms"):
+    rollout_speedup(None, config, _batch(2), arms=arms)
+
+
 def test_the_speculative_arm_starts_from_the_runs_carried_counts():
   """As the run's next rollout would: counts that switch the drafter off make the arm plain
   decoding's own program (same draws); without them it drafts at the prior."""
