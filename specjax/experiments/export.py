@@ -172,12 +172,24 @@ def _write_tokenizer(tokenizer: CharTokenizer | HFTokenizer, out: Path) -> None:
     tokenizer.save(out)
 
 
+def _check_apart(run_dir: Path, out: Path) -> None:
+  """Refuse an `out` whose replacement would delete the run: the run directory itself, a
+  directory inside it (its checkpoints, its record) or one that holds it."""
+  run, dest = run_dir.resolve(), out.resolve()
+  if dest == run or run in dest.parents or dest in run.parents:
+    where = ("is the run directory" if dest == run else "is inside the run directory"
+             if run in dest.parents else "holds the run directory")
+    raise ConfigError(f"out={str(out)!r} is invalid: it {where} {str(run_dir)!r}, and the "
+                      "export replaces out whole; name a directory apart from the run")
+
+
 def export_run(run_dir: str | Path, out: str | Path,
                log: Callable[[str], None] = print) -> Path:
   """Write the latest policy of the `specjax train` run in `run_dir` to `out` as an HF
   checkpoint directory with its tokenizer, the run's final EAGLE-3 head (if it trained one to
   the end) to `out/eagle3`, and a draft model it distilled online to `out/draft_model`.
-  Returns `out`."""
+  Returns `out`, which must lie apart from the run directory: `out` is replaced whole."""
+  _check_apart(Path(run_dir), Path(out))
   record = recorded_config(run_dir)
   model = recorded_model(record)
   params, _ = load_policy(run_dir, model)

@@ -17,6 +17,7 @@ from specjax.cli import main
 from specjax.decoding import SamplingConfig, generate
 from specjax.errors import ConfigError
 from specjax.experiments import load_policy
+from specjax.experiments.export import export_run
 from specjax.experiments.grpo import run
 from specjax.models import load_hf
 from specjax.rl import encode_prompt
@@ -80,3 +81,15 @@ def test_export_loads_in_transformers_and_decodes_greedily_as_specjax(trained_ru
   assert hf_tokenizer(prompt, add_special_tokens=False)["input_ids"] == TOK.encode(prompt)
   assert hf_tokenizer(prompt)["input_ids"] == ids  # BOS first, as the run's prompts had it
   assert hf_tokenizer.decode(ours, skip_special_tokens=True) == TOK.decode(ours)
+
+
+@pytest.mark.parametrize("out", [".", "export", ".."])
+def test_export_refuses_an_out_that_would_replace_the_run(tmp_path, out):
+  """`out` is replaced whole: the run directory, a folder inside it or one above it would
+  take the run's record and checkpoints with it."""
+  run_dir = tmp_path / "runs" / "mine"
+  run_dir.mkdir(parents=True)
+  (run_dir / "config.json").write_text("{}")
+  with pytest.raises(ConfigError, match="export replaces out whole"):
+    export_run(run_dir, run_dir / out)
+  assert (run_dir / "config.json").read_text() == "{}"
