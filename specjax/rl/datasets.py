@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from specjax.checks import is_real
+from specjax.checks import is_int, is_real
 from specjax.errors import ConfigError, TaskError
 from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, jax_rewards, score
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
@@ -284,21 +284,28 @@ class DatasetTask:
         raise TaskError(f"{where}: its prompt is {form} and the first row's is not; give every "
                         "prompt the same form")
       try:
-        self.encode_prompt(text)
+        ids = self.encode_prompt(text)
       except ValueError as err:
         raise TaskError(f"{where}: the tokenizer cannot encode its prompt ({err})") from None
+      if not ids:
+        raise TaskError(f"{where}: its prompt {text!r} encodes to no tokens (and the tokenizer "
+                        "adds no BOS): every prompt needs at least one token")
       reference = ""
       if self.reference_column is not None:
         if self.reference_column not in row:
           raise TaskError(f"{where} has no reference column {self.reference_column!r}")
+        if row[self.reference_column] is None:
+          raise TaskError(f"{where}: reference column {self.reference_column!r} holds None; "
+                          "allowed the reference text the warm start learns")
         reference = str(row[self.reference_column])
       answer = math.nan
       if self.answer_column is not None:
         value = row.get(self.answer_column)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not (is_real(value) and abs(value) <= float(np.finfo(np.float32).max)):
           raise TaskError(f"{where}: answer column {self.answer_column!r} holds {value!r}; "
-                          "allowed a number (what a JaxReward compares against)")
-        answer = value
+                          "allowed a finite number within float32's range (what a JaxReward "
+                          "compares against)")
+        answer = float(value) if not is_int(value) else int(value)
       out.append(Example(prompt=text, reference=reference, answer=answer, columns=dict(row)))
     return out
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_real
 from specjax.errors import ConfigError, RewardError
 
 # What every reward function is passed besides the dataset's columns.
@@ -47,11 +48,10 @@ def _check_reward(reward: RewardFunction | JaxReward, signature: str) -> None:
   if not (isinstance(reward.name, str) and reward.name.isidentifier()):
     raise ConfigError(f"reward function name={reward.name!r} is invalid: must be an identifier "
                       "(it names the metric reward_<name>); pass name=")
-  weight = reward.weight
-  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(
-      weight):
-    raise ConfigError(f"reward function {reward.name!r}: weight={weight!r} is invalid: must be "
-                      "a finite number")
+  if not is_real(reward.weight):
+    raise ConfigError(f"reward function {reward.name!r}: weight={reward.weight!r} is invalid: "
+                      "must be a finite number")
+  object.__setattr__(reward, "weight", float(reward.weight))  # a NumPy scalar too
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -89,6 +89,11 @@ class RewardFunction:
     dataset `columns` as keywords: every parameter without a default must be one of them,
     and `prompts` and `completions` must be accepted."""
     columns = list(columns)
+    taken = [c for c in TEXT_ARGUMENTS if c in columns]
+    if taken:
+      raise ConfigError(f"the dataset's column(s) {', '.join(taken)} take the name of an "
+                        "argument every reward is passed (fn(prompts=..., completions=..., "
+                        "**columns)); rename the column")
     named, var_keyword = self._parameters()
     offered = set(TEXT_ARGUMENTS) | set(columns)
     if not var_keyword:
@@ -118,6 +123,8 @@ class RewardFunction:
       raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") \
           from err
     try:
+      if isinstance(values, (str, bytes, Mapping, Set)):  # iterable, but not one value a row
+        raise TypeError
       values = list(values)
     except TypeError:
       raise RewardError(f"reward function {self.name!r} returned {values!r}: allowed a list "
@@ -163,24 +170,32 @@ class JaxReward:
     _check_reward(self, "fn(tokens, lengths, answers) -> [B] rewards, in JAX")
 
   def check_traceable(self, answer_dtype=jnp.float32) -> None:
-    """Raise a `ConfigError` unless `fn` traces on `[2, 4]` ids, `[2]` lengths and answers and
-    returns `[2]` real numbers (before any model exists)."""
-    ids = jax.ShapeDtypeStruct((2, 4), jnp.int32)
-    rows = jax.ShapeDtypeStruct((2,), jnp.int32)
+    """Raise a `ConfigError` unless `fn` traces on `[3, 5]` ids, `[3]` lengths and answers and
+    returns `[3]` real numbers (before any model exists; `__call__` checks the shape again on
+    the step's own batch)."""
+    ids = jax.ShapeDtypeStruct((3, 5), jnp.int32)
+    rows = jax.ShapeDtypeStruct((3,), jnp.int32)
     try:
-      out = jax.eval_shape(self.fn, ids, rows, jax.ShapeDtypeStruct((2,), answer_dtype))
+      out = jax.eval_shape(self.fn, ids, rows, jax.ShapeDtypeStruct((3,), answer_dtype))
     except Exception as err:
       raise ConfigError(f"JAX reward {self.name!r} does not trace on tokens [B, T] int32, "
                         f"lengths [B] int32 and answers [B] ({type(err).__name__}: {err}); "
                         "write it in jax.numpy, or make it a Python RewardFunction") from None
-    if not (hasattr(out, "shape") and out.shape == (2,)
+    self._check_output(out, 3)
+
+  def _check_output(self, out: Any, rows: int) -> None:
+    if not (hasattr(out, "shape") and out.shape == (rows,)
             and jnp.issubdtype(out.dtype, jnp.number)):
-      raise ConfigError(f"JAX reward {self.name!r} returns {out} for 2 rows: allowed one real "
-                        "number per row, shape [B]")
+      what = (f"shape {tuple(out.shape)} {out.dtype}" if hasattr(out, "shape")
+              and hasattr(out, "dtype") else repr(out))
+      raise ConfigError(f"JAX reward {self.name!r} returns {what} for {rows} rows: allowed one "
+                        "real number per row, shape [B]")
 
   def __call__(self, tokens, lengths, answers) -> jax.Array:
-    """`[B]` float32 rewards."""
-    return jnp.asarray(self.fn(tokens, lengths, answers), jnp.float32)
+    """`[B]` float32 rewards (checked for shape `[B]` as it traces)."""
+    out = self.fn(tokens, lengths, answers)
+    self._check_output(out, tokens.shape[0])
+    return jnp.asarray(out, jnp.float32)
 
 
 def jax_rewards(rewards: Sequence[JaxReward], tokens, lengths, answers
@@ -207,6 +222,22 @@ def as_reward_functions(rewards: Any) -> tuple[RewardFunction | JaxReward, ...]:
   return out
 
 
+def _computed(reward: JaxReward, values: Any, completions: Sequence[str]) -> np.ndarray:
+  """A `JaxReward`'s `[B]` values, computed in the step, as `score` takes them: it scores
+  every row, so a NaN is an error there (not "unscored", as a Python reward's None is)."""
+  values = np.asarray(values, np.float64)
+  if values.shape != (len(completions),):
+    raise RewardError(f"JAX reward {reward.name!r} returned shape {values.shape} for "
+                      f"{len(completions)} completions: allowed one value per completion")
+  bad = np.flatnonzero(~np.isfinite(values))
+  if bad.size:
+    i = int(bad[0])
+    raise RewardError(f"JAX reward {reward.name!r} returned {values[i]} for sample {i} "
+                      f"(completion={completions[i]!r}; {bad.size} such): rewards must be "
+                      "finite (answers are NaN where the task has no answer column)")
+  return values
+
+
 def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
           completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
           computed: Mapping[str, np.ndarray] | None = None
@@ -224,12 +255,14 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     `{"reward_<name>": mean over the rows it scored}` (NaN when it scored none).
 
   Raises:
-    RewardError: a function failed or returned something other than B numbers or None, or no
-      function scored a row.
+    RewardError: a function failed or returned something other than B numbers or None, a
+      `JaxReward` a value that is not finite, no function scored a row, or a row's weighted
+      total is beyond float32's range.
   """
   computed = computed or {}
-  per_function = {r.name: np.asarray(computed[r.name], np.float64) if isinstance(r, JaxReward)
-                  else r(prompts, completions, columns) for r in rewards}
+  per_function = {r.name: _computed(r, computed[r.name], completions)
+                  if isinstance(r, JaxReward) else r(prompts, completions, columns)
+                  for r in rewards}
   stacked = np.stack([per_function[r.name] * r.weight for r in rewards])
   unscored = np.flatnonzero(np.isnan(stacked).all(axis=0))
   if unscored.size:
@@ -237,7 +270,14 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     raise RewardError(f"no reward function scored sample {i} (completion={completions[i]!r}; "
                       f"{unscored.size} such of {len(completions)}): every function returned "
                       "None; at least one must score each completion")
-  total = np.nansum(stacked, axis=0).astype(np.float32)
+  total = np.nansum(stacked, axis=0)
+  beyond = np.flatnonzero(np.abs(total) > np.finfo(np.float32).max)
+  if beyond.size:
+    i = int(beyond[0])
+    raise RewardError(f"the weighted total reward of sample {i} is {total[i]:g} "
+                      f"(completion={completions[i]!r}; {beyond.size} such): beyond float32's "
+                      "range, in which the step computes advantages; scale the rewards down")
+  total = total.astype(np.float32)
   means = {}
   for name, values in per_function.items():
     scored = values[~np.isnan(values)]

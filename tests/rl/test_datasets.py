@@ -65,6 +65,9 @@ def test_a_row_no_function_scored_is_an_error_naming_it():
     ([1.0, "x"], "returned 'x' for sample 1"),
     ([1.0, float("nan")], "rewards must be finite"),
     (3.0, "allowed a list"),
+    ({0: 5.0, 1: 6.0}, "allowed a list"),  # iterable, but its keys are not rewards
+    ({5.0, 6.0}, "allowed a list"),  # unordered
+    ("12", "allowed a list"),
 ])
 def test_a_reward_returning_the_wrong_thing_is_named(returned, message):
   fn = RewardFunction(lambda prompts, completions: returned, name="bad")
@@ -340,9 +343,34 @@ def test_python_and_jax_rewards_score_together_on_the_host():
   assert means == {"reward__ends_early": 0.5, "reward_exact": 0.5}
 
 
+def test_a_jax_reward_is_checked_on_the_steps_own_batch():
+  """One that returns [B] values only for the 3 rows `check_traceable` tries passes the task's
+  check; the step's batch of 4 rows is refused as it traces, not gathered out of range."""
+  task = DatasetTask(_rows(), TOK, [JaxReward(lambda tokens, lengths, answers: jnp.zeros(3),
+                                              name="three")], answer_column="level")
+  with pytest.raises(ConfigError, match=r"'three' returns shape \(3,\) float32 for 4 rows"):
+    jax.jit(task.reward)(jnp.zeros((4, 4), jnp.int32), jnp.ones(4, jnp.int32), jnp.zeros(4))
+
+
+@pytest.mark.parametrize("values, message", [
+    ([1.0, np.nan], r"'_ends_early' returned nan for sample 1.*must be finite"),
+    ([1.0, 2.0, 3.0], r"'_ends_early' returned shape \(3,\) for 2 completions"),
+    ([1e39, 0.0], r"total reward of sample 0 is 2e\+39.*beyond float32"),
+])
+def test_jax_values_scored_on_the_host_are_checked(values, message):
+  """Beside a Python reward, a JAX reward's NaN is an error (a JAX reward scores every row;
+  only a Python reward's None means unscored), and so is a total float32 cannot hold."""
+  task = DatasetTask(_rows(), TOK, [JaxReward(_ends_early, weight=2.0), exact],
+                     answer_column="level")
+  with pytest.raises(RewardError, match=message):
+    score(task.rewards, ["p", "q"], ["a", "b"], {"answer": ["a", "x"]},
+          {"_ends_early": np.array(values)})
+
+
 @pytest.mark.parametrize("fn, message", [
     (lambda tokens, lengths, answers: float(tokens[0, 0]), "does not trace"),
-    (lambda tokens, lengths, answers: tokens, r"returns .*\(2, 4\)"),
+    (lambda tokens, lengths, answers: tokens, r"returns .*\(3, 5\)"),
+    (lambda tokens, lengths, answers: jnp.zeros(2), r"returns shape \(2,\) float32 for 3 rows"),
 ])
 def test_a_jax_reward_that_cannot_work_fails_when_the_task_is_built(fn, message):
   with pytest.raises(ConfigError, match=f"JAX reward 'bad' {message}"):
@@ -393,3 +421,49 @@ def test_gsm8k_is_a_dataset_task_with_the_math_answer_reward(tmp_path):
 def test_a_task_that_cannot_work_is_named_when_built(change, error, message):
   with pytest.raises(error, match=message):
     DatasetTask(**({"source": _rows(), "tokenizer": TOK, "rewards": [exact]} | change))
+
+
+class _NoBos:
+  """The test tokenizer, as a tokenizer that adds no BOS (GPT-2 style) sees text."""
+
+  bos_id = None
+
+  def __getattr__(self, name):
+    return getattr(TOK, name)
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_named_when_the_task_is_built():
+  rows = [{"prompt": ""}] + [{"prompt": f"{i}+{i}="} for i in range(20)]
+  with pytest.raises(TaskError, match=r"row \d+: its prompt '' encodes to no tokens"):
+    DatasetTask(rows, _NoBos(), [RewardFunction(lambda prompts, completions: [0.0] * len(
+        completions), name="zero")], test_fraction=0.5)
+
+
+@pytest.mark.parametrize("column", ["prompts", "completions"])
+def test_a_column_named_as_a_rewards_own_argument_is_refused(column):
+  rows = [dict(r, **{column: "x"}) for r in _rows()]
+  with pytest.raises(ConfigError, match=f"column\\(s\\) {column} take the name of an argument"):
+    DatasetTask(rows, TOK, [exact])
+
+
+def test_a_null_reference_is_refused_not_learned_as_the_text_none():
+  rows = [dict(r, ref=None) for r in _rows()]
+  with pytest.raises(TaskError, match="reference column 'ref' holds None"):
+    DatasetTask(rows, TOK, [exact], reference_column="ref")
+
+
+@pytest.mark.parametrize("answer, ok", [
+    (np.int64(4), True), (np.float32(0.5), True), (10**40, False), (float("inf"), False),
+    ("4", False), (True, False)])
+def test_answers_are_finite_float32_numbers_numpy_ones_included(answer, ok):
+  rows = [dict(r, level=answer) for r in _rows()]
+  if ok:
+    task = DatasetTask(rows, TOK, [exact], answer_column="level")
+    assert task.examples("train")[0].answer == answer
+  else:
+    with pytest.raises(TaskError, match="allowed a finite number within float32's range"):
+      DatasetTask(rows, TOK, [exact], answer_column="level")
+
+
+def test_a_numpy_weight_is_a_number():
+  assert RewardFunction(exact, weight=np.float32(0.5)).weight == 0.5
