@@ -120,6 +120,9 @@ class RolloutSettings:
                   "must be a number in [0, 1] or None (the default for the speculation "
                   "chosen)", "rollout.")
     DraftTree.from_widths(self.tree_widths)  # a malformed tree fails here, with its message
+    require_field(self, "tree_widths", len(self.tree_widths) > 0,
+                  "must name at least one depth, e.g. (1, 1): a chain of 2 (for plain "
+                  "rollouts set drafter.name 'none')", "rollout.")
 
 
 @dataclasses.dataclass(frozen=True)
