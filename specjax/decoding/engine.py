@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.decoding.drafters.base import Drafter, Proposal, RoundResult, TargetFeatures, take_rows
 from specjax.decoding.inputs import check_loop, check_prompt_values, host_check
@@ -164,7 +163,7 @@ class DecodeLoop:
     # Shapes and the cache's size (static); values are `generate`'s to check (check_prompts).
     self.check_prompts(prompt_tokens, prompt_lengths, values=False)
     if acceptance is not None:
-      self._check_acceptance(acceptance)
+      acceptance = self._checked_acceptance(acceptance)
     # Padding may hold anything (`check_prompt_values`), but an id past the vocabulary embeds
     # as NaN, and the attention mask's zero weights times NaN would poison the row: zero it.
     prompt_tokens = jnp.where(jnp.arange(prompt_tokens.shape[1]) < prompt_lengths[:, None],
@@ -229,8 +228,9 @@ class DecodeLoop:
         acceptance=acceptance.replace(rounds=acceptance.rounds + stats.rounds),
         drafter=self.drafter.stats(None) if self.speculative else {}))
 
-  def _check_acceptance(self, acceptance: Any) -> None:
-    """Counts from another call must be this policy's: `[I, D]` for its menu."""
+  def _checked_acceptance(self, acceptance: Any) -> AcceptanceCounts:
+    """Counts from another call must be this policy's: `[I, D]` for its menu; returned in
+    the dtypes the loop carries (`AcceptanceCounts.normalized`)."""
     want = (len(self.menu), max(self.envelope.depth, 1))
     if self.speculation is None:
       raise ConfigError("acceptance counts are the speculation policy's; this call has none "
@@ -238,11 +238,13 @@ class DecodeLoop:
     if not isinstance(acceptance, AcceptanceCounts):
       raise ConfigError(f"acceptance must be AcceptanceCounts (an earlier call's "
                         f"stats.acceptance), got {type(acceptance).__name__}")
-    shapes = (np.shape(acceptance.reached), np.shape(acceptance.hits))
+    acceptance = acceptance.normalized()
+    shapes = (acceptance.reached.shape, acceptance.hits.shape)
     if shapes != (want, want):
       raise ConfigError(f"acceptance counts of shape {shapes[0]} do not fit this policy: its "
                         f"menu of {want[0]} entries (plain decoding included) and depth "
                         f"{want[1]} need {want}; pass the counts of a call with the same menu")
+    return acceptance
 
   def drafter_free(self, prompt_len: int) -> DecodeLoop:
     """This loop without its drafter, nor the cache slots its trees would need (attention

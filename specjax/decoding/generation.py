@@ -90,6 +90,7 @@ def generate(params: Params, config: ModelConfig, prompt_tokens: jax.Array,
   if loop.speculative:
     drafter.check_params(drafter_params)
   if isinstance(acceptance, AcceptanceCounts):  # its type and shapes: DecodeLoop's to check
+    acceptance = acceptance.normalized()
     acceptance.check_values()
   if speculation is not None and speculation.costs is None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompt_tokens))):

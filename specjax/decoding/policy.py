@@ -198,6 +198,26 @@ class AcceptanceCounts:
     return cls(reached=jnp.zeros((entries, depth), jnp.float32),
                hits=jnp.zeros((entries, depth), jnp.float32), rounds=jnp.zeros((), jnp.int32))
 
+  def normalized(self) -> AcceptanceCounts:
+    """These counts in the dtypes the loop carries (float32 counts, an int32 round count), so
+    integer counts or nested lists a caller wrote down serve as an earlier call's do; a
+    `ConfigError` for counts that are not numbers or a round count that is not one integer."""
+    rounds = self.rounds
+    if np.shape(rounds) != () or not jnp.issubdtype(jnp.result_type(rounds), jnp.integer):
+      raise ConfigError(f"acceptance.rounds={rounds!r} is invalid: must be one integer, the "
+                        "rounds observed (an earlier call's stats.acceptance.rounds)")
+    counts = {}
+    for name in ("reached", "hits"):
+      try:
+        x = jnp.asarray(getattr(self, name))
+      except TypeError as err:
+        raise ConfigError(f"acceptance.{name} is invalid: must be an array of counts ({err})"
+                          ) from None
+      if not jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise ConfigError(f"acceptance.{name} is invalid: must hold real counts, not {x.dtype}")
+      counts[name] = x.astype(jnp.float32)
+    return self.replace(rounds=jnp.asarray(rounds, jnp.int32), **counts)
+
   def check_values(self) -> None:
     """Raise a `ConfigError` if concrete counts cannot be counts (NaN, negative, or more hits
     than row-rounds that reached the depth): the policy would read them as evidence. Traced
@@ -210,6 +230,9 @@ class AcceptanceCounts:
         raise ConfigError(f"acceptance.{name} holds {x[~(np.isfinite(x) & (x >= 0))][0]}: "
                           "counts must be finite and >= 0 (pass an earlier call's "
                           "stats.acceptance, or None to start from the prior)")
+    if not isinstance(self.rounds, jax.core.Tracer) and np.any(np.asarray(self.rounds) < 0):
+      raise ConfigError(f"acceptance.rounds={self.rounds!r} is invalid: must be >= 0 (pass an "
+                        "earlier call's stats.acceptance, or None)")
     if np.any(hits > reached * (1 + 1e-5) + 1e-6):
       raise ConfigError("acceptance.hits exceeds acceptance.reached: a depth cannot be "
                         "accepted in more row-rounds than reached it (pass an earlier call's "

@@ -182,6 +182,10 @@ def test_a_decode_loop_called_directly_checks_shapes_and_the_cache_size():
      r"acceptance\.reached holds nan: counts must be finite and >= 0"),
     (lambda c: c.replace(hits=c.hits.at[1, 0].set(-2.0)), r"acceptance\.hits holds -2\.0"),
     (lambda c: c.replace(hits=c.reached + 1.0), r"acceptance\.hits exceeds acceptance\.reached"),
+    (lambda c: c.replace(rounds=-c.rounds - 1), r"acceptance\.rounds=.* is invalid: must be >= 0"),
+    (lambda c: c.replace(rounds=jnp.stack([c.rounds] * 2)),
+     r"acceptance\.rounds=.* is invalid: must be one integer"),
+    (lambda c: c.replace(rounds=2.5), r"acceptance\.rounds=2\.5 is invalid: must be one integer"),
 ])
 def test_acceptance_counts_that_cannot_be_counts_are_refused(change, needle):
   policy = Adaptive.up_to(DraftTree.chain(2)).with_costs(
@@ -191,3 +195,21 @@ def test_acceptance_counts_that_cannot_be_counts_are_refused(change, needle):
   _generate(**kwargs, acceptance=counts)  # an earlier call's counts are accepted
   with pytest.raises(ConfigError, match=needle):
     _generate(**kwargs, acceptance=change(counts))
+
+
+def test_acceptance_counts_as_integers_or_lists_steer_the_policy_as_float32_ones_do():
+  """Counts a caller wrote down (integers, nested lists) are counts: the loop carries float32
+  and took other dtypes to a while_loop carry error."""
+  policy = Adaptive.up_to(DraftTree.chain(2)).with_costs(
+      CostTable((2,), ((1.0,), (1.5,), (2.0,))))
+  kwargs = dict(drafter=NGramDrafter(), speculation=policy)
+  counts = _generate(**kwargs).stats.acceptance
+  whole = counts.replace(reached=jnp.round(counts.reached), hits=jnp.round(counts.hits))
+  want = _generate(**kwargs, acceptance=whole)
+  for given in (whole.replace(reached=whole.reached.astype(jnp.int32),
+                              hits=whole.hits.astype(jnp.int32)),
+                whole.replace(reached=np.asarray(whole.reached).tolist(),
+                              hits=np.asarray(whole.hits).tolist(), rounds=int(whole.rounds))):
+    got = _generate(**kwargs, acceptance=given)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.stats.tree_rounds, want.stats.tree_rounds)
