@@ -80,16 +80,23 @@ __all__ = ["Compiled", "Estimate", "Plan", "estimate", "estimate_config", "fake_
 GIB = 2**30
 
 
+MAX_FAKE_DEVICES = 4096  # a TPU v5p pod's 8960 chips are planned as a slice of it
+
+
 def fake_devices(n: int) -> list[jax.Device]:
   """`n` CPU devices to compile for: asks JAX for `n` CPU devices when its backend has not
   started yet (`jax_num_cpu_devices`, which overrides XLA_FLAGS'
   --xla_force_host_platform_device_count), else uses the first `n` it already has.
 
   Raises:
-    ConfigError: `n` is not a positive int, or JAX already started with fewer CPU devices.
+    ConfigError: `n` is not an int in [1, MAX_FAKE_DEVICES], or JAX already started with
+      fewer CPU devices.
   """
-  if not is_int(n) or n < 1:
-    raise ConfigError(f"devices={n!r} is invalid: must be an int >= 1")
+  if not is_int(n) or not 1 <= n <= MAX_FAKE_DEVICES:
+    raise ConfigError(f"devices={n!r} is invalid: must be an int in [1, {MAX_FAKE_DEVICES}] "
+                      "(each fake CPU device costs host memory and time to create: 4096 take "
+                      "~5 s and 0.6 GB, and the step compiles for every one); per-device "
+                      "figures of a larger mesh: plan it with its data-parallel axis cut down")
   try:
     if jax.config.jax_num_cpu_devices < n:
       jax.config.update("jax_num_cpu_devices", n)
@@ -495,7 +502,7 @@ def estimate_config(config, devices: int | list[jax.Device], mesh=None, *,
                     activation_bytes: int | None = None) -> Estimate:
   """`estimate` of `config`'s train step on `devices` (fake CPU devices, or the devices
   themselves) and `mesh` (default `config.mesh`), without lowering or compiling it."""
-  devs = fake_devices(devices) if isinstance(devices, int) else list(devices)
+  devs = list(devices) if isinstance(devices, (list, tuple)) else fake_devices(devices)
   device_mesh = (config.mesh if mesh is None else mesh).make(devs)
   tc, state, batch = _abstract_step(config, device_mesh)
   return estimate(config, tc, state, batch, device_mesh, activation_bytes=activation_bytes)
@@ -524,7 +531,7 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
   mesh_config = config.mesh if mesh is None else mesh
   if not isinstance(mesh_config, MeshConfig):
     raise ConfigError(f"mesh={mesh!r} is invalid: must be a MeshConfig(data=, fsdp=, tensor=)")
-  devs = fake_devices(devices) if isinstance(devices, int) else list(devices)
+  devs = list(devices) if isinstance(devices, (list, tuple)) else fake_devices(devices)
   try:
     device_mesh = mesh_config.make(devs)
   except ConfigError:

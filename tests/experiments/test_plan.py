@@ -84,6 +84,14 @@ def test_plan_says_when_jax_already_started_with_fewer_devices():
     plan(_tiny(), 16)
 
 
+@pytest.mark.parametrize("devices", [0, 100_000, 8.0, True])
+def test_plan_refuses_a_device_count_it_cannot_create(devices):
+  """100,000 fake CPU devices ran for minutes without a word: the count is bounded."""
+  with pytest.raises(ConfigError, match=rf"devices={devices!r} is invalid: must be an int in "
+                                        r"\[1, 4096\]"):
+    plan(_tiny(), devices)
+
+
 def test_plan_rejects_a_config_that_is_not_an_experiment():
   with pytest.raises(ConfigError, match="plan needs an ExperimentConfig"):
     plan(ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1,
