@@ -351,6 +351,7 @@ class ExperimentConfig:
       object.__setattr__(self, "policy_dir", str(local_checkpoint(self.policy_dir,
                                                                   "policy_dir")))
       self._take_policy_model()
+      self._check_policy_tokenizer()
     if self.drafter.name == DRAFT_MODEL and self.drafter.checkpoint is not None:
       local = str(local_checkpoint(self.drafter.checkpoint, "drafter.checkpoint"))
       object.__setattr__(self, "drafter", dataclasses.replace(self.drafter, checkpoint=local))
@@ -458,6 +459,40 @@ class ExperimentConfig:
         raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: its "
                           "tokenizer differs from the policy's (another vocabulary or other "
                           "ids); a draft model must share the policy's tokenizer")
+
+  def _check_policy_tokenizer(self) -> None:
+    """Where `policy_dir` holds a tokenizer, the task's must give the same ids: the policy
+    reads the ids it was trained on. HF tokenizers are compared table by table; another kind
+    (a `CharTokenizer`, say, whose run `specjax export` wrote) by its ids of the task's first
+    training prompts and its special tokens."""
+    if not (Path(self.policy_dir) / "tokenizer.json").is_file():
+      return
+    from specjax.tokenizer import HFTokenizer
+    theirs = HFTokenizer.from_dir(self.policy_dir)
+    ours = self.task.tokenizer
+    why = None
+    if hasattr(ours, "tokenizer"):
+      if (theirs.tokenizer.get_vocab(with_added_tokens=True)
+          != ours.tokenizer.get_vocab(with_added_tokens=True)):
+        why = "another vocabulary or other ids"
+    elif (ours.eos_id, ours.bos_id) != (theirs.eos_id, theirs.bos_id):
+      why = (f"EOS / BOS ids {ours.eos_id} / {ours.bos_id} against the checkpoint's "
+             f"{theirs.eos_id} / {theirs.bos_id}")
+    else:
+      examples = getattr(self.task, "examples", None)
+      for example in (examples("train")[:8] if examples is not None else ()):
+        try:
+          same = theirs.encode(example.prompt) == ours.encode(example.prompt)
+        except ValueError:
+          same = False
+        if not same:
+          why = f"the task's prompt {example.prompt!r:.60} is encoded to other ids"
+          break
+    if why is not None:
+      raise ConfigError(f"policy_dir={self.policy_dir!r} is invalid for this task: its "
+                        f"tokenizer and the task's {type(ours).__name__} differ ({why}); the "
+                        "policy reads the ids it was trained on: build the task with "
+                        "HFTokenizer.from_dir(policy_dir)")
 
   def eagle3_config(self) -> Eagle3Config:
     """The EAGLE-3 head's architecture: `drafter.eagle3_dir`'s, or one sized for `model`."""

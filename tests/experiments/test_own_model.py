@@ -201,6 +201,39 @@ def exact(prompts, completions, text):
   return [float(c == t) for c, t in zip(completions, text)]
 
 
+def test_a_policy_whose_tokenizer_is_not_the_tasks_is_refused_when_configured(own, tmp_path):
+  """The policy reads the ids of the tokenizer it was trained with: a task encoding its
+  prompts with another one trained on ids that mean other text, silently."""
+  task = lambda tokenizer: DatasetTask(SUM_ROWS, tokenizer, [exact], test_fraction=0.2)
+  configure = lambda task, policy_dir: ExperimentConfig(
+      task=task, policy_dir=str(policy_dir), drafter=Drafting(name="ngram"),
+      warm_start=WarmStart(steps=0))
+  with pytest.raises(ConfigError, match=r"policy_dir=.* is invalid for this task: its tokenizer "
+                                        r"and the task's CharTokenizer differ"):
+    configure(task(SUMS), own / "llama")
+  # A checkpoint of a character tokenizer (as `specjax export` writes a CharTokenizer run):
+  # the same tokenizer is accepted, one with other ids for the same characters is not.
+  chars = write_hf_checkpoint(tmp_path / "chars", [], family="llama", n_layers=1,
+                              tokenizer_from=own / "llama")
+  SUMS.save(chars)
+  configure(task(SUMS), chars)
+  with pytest.raises(ConfigError, match="is encoded to other ids"):
+    configure(task(CharTokenizer("9876543210+=")), chars)
+  swapped = write_hf_checkpoint(tmp_path / "swapped", [], family="llama", n_layers=1,
+                                tokenizer_from=own / "llama")
+  vocab = json.loads((swapped / "tokenizer.json").read_text())
+  words = vocab["model"]["vocab"]
+  words["a"], words["b"] = words["b"], words["a"]
+  (swapped / "tokenizer.json").write_text(json.dumps(vocab))
+  with pytest.raises(ConfigError, match="another vocabulary or other ids"):
+    configure(DatasetTask(own / "data.jsonl", HFTokenizer.from_dir(own / "llama"), [exact_any],
+                          test_fraction=0.25), swapped)
+
+
+def exact_any(prompts, completions, **_):
+  return [0.0] * len(completions)
+
+
 @pytest.mark.parametrize("mixed, async_mode", [pytest.param(False, False, marks=pytest.mark.slow),
                                                pytest.param(False, True, marks=pytest.mark.slow),
                                                pytest.param(True, False, marks=pytest.mark.slow)],
