@@ -140,8 +140,12 @@ def generate_command(
     tokens[i, :len(e)] = e
   lengths = np.array([len(e) for e in encoded], np.int32)
   draft, draft_params = build_drafter(drafter, DraftSource(config, draft_checkpoint))
+  if adaptive and draft is None:
+    raise ConfigError(f"--adaptive is invalid with --drafter {drafter}: the policy chooses "
+                      "among a drafter's trees and plain decoding, and there is no drafter; "
+                      "name one, or drop --adaptive")
   speculation = None
-  if adaptive and draft is not None:
+  if adaptive:
     speculation = Adaptive.up_to(tree)
     speculation = speculation.with_costs(calibrate(
         params, config, draft, speculation, batch_sizes=(len(encoded),), prompt_len=width,

@@ -191,6 +191,8 @@ def test_generate_defaults_to_a_drafter_the_checkpoint_supports(tmp_path, genera
   with pytest.raises(ConfigError, match=r"--draft-checkpoint='d' needs --drafter to say what "
                                         r"it holds: draft-model .* or eagle3"):
     generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, draft_checkpoint="d")
+  with pytest.raises(ConfigError, match="--adaptive is invalid with --drafter none"):
+    generate_command(checkpoint=str(tmp_path), prompt=PROMPTS, drafter="none", adaptive=True)
 
 
 def test_train_prints_a_short_table_not_the_json_summary():
