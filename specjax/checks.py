@@ -33,7 +33,10 @@ def is_number(value) -> bool:
 
 def is_real(value) -> bool:
   """A finite real number, not a bool, a string or NaN / inf."""
-  return is_number(value) and math.isfinite(value)
+  try:
+    return is_number(value) and math.isfinite(value)
+  except OverflowError:  # an int past float's range (10**400)
+    return False
 
 
 def require(ok: bool, field: str, value, allowed: str) -> None:

@@ -100,6 +100,10 @@ def generate_command(
   # bad flag fails in a second rather than after the slow part.
   sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
   tree = DraftTree.from_widths(widths) if drafter != "none" else None
+  if adaptive and drafter == "none":  # a default drafter is never "none"
+    raise ConfigError("--adaptive is invalid with --drafter none: the policy chooses among a "
+                      "drafter's trees and plain decoding, and there is no drafter; name one, "
+                      "or drop --adaptive")
   if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise ConfigError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
   if not is_int(repeats) or repeats < 1:
@@ -140,10 +144,6 @@ def generate_command(
     tokens[i, :len(e)] = e
   lengths = np.array([len(e) for e in encoded], np.int32)
   draft, draft_params = build_drafter(drafter, DraftSource(config, draft_checkpoint))
-  if adaptive and draft is None:
-    raise ConfigError(f"--adaptive is invalid with --drafter {drafter}: the policy chooses "
-                      "among a drafter's trees and plain decoding, and there is no drafter; "
-                      "name one, or drop --adaptive")
   speculation = None
   if adaptive:
     speculation = Adaptive.up_to(tree)

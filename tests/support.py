@@ -223,6 +223,15 @@ class CyclingPolicy(Adaptive):
 # multi-process and the disaggregated steps are checked against the same single-process one.
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
 TOK = TASK.tokenizer
+
+
+class NoBosTokenizer:
+  """`TOK` as a tokenizer that adds no BOS (GPT-2 style) sees text: empty text has no ids."""
+
+  bos_id = None
+
+  def __getattr__(self, name):
+    return getattr(TOK, name)
 # One MTP module drafting one token: the smallest speculative step (it compiles fastest).
 MODEL = ModelConfig(vocab_size=TOK.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
                     head_dim=16, mlp_dim=64, num_mtp_modules=1, max_position=32)

@@ -541,8 +541,9 @@ RL_CASES = [
          lambda p: ExperimentConfig(rollout=RolloutSettings(tree_widths=(0,))),
          ConfigError, r"widths=\(0,\) is invalid: every width must be an int >= 1"),
     case("experiment_empty_tree_widths",  # `--rollout.tree-widths` with no value
-         lambda p: RolloutSettings(tree_widths=[]),
-         ConfigError, r"rollout\.tree_widths=\(\) is invalid: must name at least one depth"),
+         lambda p: ExperimentConfig(rollout=RolloutSettings(tree_widths=[])),
+         ConfigError, r"rollout\.tree_widths=\(\) is invalid: drafter 'mtp' drafts a tree of "
+                      r"at least one depth"),
     case("experiment_tree_deeper_than_the_mtp_modules",
          lambda p: ExperimentConfig(rollout=RolloutSettings(tree_widths=(1, 1, 1))),
          ConfigError, r"tree depth 3 is too deep for MTPDrafter"),

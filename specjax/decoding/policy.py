@@ -203,37 +203,43 @@ class AcceptanceCounts:
     integer counts or nested lists a caller wrote down serve as an earlier call's do; a
     `ConfigError` for counts that are not numbers or a round count that is not one integer."""
     rounds = self.rounds
-    if np.shape(rounds) != () or not jnp.issubdtype(jnp.result_type(rounds), jnp.integer):
-      raise ConfigError(f"acceptance.rounds={rounds!r} is invalid: must be one integer, the "
-                        "rounds observed (an earlier call's stats.acceptance.rounds)")
+    try:
+      whole = np.shape(rounds) == () and jnp.issubdtype(jnp.result_type(rounds), jnp.integer)
+      rounds = jnp.asarray(rounds, jnp.int32) if whole else None
+    except (TypeError, ValueError, OverflowError):
+      whole = False
+    if not whole:
+      raise ConfigError(f"acceptance.rounds={self.rounds!r} is invalid: must be one integer "
+                        "within int32, the rounds observed (an earlier call's "
+                        "stats.acceptance.rounds)")
     counts = {}
     for name in ("reached", "hits"):
       try:
         x = jnp.asarray(getattr(self, name))
-      except TypeError as err:
+      except (TypeError, ValueError, OverflowError) as err:
         raise ConfigError(f"acceptance.{name} is invalid: must be an array of counts ({err})"
                           ) from None
       if not jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise ConfigError(f"acceptance.{name} is invalid: must hold real counts, not {x.dtype}")
       counts[name] = x.astype(jnp.float32)
-    return self.replace(rounds=jnp.asarray(rounds, jnp.int32), **counts)
+    return self.replace(rounds=rounds, **counts)
 
   def check_values(self) -> None:
     """Raise a `ConfigError` if concrete counts cannot be counts (NaN, negative, or more hits
     than row-rounds that reached the depth): the policy would read them as evidence. Traced
     counts are not checked."""
-    if any(isinstance(x, jax.core.Tracer) for x in (self.reached, self.hits)):
+    if any(isinstance(x, jax.core.Tracer) for x in (self.reached, self.hits, self.rounds)):
       return
-    reached, hits = np.asarray(self.reached), np.asarray(self.hits)
-    for name, x in (("reached", reached), ("hits", hits)):
+    reached, hits, rounds = jax.device_get((self.reached, self.hits, self.rounds))  # one read
+    for name, x in (("reached", np.asarray(reached)), ("hits", np.asarray(hits))):
       if not (np.all(np.isfinite(x)) and np.all(x >= 0)):
         raise ConfigError(f"acceptance.{name} holds {x[~(np.isfinite(x) & (x >= 0))][0]}: "
                           "counts must be finite and >= 0 (pass an earlier call's "
                           "stats.acceptance, or None to start from the prior)")
-    if not isinstance(self.rounds, jax.core.Tracer) and np.any(np.asarray(self.rounds) < 0):
-      raise ConfigError(f"acceptance.rounds={self.rounds!r} is invalid: must be >= 0 (pass an "
+    if np.any(np.asarray(rounds) < 0):
+      raise ConfigError(f"acceptance.rounds={rounds} is invalid: must be >= 0 (pass an "
                         "earlier call's stats.acceptance, or None)")
-    if np.any(hits > reached * (1 + 1e-5) + 1e-6):
+    if np.any(np.asarray(hits) > np.asarray(reached) * (1 + 1e-5) + 1e-6):
       raise ConfigError("acceptance.hits exceeds acceptance.reached: a depth cannot be "
                         "accepted in more row-rounds than reached it (pass an earlier call's "
                         "stats.acceptance, or None)")

@@ -172,15 +172,15 @@ def _write_tokenizer(tokenizer: CharTokenizer | HFTokenizer, out: Path) -> None:
     tokenizer.save(out)
 
 
-def _check_apart(run_dir: Path, out: Path) -> None:
-  """Refuse an `out` whose replacement would delete the run: the run directory itself, a
-  directory inside it (its checkpoints, its record) or one that holds it."""
-  run, dest = run_dir.resolve(), out.resolve()
-  if dest == run or run in dest.parents or dest in run.parents:
-    where = ("is the run directory" if dest == run else "is inside the run directory"
-             if run in dest.parents else "holds the run directory")
-    raise ConfigError(f"out={str(out)!r} is invalid: it {where} {str(run_dir)!r}, and the "
-                      "export replaces out whole; name a directory apart from the run")
+def _check_apart(kept: Path, out: Path, what: str) -> None:
+  """Refuse an `out` whose replacement would delete `kept` (the run directory, or the
+  checkpoint the run started from): `kept` itself, a directory inside it or one that
+  holds it."""
+  keep, dest = kept.resolve(), out.resolve()
+  if dest == keep or keep in dest.parents or dest in keep.parents:
+    where = ("is" if dest == keep else "is inside" if keep in dest.parents else "holds")
+    raise ConfigError(f"out={str(out)!r} is invalid: it {where} {what} {str(kept)!r}, and the "
+                      "export replaces out whole; name a directory apart from it")
 
 
 def export_run(run_dir: str | Path, out: str | Path,
@@ -188,9 +188,12 @@ def export_run(run_dir: str | Path, out: str | Path,
   """Write the latest policy of the `specjax train` run in `run_dir` to `out` as an HF
   checkpoint directory with its tokenizer, the run's final EAGLE-3 head (if it trained one to
   the end) to `out/eagle3`, and a draft model it distilled online to `out/draft_model`.
-  Returns `out`, which must lie apart from the run directory: `out` is replaced whole."""
-  _check_apart(Path(run_dir), Path(out))
+  Returns `out`, which must lie apart from the run directory and its `policy_dir`: `out` is
+  replaced whole."""
+  _check_apart(Path(run_dir), Path(out), "the run directory")
   record = recorded_config(run_dir)
+  if record.get("policy_dir") is not None:  # its base weights: a resume or LoRA reads them
+    _check_apart(Path(record["policy_dir"]), Path(out), "the run's policy_dir")
   model = recorded_model(record)
   params, _ = load_policy(run_dir, model)
   tokenizer = recorded_tokenizer(record, Path(run_dir) / CONFIG_FILE)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import optax
+import tokenizers
 import tyro
 
 from specjax.checks import is_plain_int, is_real, require_field, require_ints, require_reals
@@ -40,6 +41,7 @@ from specjax.rl.losses import GRPOConfig
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
 from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
+from specjax.tokenizer import HFTokenizer
 
 # The drafter whose weights are a second HF checkpoint (`Drafting.checkpoint`).
 DRAFT_MODEL = "draft-model"
@@ -120,9 +122,16 @@ class RolloutSettings:
                   "must be a number in [0, 1] or None (the default for the speculation "
                   "chosen)", "rollout.")
     DraftTree.from_widths(self.tree_widths)  # a malformed tree fails here, with its message
-    require_field(self, "tree_widths", len(self.tree_widths) > 0,
-                  "must name at least one depth, e.g. (1, 1): a chain of 2 (for plain "
-                  "rollouts set drafter.name 'none')", "rollout.")
+
+
+def _vocabulary(path: Path) -> dict[str, int]:
+  """Token -> id of the tokenizer file `path` (added tokens included), read alone: a
+  checkpoint's tokenizer is compared with the task's, not built as one (its special-token
+  settings are the user's to override in `HFTokenizer.from_dir`)."""
+  try:
+    return tokenizers.Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+  except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+    raise ConfigError(f"{path} is not a tokenizer file tokenizers can read ({err})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +394,11 @@ class ExperimentConfig:
                   "heads too, so they cannot be trained online: set drafter.loss_weight=0 (the "
                   "heads draft as they are), or draft with drafter.name='eagle3' or "
                   f"'{DRAFT_MODEL}' on a model without heads", "lora.")
+    require_field(self.rollout, "tree_widths",
+                  bool(self.rollout.tree_widths) or self.drafter.name == "none",
+                  f"drafter {self.drafter.name!r} drafts a tree of at least one depth, e.g. "
+                  "(1, 1): a chain of 2 (for plain rollouts set drafter.name 'none')",
+                  "rollout.")
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
     if self.drafter.name == DRAFT_MODEL:
       self._check_draft_model()
@@ -450,43 +464,38 @@ class ExperimentConfig:
     except ConfigError as err:
       raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: {err}") \
           from None
-    ours = getattr(self.task.tokenizer, "tokenizer", None)  # an HFTokenizer's tables
     theirs = Path(self.drafter.checkpoint) / "tokenizer.json"
-    if ours is not None and theirs.is_file():
-      from specjax.tokenizer import HFTokenizer
-      other = HFTokenizer.from_dir(self.drafter.checkpoint).tokenizer
-      if other.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
+    if isinstance(self.task.tokenizer, HFTokenizer) and theirs.is_file():
+      if _vocabulary(theirs) != self.task.tokenizer.tokenizer.get_vocab(with_added_tokens=True):
         raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: its "
                           "tokenizer differs from the policy's (another vocabulary or other "
                           "ids); a draft model must share the policy's tokenizer")
 
   def _check_policy_tokenizer(self) -> None:
-    """Where `policy_dir` holds a tokenizer, the task's must give the same ids: the policy
-    reads the ids it was trained on. HF tokenizers are compared table by table; another kind
-    (a `CharTokenizer`, say, whose run `specjax export` wrote) by its ids of the task's first
-    training prompts and its special tokens."""
-    if not (Path(self.policy_dir) / "tokenizer.json").is_file():
-      return
-    from specjax.tokenizer import HFTokenizer
-    theirs = HFTokenizer.from_dir(self.policy_dir)
+    """Where `policy_dir` holds a tokenizer, every id of the task's must mean the same token
+    there: the policy reads the ids it was trained on. An HF tokenizer's table must lie
+    within the checkpoint's (which may add tokens); another kind (a `CharTokenizer`, whose run
+    `specjax export` wrote) must give each of its ids' text the same id there."""
     ours = self.task.tokenizer
+    path = Path(self.policy_dir) / "tokenizer.json"
+    if not path.is_file() or Path(getattr(ours, "source", None) or "") == Path(self.policy_dir):
+      return
+    theirs = _vocabulary(path)
     why = None
-    if hasattr(ours, "tokenizer"):
-      if (theirs.tokenizer.get_vocab(with_added_tokens=True)
-          != ours.tokenizer.get_vocab(with_added_tokens=True)):
-        why = "another vocabulary or other ids"
-    elif (ours.eos_id, ours.bos_id) != (theirs.eos_id, theirs.bos_id):
-      why = (f"EOS / BOS ids {ours.eos_id} / {ours.bos_id} against the checkpoint's "
-             f"{theirs.eos_id} / {theirs.bos_id}")
+    if isinstance(ours, HFTokenizer):
+      other = sorted(t for t, i in ours.tokenizer.get_vocab(with_added_tokens=True).items()
+                     if theirs.get(t) != i)
+      if other:
+        why = f"{len(other)} token(s) with another id or none there, e.g. {other[0]!r}"
     else:
-      examples = getattr(self.task, "examples", None)
-      for example in (examples("train")[:8] if examples is not None else ()):
-        try:
-          same = theirs.encode(example.prompt) == ours.encode(example.prompt)
-        except ValueError:
-          same = False
+      table = tokenizers.Tokenizer.from_file(str(path))
+      ids = set(theirs.values())
+      for i in range(ours.vocab_size):
+        text = ours.decode([i])  # specials decode to nothing: they need only exist there
+        same = (table.encode(text, add_special_tokens=False).ids == [i] if text
+                else i in ids)
         if not same:
-          why = f"the task's prompt {example.prompt!r:.60} is encoded to other ids"
+          why = f"its id {i} ({text!r}) means other text there"
           break
     if why is not None:
       raise ConfigError(f"policy_dir={self.policy_dir!r} is invalid for this task: its "

@@ -260,9 +260,9 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
     raise ConfigError(f"arms={arms!r} is invalid: must be rollout_arms(config, batch, costs) "
                       f"for this config, a dict of the arms {', '.join(wanted)}")
   named = arms if arms is not None else rollout_arms(config, batch, costs)
-  names = tuple(named)
-  calls = [functools.partial(arm, params, drafter_params, acceptance=acceptance)
-           for arm in named.values()]
+  names = wanted  # in this order whatever the dict's: the statistics below are read by place
+  calls = [functools.partial(named[name], params, drafter_params, acceptance=acceptance)
+           for name in names]
   for call in calls:
     jax.block_until_ready(call(jax.random.key(0)))  # compile
 

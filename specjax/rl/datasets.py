@@ -28,6 +28,8 @@ from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, j
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer, with_bos
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 FORMATS = (".jsonl", ".json", ".parquet")
 
 
@@ -294,18 +296,19 @@ class DatasetTask:
       if self.reference_column is not None:
         if self.reference_column not in row:
           raise TaskError(f"{where} has no reference column {self.reference_column!r}")
-        if row[self.reference_column] is None:
-          raise TaskError(f"{where}: reference column {self.reference_column!r} holds None; "
-                          "allowed the reference text the warm start learns")
+        value = row[self.reference_column]
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+          raise TaskError(f"{where}: reference column {self.reference_column!r} holds {value}; "
+                          "allowed a string, the reference text the warm start learns")
         reference = str(row[self.reference_column])
       answer = math.nan
       if self.answer_column is not None:
         value = row.get(self.answer_column)
-        if not (is_real(value) and abs(value) <= float(np.finfo(np.float32).max)):
+        if not (is_real(value) and abs(value) <= (2**31 - 1 if is_int(value) else FLOAT32_MAX)):
           raise TaskError(f"{where}: answer column {self.answer_column!r} holds {value!r}; "
-                          "allowed a finite number within float32's range (what a JaxReward "
-                          "compares against)")
-        answer = float(value) if not is_int(value) else int(value)
+                          "allowed a finite number within float32's range, an integer within "
+                          "int32's (what a JaxReward compares against)")
+        answer = int(value) if is_int(value) else float(value)
       out.append(Example(prompt=text, reference=reference, answer=answer, columns=dict(row)))
     return out
 

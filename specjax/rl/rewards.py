@@ -138,8 +138,10 @@ class RewardFunction:
         out[i] = np.nan
         continue
       try:
+        if isinstance(value, (str, bytes)):  # float("1") would read text as a reward
+          raise TypeError
         out[i] = float(value)
-      except (TypeError, ValueError):
+      except (TypeError, ValueError, OverflowError):
         raise RewardError(f"reward function {self.name!r} returned {value!r} for sample {i} "
                           f"(completion={completions[i]!r}): allowed a number or None") \
             from None
@@ -184,6 +186,7 @@ class JaxReward:
     self._check_output(out, 3)
 
   def _check_output(self, out: Any, rows: int) -> None:
+    """A `ConfigError` unless `out` (traced or abstract) is `[rows]` real numbers."""
     if not (hasattr(out, "shape") and out.shape == (rows,)
             and jnp.issubdtype(out.dtype, jnp.number)):
       what = (f"shape {tuple(out.shape)} {out.dtype}" if hasattr(out, "shape")

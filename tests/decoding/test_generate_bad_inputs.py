@@ -186,6 +186,8 @@ def test_a_decode_loop_called_directly_checks_shapes_and_the_cache_size():
     (lambda c: c.replace(rounds=jnp.stack([c.rounds] * 2)),
      r"acceptance\.rounds=.* is invalid: must be one integer"),
     (lambda c: c.replace(rounds=2.5), r"acceptance\.rounds=2\.5 is invalid: must be one integer"),
+    (lambda c: c.replace(rounds="3"), r"acceptance\.rounds='3' is invalid: must be one integer"),
+    (lambda c: c.replace(reached=None), r"acceptance\.reached is invalid: must be an array"),
 ])
 def test_acceptance_counts_that_cannot_be_counts_are_refused(change, needle):
   policy = Adaptive.up_to(DraftTree.chain(2)).with_costs(
@@ -213,3 +215,8 @@ def test_acceptance_counts_as_integers_or_lists_steer_the_policy_as_float32_ones
     got = _generate(**kwargs, acceptance=given)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.stats.tree_rounds, want.stats.tree_rounds)
+  # The counts steer: integer evidence that nothing is accepted switches the drafter off.
+  hopeless = whole.replace(reached=np.full(whole.reached.shape, 10_000, np.int32),
+                           hits=np.zeros(whole.hits.shape, np.int32))
+  assert int(np.asarray(_generate(**kwargs, acceptance=hopeless).stats.tree_rounds)[1:].sum()) == 0
+  assert int(np.asarray(_generate(**kwargs).stats.tree_rounds)[1:].sum()) > 0

@@ -93,3 +93,13 @@ def test_export_refuses_an_out_that_would_replace_the_run(tmp_path, out):
   with pytest.raises(ConfigError, match="export replaces out whole"):
     export_run(run_dir, run_dir / out)
   assert (run_dir / "config.json").read_text() == "{}"
+
+
+def test_export_refuses_an_out_that_would_replace_the_runs_base_checkpoint(tmp_path):
+  """A resume (and LoRA, whose frozen base it is) reads the run's policy_dir again."""
+  base, run_dir = tmp_path / "base", tmp_path / "run"
+  base.mkdir()
+  run_dir.mkdir()
+  (run_dir / "config.json").write_text(json.dumps({"policy_dir": str(base), "model": {}}))
+  with pytest.raises(ConfigError, match="it is the run's policy_dir"):
+    export_run(run_dir, base)

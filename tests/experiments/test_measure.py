@@ -1,5 +1,6 @@
 """What a GRPO run measures beside training: the rollout's arms and its tail."""
 
+import logging
 import types
 
 import jax
@@ -9,11 +10,12 @@ import pytest
 
 from specjax.decoding import AcceptanceCounts, CostTable
 from specjax.errors import ConfigError
-from specjax.experiments import ExperimentConfig, override
+from specjax.experiments import ExperimentConfig, measure, override
 from specjax.experiments.measure import (rollout_arms, rollout_speedup, simulated_speedup,
                                          tail_round_share)
 from specjax.models import ModelConfig, init_params
 from specjax.rl import ArithmeticTask, encode_prompt
+from specjax.timing import interleaved
 
 TASK = ArithmeticTask(max_digits=1, num_operands=2, max_operands=6, operand_decay=0.5,
                       operators="+", worked=True, num_train=64, num_test=16)
@@ -81,15 +83,47 @@ def test_rollout_speedup_times_the_arms_it_is_given():
   assert summary["speedup"] > 0
 
 
-def test_one_repeat_times_the_arms_alike():
-  """With drafter "none" both arms are plain decoding: one repeat each must read about 1x.
-  The timed call once also summed the response lengths eagerly, whose first use compiled
-  inside the first arm's timing (the plain arm's): 20-50x here."""
+def test_nothing_compiles_inside_the_timed_calls(monkeypatch):
+  """The timed call once also summed the response lengths eagerly, whose first use compiled
+  inside the first arm's (plain's) first repeat: 20-50x at one repeat."""
+  compiled = []
+
+  class Compiles(logging.Handler):
+    def emit(self, record):
+      if record.getMessage().startswith("Compiling"):
+        compiled.append(record.getMessage())
+
+  def watched(fns, repeats, seconds):
+    handler = Compiles()
+    logging.getLogger("jax").addHandler(handler)
+    try:
+      with jax.log_compiles():
+        return interleaved(fns, repeats, seconds)
+    finally:
+      logging.getLogger("jax").removeHandler(handler)
+
+  monkeypatch.setattr(measure, "interleaved", watched)
   config = override(ExperimentConfig(task=TASK, model=MODEL), {
       "rollout.max_new_tokens": 8, "drafter.name": "none", "grpo.group_size": 2,
       "eval.speedup_repeats": 1, "eval.speedup_seconds": 0})
-  summary = rollout_speedup(init_params(MODEL, jax.random.key(0)), config, _batch(2))
-  assert 0.2 < summary["speedup"] < 5
+  rollout_speedup(init_params(MODEL, jax.random.key(0)), config, _batch(2))
+  assert compiled == []
+
+
+def test_the_summary_reads_each_arm_by_name_whatever_the_dicts_order():
+  """Fake arms, each with its own lengths and statistics, given in another order."""
+  def arm(length, per_round):
+    stats = types.SimpleNamespace(tokens_per_round=per_round, tree_rounds=[3, 1],
+                                  row_rounds=[4, 4])
+    return lambda params, drafter_params, key, acceptance=None: types.SimpleNamespace(
+        lengths=np.full(4, length), stats=stats)
+  config = override(ExperimentConfig(task=TASK, model=MODEL), {
+      "rollout.compaction": 1, "eval.speedup_repeats": 1, "eval.speedup_seconds": 0})
+  arms = {"uncompacted": arm(3, 1.0), "spec": arm(2, 2.5), "plain": arm(1, 1.0)}
+  summary = rollout_speedup(None, config, _batch(2), arms=arms)
+  assert summary["response_lengths"] == [1, 1, 1, 1]  # plain's
+  assert summary["acceptance_length"] == 2.5  # the speculative arm's
+  assert summary["plain_share"] == 0.75
 
 
 @pytest.mark.parametrize("arms", [{}, ["plain", "spec"], {"plain": None}])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
 
 from specjax.cli import main as cli_main
 from specjax.decoding import SamplingConfig, generate
@@ -217,7 +218,7 @@ def test_a_policy_whose_tokenizer_is_not_the_tasks_is_refused_when_configured(ow
                               tokenizer_from=own / "llama")
   SUMS.save(chars)
   configure(task(SUMS), chars)
-  with pytest.raises(ConfigError, match="is encoded to other ids"):
+  with pytest.raises(ConfigError, match=r"its id 3 \(.9.\) means other text there"):
     configure(task(CharTokenizer("9876543210+=")), chars)
   swapped = write_hf_checkpoint(tmp_path / "swapped", [], family="llama", n_layers=1,
                                 tokenizer_from=own / "llama")
@@ -225,12 +226,20 @@ def test_a_policy_whose_tokenizer_is_not_the_tasks_is_refused_when_configured(ow
   words = vocab["model"]["vocab"]
   words["a"], words["b"] = words["b"], words["a"]
   (swapped / "tokenizer.json").write_text(json.dumps(vocab))
-  with pytest.raises(ConfigError, match="another vocabulary or other ids"):
-    configure(DatasetTask(own / "data.jsonl", HFTokenizer.from_dir(own / "llama"), [exact_any],
-                          test_fraction=0.25), swapped)
+  chat = DatasetTask(own / "data.jsonl", HFTokenizer.from_dir(own / "llama"), [zero],
+                     test_fraction=0.25)
+  with pytest.raises(ConfigError, match=r"token\(s\) with another id or none there"):
+    configure(chat, swapped)
+  # A checkpoint whose tokenizer adds a token (a fine-tune's [PAD]) reads every id the same.
+  added = write_hf_checkpoint(tmp_path / "added", [], family="llama", n_layers=1,
+                              tokenizer_from=own / "llama")
+  table = tokenizers.Tokenizer.from_file(str(added / "tokenizer.json"))
+  table.add_special_tokens(["[PAD]"])
+  table.save(str(added / "tokenizer.json"))
+  configure(chat, added)
 
 
-def exact_any(prompts, completions, **_):
+def zero(prompts, completions, **_):
   return [0.0] * len(completions)
 
 

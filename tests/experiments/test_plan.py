@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from support import child_env
 
@@ -90,6 +91,13 @@ def test_plan_refuses_a_device_count_it_cannot_create(devices):
   with pytest.raises(ConfigError, match=rf"devices={devices!r} is invalid: must be an int in "
                                         r"\[1, 4096\]"):
     plan(_tiny(), devices)
+
+
+def test_plan_takes_the_devices_themselves_as_any_sequence():
+  devices = jax.devices()[:8]
+  counted = estimate_config(_tiny(), 8)
+  for given in (devices, tuple(devices), np.array(devices)):
+    assert estimate_config(_tiny(), given) == counted
 
 
 def test_plan_rejects_a_config_that_is_not_an_experiment():

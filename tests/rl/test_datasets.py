@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import NoBosTokenizer
 
 from specjax.errors import ConfigError, RewardError, TaskError, TokenizerError
 from specjax.rl.datasets import DatasetTask, read_rows
@@ -68,6 +69,7 @@ def test_a_row_no_function_scored_is_an_error_naming_it():
     ({0: 5.0, 1: 6.0}, "allowed a list"),  # iterable, but its keys are not rewards
     ({5.0, 6.0}, "allowed a list"),  # unordered
     ("12", "allowed a list"),
+    (["1", 0.5], "returned '1' for sample 0"),  # text is not a reward
 ])
 def test_a_reward_returning_the_wrong_thing_is_named(returned, message):
   fn = RewardFunction(lambda prompts, completions: returned, name="bad")
@@ -423,19 +425,10 @@ def test_a_task_that_cannot_work_is_named_when_built(change, error, message):
     DatasetTask(**({"source": _rows(), "tokenizer": TOK, "rewards": [exact]} | change))
 
 
-class _NoBos:
-  """The test tokenizer, as a tokenizer that adds no BOS (GPT-2 style) sees text."""
-
-  bos_id = None
-
-  def __getattr__(self, name):
-    return getattr(TOK, name)
-
-
 def test_a_prompt_that_encodes_to_no_tokens_is_named_when_the_task_is_built():
   rows = [{"prompt": ""}] + [{"prompt": f"{i}+{i}="} for i in range(20)]
   with pytest.raises(TaskError, match=r"row \d+: its prompt '' encodes to no tokens"):
-    DatasetTask(rows, _NoBos(), [RewardFunction(lambda prompts, completions: [0.0] * len(
+    DatasetTask(rows, NoBosTokenizer(), [RewardFunction(lambda prompts, completions: [0.0] * len(
         completions), name="zero")], test_fraction=0.5)
 
 
@@ -446,22 +439,25 @@ def test_a_column_named_as_a_rewards_own_argument_is_refused(column):
     DatasetTask(rows, TOK, [exact])
 
 
-def test_a_null_reference_is_refused_not_learned_as_the_text_none():
-  rows = [dict(r, ref=None) for r in _rows()]
-  with pytest.raises(TaskError, match="reference column 'ref' holds None"):
+@pytest.mark.parametrize("missing", [None, float("nan")])  # NaN: a pandas row's empty cell
+def test_a_null_reference_is_refused_not_learned_as_text(missing):
+  rows = [dict(r, ref=missing) for r in _rows()]
+  with pytest.raises(TaskError, match=f"reference column 'ref' holds {missing}; allowed a "
+                                      "string"):
     DatasetTask(rows, TOK, [exact], reference_column="ref")
 
 
 @pytest.mark.parametrize("answer, ok", [
-    (np.int64(4), True), (np.float32(0.5), True), (10**40, False), (float("inf"), False),
-    ("4", False), (True, False)])
+    (np.int64(4), True), (np.float32(0.5), True), (10**40, False), (10**400, False),
+    (3_000_000_000, False), (float("inf"), False), ("4", False), (True, False)])
 def test_answers_are_finite_float32_numbers_numpy_ones_included(answer, ok):
   rows = [dict(r, level=answer) for r in _rows()]
   if ok:
     task = DatasetTask(rows, TOK, [exact], answer_column="level")
     assert task.examples("train")[0].answer == answer
   else:
-    with pytest.raises(TaskError, match="allowed a finite number within float32's range"):
+    with pytest.raises(TaskError, match="allowed a finite number within float32's range, an "
+                                        "integer within int32's"):
       DatasetTask(rows, TOK, [exact], answer_column="level")
 
 
