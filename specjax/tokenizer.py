@@ -519,3 +519,32 @@ def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
                       f"{vocab_size}..{tokenizer.vocab_size - 1} have no embedding); allowed: "
                       "a tokenizer vocabulary at most the model's, e.g. the tokenizer saved "
                       "with this checkpoint")
+
+
+def read_table(path: str | os.PathLike) -> tokenizers.Tokenizer:
+  """The tokenizer file `path` read alone, to compare with another: not built as an
+  `HFTokenizer` (whose special-token settings are the user's to override in `from_dir`)."""
+  try:
+    return tokenizers.Tokenizer.from_file(str(path))
+  except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+    raise ConfigError(f"{path} is not a tokenizer file tokenizers can read ({err})") from None
+
+
+def different_ids(ours: Tokenizer, path: str | os.PathLike) -> str | None:
+  """Why a model trained with the tokenizer file `path` would read `ours`'s ids as other
+  text, or None. An `HFTokenizer`'s table must lie within the file's (which may add tokens);
+  another kind (a `CharTokenizer`, whose run `specjax export` wrote) must give each of its
+  ids' text the same id there, its specials only existing there."""
+  table = read_table(path)
+  theirs = table.get_vocab(with_added_tokens=True)
+  if isinstance(ours, HFTokenizer):
+    other = sorted(t for t, i in ours.tokenizer.get_vocab(with_added_tokens=True).items()
+                   if theirs.get(t) != i)
+    return f"{len(other)} token(s) with another id or none there, e.g. {other[0]!r}" if other \
+        else None
+  ids = set(theirs.values())
+  for i in range(ours.vocab_size):
+    text = ours.decode([i])  # specials decode to nothing
+    if not (table.encode(text, add_special_tokens=False).ids == [i] if text else i in ids):
+      return f"its id {i} ({text!r}) means other text there"
+  return None

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import optax
-import tokenizers
 import tyro
 
 from specjax.checks import is_plain_int, is_real, require_field, require_ints, require_reals
@@ -41,7 +40,7 @@ from specjax.rl.losses import GRPOConfig
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
 from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
-from specjax.tokenizer import HFTokenizer
+from specjax.tokenizer import HFTokenizer, different_ids, read_table
 
 # The drafter whose weights are a second HF checkpoint (`Drafting.checkpoint`).
 DRAFT_MODEL = "draft-model"
@@ -122,16 +121,6 @@ class RolloutSettings:
                   "must be a number in [0, 1] or None (the default for the speculation "
                   "chosen)", "rollout.")
     DraftTree.from_widths(self.tree_widths)  # a malformed tree fails here, with its message
-
-
-def _vocabulary(path: Path) -> dict[str, int]:
-  """Token -> id of the tokenizer file `path` (added tokens included), read alone: a
-  checkpoint's tokenizer is compared with the task's, not built as one (its special-token
-  settings are the user's to override in `HFTokenizer.from_dir`)."""
-  try:
-    return tokenizers.Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-  except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-    raise ConfigError(f"{path} is not a tokenizer file tokenizers can read ({err})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,37 +455,20 @@ class ExperimentConfig:
           from None
     theirs = Path(self.drafter.checkpoint) / "tokenizer.json"
     if isinstance(self.task.tokenizer, HFTokenizer) and theirs.is_file():
-      if _vocabulary(theirs) != self.task.tokenizer.tokenizer.get_vocab(with_added_tokens=True):
+      vocabulary = read_table(theirs).get_vocab(with_added_tokens=True)
+      if vocabulary != self.task.tokenizer.tokenizer.get_vocab(with_added_tokens=True):
         raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r} is invalid: its "
                           "tokenizer differs from the policy's (another vocabulary or other "
                           "ids); a draft model must share the policy's tokenizer")
 
   def _check_policy_tokenizer(self) -> None:
     """Where `policy_dir` holds a tokenizer, every id of the task's must mean the same token
-    there: the policy reads the ids it was trained on. An HF tokenizer's table must lie
-    within the checkpoint's (which may add tokens); another kind (a `CharTokenizer`, whose run
-    `specjax export` wrote) must give each of its ids' text the same id there."""
+    there (`different_ids`): the policy reads the ids it was trained on."""
     ours = self.task.tokenizer
     path = Path(self.policy_dir) / "tokenizer.json"
     if not path.is_file() or Path(getattr(ours, "source", None) or "") == Path(self.policy_dir):
       return
-    theirs = _vocabulary(path)
-    why = None
-    if isinstance(ours, HFTokenizer):
-      other = sorted(t for t, i in ours.tokenizer.get_vocab(with_added_tokens=True).items()
-                     if theirs.get(t) != i)
-      if other:
-        why = f"{len(other)} token(s) with another id or none there, e.g. {other[0]!r}"
-    else:
-      table = tokenizers.Tokenizer.from_file(str(path))
-      ids = set(theirs.values())
-      for i in range(ours.vocab_size):
-        text = ours.decode([i])  # specials decode to nothing: they need only exist there
-        same = (table.encode(text, add_special_tokens=False).ids == [i] if text
-                else i in ids)
-        if not same:
-          why = f"its id {i} ({text!r}) means other text there"
-          break
+    why = different_ids(ours, path)
     if why is not None:
       raise ConfigError(f"policy_dir={self.policy_dir!r} is invalid for this task: its "
                         f"tokenizer and the task's {type(ours).__name__} differ ({why}); the "
