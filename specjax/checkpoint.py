@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,18 @@ def _storage_fault(err: BaseException) -> bool:
                                       and bool(_STORAGE_FAULT.search(str(err))))
 
 
+_FAULT_NAMES = ("No space left on device", "Read-only file system", "Permission denied",
+                "Not a directory", "No such file or directory")
+
+
+def _fault_name(err: BaseException) -> str:
+  """The operating system's name of a storage fault (tensorstore buries it in a long text)."""
+  if isinstance(err, OSError) and err.errno:
+    return os.strerror(err.errno)
+  text = str(err)
+  return next((name for name in _FAULT_NAMES if name in text), "a storage fault")
+
+
 class _DropOrbaxErrors(logging.Filter):
   """Drops orbax's error records (its writer threads log each failure with a traceback before
   `save` re-raises it): the `CheckpointError` that follows names the cause once."""
@@ -78,6 +91,48 @@ def _quiet_orbax_errors():
     yield
   finally:
     logger.removeFilter(drop)
+
+
+class _DropAbandonedWrites(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" records of the orbax writes a storage
+  fault left behind: one per array, each a full traceback, after the save already failed."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not ("never retrieved" in text and bool(_STORAGE_FAULT.search(text)))
+
+
+def _abandoned_write(exc: BaseException | None) -> bool:
+  """Whether `exc`, raised where nothing can catch it, is an orbax write a failed save left:
+  its storage fault, a tensorstore callback into the event loop orbax has closed, or its
+  coroutine finalised as the interpreter exits."""
+  return exc is not None and (_storage_fault(exc)
+                              or (isinstance(exc, RuntimeError)
+                                  and str(exc) == "Event loop is closed")
+                              or (isinstance(exc, ImportError)
+                                  and "Python is likely shutting down" in str(exc)))
+
+
+_quieted = False
+
+
+def _quiet_abandoned_writes() -> None:
+  """Once a save fails on its storage, the writes orbax has in flight fail one by one in
+  its threads, as the save unwinds and at exit, each printing a traceback (a hundred on a
+  small state): the `CheckpointError` names the cause once, so those are dropped from the
+  first save on. Every other unraisable error and asyncio record still prints."""
+  global _quieted
+  if _quieted:
+    return
+  _quieted = True
+  logging.getLogger("asyncio").addFilter(_DropAbandonedWrites())
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _abandoned_write(unraisable.exc_value):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
 
 
 def _sha256(path: Path) -> str:
@@ -271,6 +326,7 @@ class Checkpointer:
     """
     _check_step(step, allow_none=False)
     _check_meta(meta)
+    _quiet_abandoned_writes()
     try:
       with _quiet_orbax_errors():
         saved = self._manager.save(step, args=ocp.args.Composite(
@@ -280,11 +336,12 @@ class Checkpointer:
       if not _storage_fault(err):
         raise
       self._drop_partial(step)
-      cause = str(err).splitlines()[0] if str(err) else ""
-      cause = cause if len(cause) <= 400 else cause[:400] + " ..."
+      detail = str(err).splitlines()[0] if str(err) else ""
+      if len(detail) > 400:  # tensorstore's texts run to kilobytes: keep the start and cause
+        detail = f"{detail[:400]} ...; {_fault_name(err)}"
       raise CheckpointError(
           f"checkpoint step {step} cannot be written to {self.directory} ({type(err).__name__}"
-          f": {cause}). Earlier checkpoints are intact; make the directory writable (and check "
+          f": {detail}). Earlier checkpoints are intact; make the directory writable (and check "
           "free space) or pass another one.") from None
     # One writer: every process sees the same finished step directory (orbax has synced
     # them), and two writers renaming over one manifest would be a needless race.

@@ -34,5 +34,10 @@ class RewardError(SpecjaxError, RuntimeError):
   """A Python reward function raised or returned a non-finite value; names task and sample."""
 
 
+class StorageError(SpecjaxError, OSError):
+  """A file a run writes that cannot be written (a full disk, a read-only file system, a
+  vanished directory); the message names the file and the cause, and what was kept."""
+
+
 class RunDirectoryInUse(SpecjaxError, RuntimeError):
   """A run directory that another live process owns; the message names its host and pid."""

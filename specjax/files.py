@@ -11,6 +11,7 @@ writers call `recover(path)` first (`save_hf`, `save_eagle3`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -21,9 +22,9 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from specjax.errors import CheckpointError, RunDirectoryInUse
+from specjax.errors import CheckpointError, RunDirectoryInUse, StorageError
 
 
 def backup_dirs(path: Path) -> list[Path]:
@@ -74,6 +75,20 @@ def fsync(path: Path) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+@contextlib.contextmanager
+def storage(path: str | os.PathLike, what: str) -> Iterator[None]:
+  """Writes to `path` (a run's `what`: "metrics file", "TensorBoard events", ...) whose
+  `OSError` (a full disk, a read-only file system, a vanished directory) becomes one
+  `StorageError` naming the file and the cause."""
+  try:
+    yield
+  except StorageError:
+    raise
+  except OSError as err:
+    cause = os.strerror(err.errno) if err.errno else str(err) or type(err).__name__
+    raise StorageError(f"the {what} {path} cannot be written: {cause}") from err
 
 
 def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:

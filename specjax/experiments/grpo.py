@@ -43,7 +43,7 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
-from specjax.errors import ConfigError
+from specjax.errors import ConfigError, StorageError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
 from specjax.experiments.measure import (evaluate, probe_acceptance, probe_room,
                                          rollout_arm_seconds, rollout_arms, rollout_costs,
@@ -53,7 +53,7 @@ from specjax.experiments.run_metrics import (jsonable, part_acceptance, plot_cur
                                              tensorboard_scalars)
 from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
-from specjax.files import DirectoryLock
+from specjax.files import DirectoryLock, storage
 from specjax.models.config import RUNTIME_FIELDS
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.hf import load_hf, save_hf
@@ -454,7 +454,8 @@ def _run(config: ExperimentConfig, log) -> dict:
     _check_finite(0, {}, state, config, last_checkpoint=None)
     ckpt.save(0, state, meta)
     if lead:
-      metrics_file.write_text("")
+      with storage(metrics_file, "metrics file"):
+        metrics_file.write_text("")
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
@@ -470,7 +471,8 @@ def _run(config: ExperimentConfig, log) -> dict:
       # Drop metrics logged after the checkpoint: those steps run again, identically (but
       # for a disaggregated run at policy_lag > 1: see ExperimentConfig.policy_lag).
       kept = kept_metrics(metrics_file, meta["step"], log)
-      metrics_file.write_text("".join(line + "\n" for line in kept))
+      with storage(metrics_file, "metrics file"):
+        metrics_file.write_text("".join(line + "\n" for line in kept))
   log(f"held-out accuracy before RL: greedy {meta['accuracy_before']:.3f}, sampled "
       f"{meta['sampled_accuracy_before']:.3f}")
 
@@ -490,45 +492,57 @@ def _run(config: ExperimentConfig, log) -> dict:
   arms = rollout_arms(config, reader.batch_at(0), costs)
   time_arms = _arm_timer(config, arms)
   position, last_checkpoint = meta["position"], meta["step"]
-  with contextlib.ExitStack() as files:
-    # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
-    # truncated last line (which resuming drops).
-    out = files.enter_context(open(metrics_file, "ab", buffering=0)) if lead else None
-    bar = files.enter_context(tqdm.trange(meta["step"], config.steps, desc="grpo",
-                                          initial=meta["step"], total=config.steps,
-                                          disable=not lead))
-    for step in bar:
-      start = time.perf_counter()
-      if disaggregated is None:
-        state, metrics = train_step(state, feed(position))
-      else:
-        metrics = disaggregated.step(reader.batch_at(position))
-        state = disaggregated.state()
-      metrics = jax.device_get(metrics)
-      elapsed = time.perf_counter() - start
-      samples = metrics.pop("samples", None)  # a fused step's first rows, for the log
-      _check_finite(step + 1, metrics, state, config, last_checkpoint)
-      position = reader.next_position(position)
-      record = {"step": step + 1, "position": position, **jsonable(metrics),
-                "step_time_s": elapsed,
-                "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
-      if time_arms is not None and (step + 1) % config.eval.arms_every == 0:
-        record |= time_arms(state, step + 1)
+  try:
+    with contextlib.ExitStack() as files:
+      # Unbuffered: each record reaches the file in one write, so a kill leaves at most a
+      # truncated last line (which resuming drops).
       if lead:
-        out.write((json.dumps(record) + "\n").encode())
-        lr = float(optimizer_schedule(step))
-        writer.scalars(step + 1, tensorboard_scalars(record, learning_rate=lr))
-        every = config.log.samples_every
-        if every and (step + 1) % every == 0:
-          shown = (reward.samples if getattr(reward, "samples", None)
-                   else _decoded_samples(samples, tok))
-          if shown:
-            writer.text(step + 1, "samples", _samples_text(shown))
-      bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
-                      accept=f"{record['acceptance_length']:.2f}")
-      if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
-        ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
-        last_checkpoint = step + 1
+        with storage(metrics_file, "metrics file"):
+          out = files.enter_context(open(metrics_file, "ab", buffering=0))
+      bar = files.enter_context(tqdm.trange(meta["step"], config.steps, desc="grpo",
+                                            initial=meta["step"], total=config.steps,
+                                            disable=not lead))
+      for step in bar:
+        start = time.perf_counter()
+        if disaggregated is None:
+          state, metrics = train_step(state, feed(position))
+        else:
+          metrics = disaggregated.step(reader.batch_at(position))
+          state = disaggregated.state()
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - start
+        samples = metrics.pop("samples", None)  # a fused step's first rows, for the log
+        _check_finite(step + 1, metrics, state, config, last_checkpoint)
+        position = reader.next_position(position)
+        record = {"step": step + 1, "position": position, **jsonable(metrics),
+                  "step_time_s": elapsed,
+                  "rollout_tokens_per_s": float(metrics["rollout_tokens"]) / elapsed}
+        if time_arms is not None and (step + 1) % config.eval.arms_every == 0:
+          record |= time_arms(state, step + 1)
+        if lead:
+          with storage(metrics_file, "metrics file"):
+            out.write((json.dumps(record) + "\n").encode())
+          lr = float(optimizer_schedule(step))
+          writer.scalars(step + 1, tensorboard_scalars(record, learning_rate=lr))
+          every = config.log.samples_every
+          if every and (step + 1) % every == 0:
+            shown = (reward.samples if getattr(reward, "samples", None)
+                     else _decoded_samples(samples, tok))
+            if shown:
+              writer.text(step + 1, "samples", _samples_text(shown))
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
+                        accept=f"{record['acceptance_length']:.2f}")
+        if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
+          ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
+          last_checkpoint = step + 1
+  except BaseException as err:
+    if writer is not None:
+      writer.abandon()
+    if isinstance(err, StorageError):
+      raise StorageError(f"{err}. The run stopped; its checkpoint step {last_checkpoint} in "
+                         f"{ckpt.directory} is intact: free space (or fix the directory) and "
+                         "rerun the same command to resume from it") from err
+    raise
   if lead:
     writer.close()
 
@@ -570,8 +584,10 @@ def _run(config: ExperimentConfig, log) -> dict:
                                                  for h in history[:5]]))
     summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
     summary |= part_acceptance(history)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curves(history, run_dir / "curves.png")
+    with storage(run_dir / "summary.json", "summary"):
+      (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with storage(run_dir / "curves.png", "plot"):
+      plot_curves(history, run_dir / "curves.png")
   ckpt.close()
   return summary
 
