@@ -24,6 +24,7 @@ from support import CyclingPolicy
 from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, FallbackDrafter,
                               GroupDrafter, MedusaDrafter, SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.drafters.history import HistoryDrafter, history_drafter
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
 from specjax.models import Eagle3Config, ModelConfig, forward, init_eagle3, init_params
 
@@ -119,6 +120,8 @@ def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier()
             config=TARGET):
   """Sample with a fixed `tree`, or with a `CyclingPolicy` that changes it every round."""
   target, draft = models
+  if history_drafter(drafter) is not None:
+    draft = _history_bank(history_drafter(drafter))
   prompts = jnp.tile(jnp.array([PROMPT]), (SAMPLES, 1))
   kwargs = {"speculation": tree} if isinstance(tree, CyclingPolicy) else {"tree": tree}
   out = generate(target, config, prompts, jnp.full((SAMPLES,), len(PROMPT)),
@@ -126,6 +129,15 @@ def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier()
                  drafter_params=draft, verifier=verifier, **kwargs)
   assert bool((out.lengths == NEW).all())
   return np.asarray(out.tokens), out.stats
+
+
+def _history_bank(drafter: HistoryDrafter):
+  """Earlier answers to PROMPT (and to another prompt, in the recent store) that a row's
+  first tokens sometimes continue and sometimes not."""
+  bank = drafter.new_bank(NEW)
+  prompts, lengths = jnp.array([PROMPT, [4, 4, 4]]), jnp.array([3, 3])
+  earlier = jnp.array([[4, 5, 6], [0, 0, 0], [2, 7, 1], [5, 5, 3]] * 2)
+  return bank.record(prompts, lengths, earlier, jnp.full((8,), NEW), group_size=4)
 
 
 SAMPLINGS = {"t1": SamplingConfig(1.0), "t07_topk_topp": SamplingConfig(0.7, top_k=5, top_p=0.9)}
@@ -143,6 +155,12 @@ CASES = {
     # Drafts from the other rows of each group of 4 (all rows answer the one prompt): what one
     # row drafts depends on what its siblings sampled.
     "group_chain": (GroupDrafter(group_size=4, min_ngram=1, max_ngram=2), DraftTree.chain(2)),
+    # Earlier answers to the prompt, the group's and recent ones draft (`_history_bank`).
+    "history_chain": (HistoryDrafter(group_size=4, min_ngram=1, max_ngram=2),
+                      DraftTree.chain(2)),
+    "history_medusa_chain": (FallbackDrafter(HistoryDrafter(group_size=4, min_ngram=1,
+                                                            max_ngram=2), MedusaDrafter()),
+                             DraftTree.chain(2)),
     # The group's whole drafts where it has them, Medusa's elsewhere, row by row.
     "group_medusa_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
                                                         max_ngram=2), MedusaDrafter()),
@@ -223,7 +241,8 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
-                                  "eagle3_sampled_chain", "sampled_switching", "group_chain"])
+                                  "eagle3_sampled_chain", "sampled_switching", "group_chain",
+                                  "history_chain"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
   if case.startswith("eagle3"):

@@ -50,56 +50,52 @@ class GroupState:
   rows: jax.Array
 
 
-def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int,
+def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority: jax.Array,
                  seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The continuation of the best match of each row's last `n` tokens in its group; with
-  `min_n`, of its longest suffix of `min_n` .. `n` tokens that matches anywhere in the group.
+  """The continuation of each row's longest suffix of `min_n` .. `n` tokens (`min_n` None:
+  `n` only) that occurs in one of its candidate texts.
 
-  A sibling's match may sit anywhere with a token after it; the row's own must end before its
-  suffix starts. A longer match beats a shorter one; among equally long ones a match in a
-  sibling beats one in the row itself, and then the one closest to the row's own position
-  wins (responses to one prompt run in parallel, so the aligned occurrence is the likely one).
+  A candidate's match may sit anywhere with a token after it; in the row's own text (`own`) it
+  must end before the suffix starts. A longer match beats a shorter one; among equally long
+  ones the higher `priority` wins, and then the match closest to the row's own position
+  (texts that answer one prompt run in parallel, so the aligned occurrence is the likely one).
 
   Candidates are indexed by q, the position their continuation starts at: a suffix of m tokens
   matches there when `cand[q - i] == seq[seq_len - i]` for i = 1 .. m, so the matches of every
   suffix length come from one pass over i (each length's the running AND of the first ones).
 
   Args:
-    bank, bank_len: `[B0, L]`, `[B0]` the texts of every row of the call.
-    rows: `[B]` the current rows' indices in the bank; `seq [B, L]`, `seq_len [B]` their texts.
-    n, min_n: the longest and the shortest suffix tried (`min_n` None: `n` only).
+    cand, cand_len: `[B, C, L]`, `[B, C]` each row's C candidate texts and their lengths (0:
+      an absent candidate, which matches nothing).
+    own: `[B, C]` which candidate is the row's own text; `priority`: `[B, C]` ints in
+      [0, 4), the tie-break between candidates of one match length.
+    seq, seq_len: `[B, L]`, `[B]` the rows' texts.
 
   Returns:
     `(found [B], tokens [B, k], valid [B, k])`: the continuation and which of its tokens
     exist (a match near the end of a text has fewer than k after it).
   """
   min_n = n if min_n is None else min_n
-  b, l = seq.shape
-  g = group_size
-  members = (rows // g)[:, None] * g + jnp.arange(g)[None, :]  # [B, G] bank rows of the group
-  present = members < bank.shape[0]  # a batch of partial groups has fewer members at its end
-  members = jnp.minimum(members, bank.shape[0] - 1)
-  cand = bank[members]  # [B, G, L]
-  cand_len = jnp.where(present, bank_len[members], 0)  # [B, G]; an absent member matches nothing
-  own = (members == rows[:, None]) & present  # [B, G]
+  b, c, l = cand.shape
   q = jnp.arange(l)[None, None, :]
   ends = jnp.where(own, jnp.minimum(cand_len, seq_len[:, None]), cand_len)
   # A token follows the match; the row's own match ends before its suffix starts.
   usable = (q < ends[:, :, None]) & (~own[:, :, None] | (q < seq_len[:, None, None]))
   run = usable
-  longest = jnp.zeros((b, g, l), jnp.int32)  # the longest matching suffix length, 0: none
+  longest = jnp.zeros((b, c, l), jnp.int32)  # the longest matching suffix length, 0: none
   for i in range(1, n + 1):
     want = jnp.take_along_axis(seq, jnp.maximum(seq_len - i, 0)[:, None], axis=1)  # [B, 1]
     run &= (jnp.roll(cand, i, axis=2) == want[:, :, None]) & (q >= i)
     run &= (seq_len >= i)[:, None, None]
     if i >= min_n:
       longest = jnp.where(run, i, longest)
-  # Longer first; then siblings (scores above l), then nearest to the row's own position:
-  # within one length a score lies in [0, 2 l], so lengths are tiers 2 l + 1 apart.
+  # Longer first; then priority, then nearest to the row's own position: within one length
+  # and priority a score lies in [0, l], so priorities are tiers l + 1 apart and lengths
+  # 4 (l + 1).
   distance = jnp.abs(q - seq_len[:, None, None])
-  score = longest * (2 * l + 1) + jnp.where(own[:, :, None], l - distance, 2 * l - distance)
-  score = jnp.where(longest > 0, score, -1).reshape(b, g * l)
+  score = longest * (4 * (l + 1)) + priority[:, :, None] * (l + 1) + (l - distance)
+  score = jnp.where(longest > 0, score, -1).reshape(b, c * l)
   best = jnp.argmax(score, axis=1)
   found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
   member, start = best // l, best % l
@@ -109,6 +105,33 @@ def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_si
   valid = found[:, None] & (idx < end[:, None])
   tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
   return found, tokens, valid
+
+
+def group_candidates(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each row's group as `suffix_match` candidates: `(cand [B, G, L], cand_len [B, G],
+  own [B, G])`, the texts of the bank rows of its group (a batch of partial groups has fewer
+  members at its end: those are absent)."""
+  g = group_size
+  members = (rows // g)[:, None] * g + jnp.arange(g)[None, :]  # [B, G] bank rows of the group
+  present = members < bank.shape[0]
+  members = jnp.minimum(members, bank.shape[0] - 1)
+  cand_len = jnp.where(present, bank_len[members], 0)
+  return bank[members], cand_len, (members == rows[:, None]) & present
+
+
+def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int,
+                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`suffix_match` over each row's group: its siblings (preferred) and its own text.
+
+  Args:
+    bank, bank_len: `[B0, L]`, `[B0]` the texts of every row of the call.
+    rows: `[B]` the current rows' indices in the bank; `seq [B, L]`, `seq_len [B]` their texts.
+    n, min_n, k: as `suffix_match`.
+  """
+  cand, cand_len, own = group_candidates(bank, bank_len, rows, group_size)
+  return suffix_match(cand, cand_len, own, jnp.where(own, 0, 1), seq, seq_len, n, k, min_n)
 
 
 def group_sizes(drafter: Drafter | None) -> tuple[int, ...]:

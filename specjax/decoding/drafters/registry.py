@@ -20,6 +20,7 @@ from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.drafters.fallback import FallbackDrafter
 from specjax.decoding.drafters.group import GroupDrafter
+from specjax.decoding.drafters.history import HistoryDrafter
 from specjax.decoding.drafters.medusa import MedusaDrafter
 from specjax.decoding.drafters.mtp import MTPDrafter
 from specjax.decoding.drafters.ngram import NGramDrafter
@@ -73,6 +74,12 @@ _BUILDERS: dict[str, Builder] = {
     "group+mtp": lambda source: (FallbackDrafter(GroupDrafter(min_ngram=CONFIDENT_NGRAM,
                                                               max_ngram=2 * CONFIDENT_NGRAM),
                                                  MTPDrafter()), None),
+    # Earlier responses to the same prompt (a GRPO run's train state keeps the bank), then the
+    # group's and recent responses; in front of MTP, whole drafts from confident matches only.
+    "history": lambda source: (HistoryDrafter(), None),
+    "history+mtp": lambda source: (FallbackDrafter(HistoryDrafter(min_ngram=CONFIDENT_NGRAM,
+                                                                  max_ngram=2 * CONFIDENT_NGRAM),
+                                                   MTPDrafter()), None),
     "draft-model": _draft_model,
     "eagle3": _eagle3,
 }
