@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 
 from specjax.checks import is_int
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
+from specjax.decoding.drafters.history import history_drafter
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
 from specjax.models.lora import LoraAdapters, merged_policy
@@ -119,6 +120,10 @@ class DisaggregatedAsync:
       raise ConfigError(f"the rollout and train meshes share devices "
                         f"{sorted(d.id for d in shared)}; disaggregated mode needs disjoint "
                         "device sets (for one set, use the fused async step)")
+    if history_drafter(config.rollout.drafter) is not None:
+      raise ConfigError("DisaggregatedAsync does not carry a history bank to its rollout mesh "
+                        "yet: with a HistoryDrafter use the fused async step (pipeline."
+                        "disaggregated off)")
     if jax.process_count() > 1:
       raise ConfigError("DisaggregatedAsync runs in one process; with several processes use "
                         "the fused async step (`specjax.rl.sharded_train_step`)")

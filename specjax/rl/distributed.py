@@ -95,7 +95,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
     draft vocabulary map `d2t [W]` replicated; (a draft model): its parameters by
     `param_axes` of its config, and its optimizer state (when distilled online) likewise.
   - pending (async mode): rows `[B, ...]` over the "batch" axes, statistics replicated.
-  - step, key, acceptance (the speculation policy's counts): replicated.
+  - step, key, acceptance (the speculation policy's counts), history (the history drafter's
+    bank, read whole by every row's drafts): replicated.
 
   Pass the result as `jit`'s `in_shardings`/`out_shardings` of the step, to `jax.device_put`
   (or `distribute`), or as the shardings of the abstract state a checkpoint is restored into.
@@ -136,7 +137,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, config: TrainConfig,
       pending=None if state.pending is None else rollout_shardings(state.pending, mesh, rules),
       drafter=drafter,
       acceptance=jax.tree.map(lambda _: replicated(mesh), state.acceptance),
-      adapters=adapters)
+      adapters=adapters,
+      history=jax.tree.map(lambda _: replicated(mesh), state.history))
 
 
 def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from specjax.decoding import generate
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
+from specjax.decoding.drafters.history import HistoryBank
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.models.params import Params
 from specjax.rl.losses import group_advantages
@@ -74,6 +75,19 @@ def rollout(params: Params, config: TrainConfig, prompts: jax.Array, prompt_leng
                  drafter_stats=out.stats.drafter)
   return roll, out.tokens, out.lengths, out.stats.acceptance
 
+
+
+def recorded(bank: HistoryBank | None, config: TrainConfig, prompts: jax.Array,
+             prompt_lengths: jax.Array, roll: Rollout) -> HistoryBank | None:
+  """`bank` after the rollout `roll` of `prompts [B / G, P]` (`prompt_lengths [B / G]`): every
+  response recorded (`HistoryBank.record`); None when the run keeps no bank."""
+  if bank is None:
+    return None
+  g = config.grpo.group_size
+  starts = jnp.repeat(prompt_lengths, g)[:, None]
+  at = starts + jnp.arange(config.rollout.max_new_tokens)[None, :]
+  responses = jnp.take_along_axis(roll.tokens, jnp.minimum(at, roll.tokens.shape[1] - 1), 1)
+  return bank.record(prompts, prompt_lengths, responses, roll.lengths, g)
 
 
 def rollout_samples(roll: Rollout, rows: int) -> dict[str, jax.Array]:

@@ -26,7 +26,9 @@ from specjax.decoding import Adaptive
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
+from specjax.decoding.drafters.fallback import FallbackDrafter
 from specjax.decoding.drafters.group import group_sizes
+from specjax.decoding.drafters.history import HistoryBank, history_drafter
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
@@ -41,6 +43,13 @@ from specjax.rl.losses import GRPOConfig
 # {name: [B]} per function)`.
 RewardFn = Callable[[jax.Array, jax.Array, jax.Array], Any]
 
+
+
+def _parts(drafter: Drafter | None) -> list[Drafter]:
+  """`drafter` itself, or the drafters a `FallbackDrafter` combines, all the way down."""
+  if isinstance(drafter, FallbackDrafter):
+    return _parts(drafter.primary) + _parts(drafter.fallback)
+  return [] if drafter is None else [drafter]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +199,13 @@ class TrainConfig:
         raise ConfigError(f"GroupDrafter(group_size={g}) does not match grpo.group_size="
                           f"{self.grpo.group_size}: a rollout's rows are the G answers to each "
                           "prompt, consecutive (1: each row drafts from itself)")
+    weighted = (Eagle3Drafter, DraftModelDrafter)
+    if history_drafter(self.rollout.drafter) is not None and any(
+        isinstance(part, weighted) for part in _parts(self.rollout.drafter)):
+      raise ConfigError("a HistoryDrafter reads the train state's history bank as its "
+                        "drafter_params, which a draft model or an EAGLE-3 head in the same "
+                        "rollout drafter would need for its weights: use history alone or "
+                        "history+mtp")
     if self.lora is not None and not isinstance(self.lora, LoraConfig):
       raise ConfigError(f"lora={self.lora!r} is invalid: must be a LoraConfig(rank=, alpha=, "
                         "targets=) or None")
@@ -318,6 +334,8 @@ class TrainState:
       starts from, scaled by `RolloutConfig.acceptance_carry` (None when that is 0).
     adapters: with `TrainConfig.lora`, the trained LoRA adapters of the frozen `params`
       (`policy` is the two merged); None otherwise.
+    history: with a `HistoryDrafter` rollout, the bank of earlier responses it drafts from,
+      recorded after every rollout (None otherwise).
   """
 
   params: Params
@@ -329,6 +347,7 @@ class TrainState:
   drafter: DrafterTrainState | None = None
   acceptance: AcceptanceCounts | None = None
   adapters: LoraAdapters | None = None
+  history: HistoryBank | None = None
 
   @property
   def trainable(self) -> Params | LoraAdapters:
@@ -396,8 +415,10 @@ def init_train_state(config: TrainConfig, params: Params, optimizer: optax.Gradi
   if rc.acceptance_carry:
     menu = rc.speculation.menu
     acceptance = AcceptanceCounts.zeros(len(menu), max(rc.speculation.depth, 1))
+  reads_history = history_drafter(rc.drafter)
+  history = None if reads_history is None else reads_history.new_bank(rc.max_new_tokens)
   trained = params if adapters is None else adapters
   return TrainState(params=params, opt_state=optimizer.init(trained), ref_params=ref,
                     step=jnp.zeros((), jnp.int32),
                     key=jax.random.key_data(jax.random.key(seed)), drafter=drafter,
-                    acceptance=acceptance, adapters=adapters)
+                    acceptance=acceptance, adapters=adapters, history=history)

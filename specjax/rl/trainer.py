@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
 from specjax.models.lora import merged_policy
-from specjax.rl.rollouts import (rollout, rollout_metrics, rollout_samples, score,
+from specjax.rl.rollouts import (recorded, rollout, rollout_metrics, rollout_samples, score,
                                  scored_rollout)
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.updates import update
@@ -65,10 +65,17 @@ def _with_acceptance(state: TrainState, acceptance: AcceptanceCounts) -> TrainSt
 
 def _state_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array,
                    reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
-  """`scored_rollout` by the state's policy and drafter, and the state with its counts."""
-  roll, acceptance = scored_rollout(state.policy, state.drafter_weights, state.acceptance,
+  """`scored_rollout` by the state's policy and drafter, and the state with its counts and,
+  with a history drafter, its bank with the rollout recorded."""
+  roll, acceptance = scored_rollout(state.policy, _drafter_params(state), state.acceptance,
                                     config, batch, key, reward_fn, pad_id)
-  return roll, _with_acceptance(state, acceptance)
+  history = recorded(state.history, config, batch.tokens, batch.lengths, roll)
+  return roll, _with_acceptance(state, acceptance).replace(history=history)
+
+
+def _drafter_params(state: TrainState) -> Any:
+  """What the rollout's drafter reads: the history bank, or the drafter's own weights."""
+  return state.drafter_weights if state.history is None else state.history
 
 
 
@@ -143,8 +150,10 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
     return rollout(merged_policy(params, adapters), config, tokens, lengths, key, pad_id,
                    drafter_params, acceptance, check_values=False)
 
-  def update_step(state, roll, rewards, key, next_key):
+  def update_step(state, roll, rewards, key, next_key, prompts, prompt_lengths):
     roll = score(config, roll, rewards)
+    state = state.replace(history=recorded(state.history, config, prompts, prompt_lengths,
+                                           roll))
     state, metrics = update(state, config, optimizer, roll, key)
     return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
@@ -159,12 +168,13 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
         scope.enter_context(jax.sharding.set_mesh(mesh))
       roll, responses, lengths, acceptance = rollout_fn(
           state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
-          state.drafter_weights,
+          _drafter_params(state),
           state.acceptance)
       scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
       rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
       state, metrics = update_fn(_with_acceptance(state, acceptance), roll,
-                                 np.asarray(rewards, np.float32), k_update, key)
+                                 np.asarray(rewards, np.float32), k_update, key,
+                                 batch.tokens, batch.lengths)
     return state, {**metrics, **extra}
 
   return step

@@ -153,13 +153,21 @@ def test_a_prompt_answered_before_is_answered_again_in_whole_chains():
     assert float(cold.stats.tokens_per_round) < float(again.stats.tokens_per_round) - 1
 
 
-def test_a_history_drafter_without_its_bank_is_refused_by_name():
+def test_a_history_drafter_given_no_bank_drafts_from_its_group_and_another_thing_is_refused():
   params = init_params(CONFIG, jax.random.key(0))
   prompts, lengths = _prompts()
+  kwargs = dict(max_new_tokens=12, sampling=GREEDY, tree=DraftTree.chain(2))
+  alone = generate(params, CONFIG, prompts, lengths, jax.random.key(0),
+                   drafter=HistoryDrafter(), **kwargs)
+  empty = generate(params, CONFIG, prompts, lengths, jax.random.key(0),
+                   drafter=HistoryDrafter(), drafter_params=HistoryDrafter().new_bank(12),
+                   **kwargs)
+  np.testing.assert_array_equal(alone.tokens, empty.tokens)
+  np.testing.assert_array_equal(alone.stats.row_rounds, empty.stats.row_rounds)
   with pytest.raises(ConfigError, match=r"HistoryDrafter drafts from earlier responses: pass "
-                                        r"drafter_params=<a HistoryBank>.*not NoneType"):
-    generate(params, CONFIG, prompts, lengths, jax.random.key(0), max_new_tokens=4,
-             drafter=HistoryDrafter(), tree=DraftTree.chain(2))
+                                        r"drafter_params=<a HistoryBank>.*not dict"):
+    generate(params, CONFIG, prompts, lengths, jax.random.key(0), drafter=HistoryDrafter(),
+             drafter_params={"tokens": 1}, **kwargs)
   with pytest.raises(ConfigError, match=r"HistoryDrafter\(slots=0\) is invalid"):
     HistoryDrafter(slots=0)
   with pytest.raises(ConfigError, match=r"HistoryBank width=0 is invalid"):

@@ -179,7 +179,7 @@ _SAME_PROMPT, _SIBLING, _OWN, _RECENT = 3, 2, 1, 0
 @dataclasses.dataclass(frozen=True)
 class HistoryDrafter(GroupDrafter):
   """Drafts from its prompt's earlier responses, its group and recent responses (module
-  docstring); `drafter_params` is the `HistoryBank`.
+  docstring); `drafter_params` is the `HistoryBank` (None: an empty one).
 
   Attributes:
     group_size, max_ngram, min_ngram: as `GroupDrafter`.
@@ -206,17 +206,20 @@ class HistoryDrafter(GroupDrafter):
     return HistoryBank.create(self.slots, self.per_prompt, self.recent, width)
 
   def check_params(self, drafter_params: Any) -> None:
-    if not isinstance(drafter_params, HistoryBank):
+    if drafter_params is not None and not isinstance(drafter_params, HistoryBank):
       raise ConfigError(f"HistoryDrafter drafts from earlier responses: pass "
                         f"drafter_params=<a HistoryBank> (HistoryDrafter.new_bank(width), "
                         f"filled by HistoryBank.record; a GRPO run keeps one in its train "
-                        f"state), not {type(drafter_params).__name__}")
+                        f"state) or None (no earlier responses), not "
+                        f"{type(drafter_params).__name__}")
 
   def init(self, params, config, drafter_params, ctx: DraftContext, tree, max_len, prompt, *,
            plain_rounds=False) -> HistoryState:
     self.check_params(drafter_params)
-    bank: HistoryBank = drafter_params
     b, l = ctx.seq.shape
+    # None: nothing answered before (a held-out probe, a calibration); the group drafts alone.
+    bank: HistoryBank = (self.new_bank(max(l - prompt.hidden.shape[1], 1))
+                         if drafter_params is None else drafter_params)
     prompt_len = ctx.seq_len - 1  # the sequence is the prompt and the first token
     keys = prompt_keys(ctx.seq, prompt_len)
     slot = bank.slot_of(keys)
