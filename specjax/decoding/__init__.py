@@ -28,8 +28,9 @@ __all__ = [
     "DraftModelDrafter", "DraftModelState", "DraftSource", "DraftTree", "Eagle3Drafter",
     "Eagle3State", "Eagle3Weights", "generate", "GenerationResult", "GenerationStats",
     "FallbackDrafter", "FallbackState", "GroupDrafter", "GroupState", "HistoryBank",
-    "HistoryDrafter", "HistoryState", "LosslessVerifier", "MedusaDrafter", "MTPDrafter", "MTPState", "needs_checkpoint",
-    "NGramDrafter", "NoState", "processed_logprobs", "Proposal", "register_drafter",
-    "reported_logprobs", "round_parts", "RoundParts", "RoundResult", "SamplingConfig",
-    "TargetFeatures", "Verifier", "verify", "verify_matching", "verify_sampled", "VerifyResult",
+    "HistoryDrafter", "HistoryState", "LosslessVerifier", "MedusaDrafter", "MTPDrafter",
+    "MTPState", "needs_checkpoint", "NGramDrafter", "NoState", "processed_logprobs",
+    "Proposal", "register_drafter", "reported_logprobs", "round_parts", "RoundParts",
+    "RoundResult", "SamplingConfig", "TargetFeatures", "Verifier", "verify", "verify_matching",
+    "verify_sampled", "VerifyResult",
 ]

@@ -45,12 +45,13 @@ from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
 from specjax.errors import ConfigError, StorageError
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
-from specjax.experiments.measure import (evaluate, probe_acceptance, probe_room,
-                                         rollout_arm_seconds, rollout_arms, rollout_costs,
-                                         rollout_speedup, simulated_speedup)
+from specjax.experiments.measure import (acceptance_arms, arm_acceptance, evaluate,
+                                         probe_acceptance, probe_room, rollout_arm_seconds,
+                                         rollout_arms, rollout_costs, rollout_speedup,
+                                         simulated_speedup)
 from specjax.experiments.metrics_log import MetricsLog
-from specjax.experiments.run_metrics import (jsonable, part_acceptance, plot_curves,
-                                             tensorboard_scalars)
+from specjax.experiments.run_metrics import (arm_summary, jsonable, part_acceptance,
+                                             plot_curves, tensorboard_scalars)
 from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock, storage
@@ -459,7 +460,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   else:
     state, meta, step = restored
     log(f"resumed from {ckpt.directory} at step {step}")
-    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights})
+    local = local_copy({"params": _policy(state), "drafter": state.rollout_drafter_params})
     costs = _shared_costs(lambda: rollout_costs(local["params"], config, reader.batch_at(0),
                                                 local["drafter"], log))
     tc = config.train_config(costs=costs)
@@ -490,7 +491,7 @@ def _run(config: ExperimentConfig, log) -> dict:
     log("compiling the GRPO step (the first step's time includes it)")
   # One set of rollout arms for the timings along training and the final measurement.
   arms = rollout_arms(config, reader.batch_at(0), costs)
-  time_arms = _arm_timer(config, arms)
+  time_arms = _arm_timer(config, arms, reader.batch_at(0))
   position, last_checkpoint = meta["position"], meta["step"]
   try:
     with contextlib.ExitStack() as files:
@@ -548,7 +549,7 @@ def _run(config: ExperimentConfig, log) -> dict:
 
   log(f"evaluating the trained policy on {len(test_records)} held-out prompts, then timing "
       "its rollouts speculative vs plain")
-  final = local_copy({"params": _policy(state), "drafter": state.drafter_weights,
+  final = local_copy({"params": _policy(state), "drafter": state.rollout_drafter_params,
                       "acceptance": state.acceptance})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
@@ -583,7 +584,7 @@ def _run(config: ExperimentConfig, log) -> dict:
     summary["acceptance_first"] = float(np.mean([h["acceptance_length"]
                                                  for h in history[:5]]))
     summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
-    summary |= part_acceptance(history)
+    summary |= part_acceptance(history) | arm_summary(history)
     with storage(run_dir / "summary.json", "summary"):
       (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     with storage(run_dir / "curves.png", "plot"):
@@ -592,19 +593,22 @@ def _run(config: ExperimentConfig, log) -> dict:
   return summary
 
 
-def _arm_timer(config: ExperimentConfig, arms: dict[str, Any]):
-  """With `eval.arms_every`, a `(state, step) -> {rollout_s_<arm>: seconds}` that times one
-  call of each of `arms` (`rollout_arms`) on the state's policy (every process calls it: the
-  policy is gathered); the first call compiles the arms untimed. None without."""
+def _arm_timer(config: ExperimentConfig, arms: dict[str, Any], batch):
+  """With `eval.arms_every`, a `(state, step) -> {rollout_s_<arm>: seconds, ...}` that times
+  one call of each of `arms` (`rollout_arms`) on the state's policy (every process calls it:
+  the policy is gathered), the first call compiling the arms untimed, and measures the
+  acceptance of each of `eval.arm_drafters` on `batch` (`arm_acceptance`). None without."""
   if not config.eval.arms_every:
     return None
   compiled = []
+  probes = acceptance_arms(config, batch) if config.eval.arm_drafters else {}
 
   def time_arms(state: TrainState, step: int) -> dict[str, float]:
-    local = local_copy({"params": _policy(state), "drafter": state.drafter_weights,
-                        "acceptance": state.acceptance})
+    local = local_copy({"params": _policy(state), "drafter": state.rollout_drafter_params,
+                        "acceptance": state.acceptance, "history": state.history})
     args = (arms, local["params"], local["drafter"], jax.random.key(step), local["acceptance"])
     if not compiled:
       compiled.append(rollout_arm_seconds(*args))
-    return rollout_arm_seconds(*args)
+    return rollout_arm_seconds(*args) | arm_acceptance(
+        probes, local["params"], local["history"], jax.random.fold_in(jax.random.key(step), 1))
   return time_arms

@@ -24,6 +24,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
                               DraftTree, Eagle3Drafter, SamplingConfig, build_drafter,
                               check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.decoding.drafters.group import with_group_size
+from specjax.decoding.drafters.history import history_drafter, with_bank_sizes
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.experiments.metrics_log import Logging
@@ -161,6 +162,11 @@ class Drafting:
       online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6; its loss is the KL
       divergence from the policy's next-token distributions, times `loss_weight`); 0 keeps
       it frozen. The trained draft model is saved as `run_dir/draft_model` at the end.
+    history_slots, history_per_prompt, history_recent: with a history drafter ("history",
+      "history+mtp"), the bank the train state keeps: prompts (a hashed slot each; a prompt
+      evicts the one its slot held), the latest answers kept per prompt, and the latest
+      answers of any prompt (`specjax.decoding.HistoryBank`). Set slots to at least the
+      training prompts, or prompts that come back may find their slot taken.
   """
 
   name: str = "mtp"
@@ -175,9 +181,14 @@ class Drafting:
   distill_task: ArithmeticTask | None = None
   checkpoint: str | None = None
   draft_model_learning_rate: float = 0.0
+  history_slots: int = 4096
+  history_per_prompt: int = 4
+  history_recent: int = 8
 
   def __post_init__(self):
     check_drafter_name(self.name)
+    require_ints(self, ("history_slots", "history_per_prompt"), 1, "drafter.")
+    require_ints(self, ("history_recent",), 0, "drafter.")
     usable = [n for n in drafter_names() if n in ("eagle3", DRAFT_MODEL)
               or not needs_checkpoint(n)]
     require_field(self, "name", self.name in usable,
@@ -253,15 +264,36 @@ class RolloutEvaluation(Evaluation):
       speculative, and plain without compaction when the rollout compacts) on the current
       policy and the first batch, logged as `rollout_s_<arm>` and plotted in `curves.png`:
       what speculation and compaction buy as the policy trains. 0: only after training.
+    arm_drafters: drafters whose acceptance is measured along training, every `arms_every`
+      steps: each drafts a fixed chain of the rollout's depth on the first batch, sampled as
+      the rollout is, from the train state (the policy's heads, the history bank), logged as
+      `arm_acceptance_<name>` (tokens per row-round, all rounds) and
+      `arm_tail_acceptance_<name>` (the longest quarter of the rows: those the tail rounds
+      run). Whether speculation would pay, and with which drafter, even where the adaptive
+      policy decodes plainly. Drafters with weights of their own are not measured here; a
+      history drafter needs the run's own drafter to keep a bank (`drafter.name` history or
+      history+mtp).
   """
 
   speedup_seconds: float = 2.0
   arms_every: int = 0
+  arm_drafters: tuple[str, ...] = ()
 
   def __post_init__(self):
     super().__post_init__()
     require_reals(self, ("speedup_seconds",), positive=False, prefix="eval.")
     require_ints(self, ("arms_every",), 0, "eval.")
+    if isinstance(self.arm_drafters, (list, str)):  # JSON and tyro give lists; one name
+      names = [self.arm_drafters] if isinstance(self.arm_drafters, str) else self.arm_drafters
+      object.__setattr__(self, "arm_drafters", tuple(names))
+    require_field(self, "arm_drafters", isinstance(self.arm_drafters, tuple)
+                  and len(set(self.arm_drafters)) == len(self.arm_drafters),
+                  "must be a tuple of distinct drafter names", "eval.")
+    for name in self.arm_drafters:
+      check_drafter_name(name, "eval.arm_drafters")
+      require_field(self, "arm_drafters", name != "none" and not needs_checkpoint(name),
+                    f"{name!r} cannot be measured along training: allowed drafters without "
+                    "weights of their own, e.g. mtp, group, history, history+mtp", "eval.")
 
 
 # The built-in arithmetic policy (what a run trains from scratch without `policy_dir`).
@@ -388,6 +420,8 @@ class ExperimentConfig:
                   f"drafter {self.drafter.name!r} drafts a tree of at least one depth, e.g. "
                   "(1, 1): a chain of 2 (for plain rollouts set drafter.name 'none')",
                   "rollout.")
+    if self.eval.arm_drafters:
+      self._check_arm_drafters()
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
     if self.drafter.name == DRAFT_MODEL:
       self._check_draft_model()
@@ -404,6 +438,26 @@ class ExperimentConfig:
                           f"{self.policy_dir!r}: {err}. A checkpoint without draft heads "
                           "drafts with 'ngram', 'eagle3' (a head distilled from the policy, "
                           "or drafter.eagle3_dir) or 'none'") from None
+
+  def _check_arm_drafters(self) -> None:
+    require_field(self.eval, "arm_drafters", self.eval.arms_every > 0,
+                  "are measured every eval.arms_every steps: set eval.arms_every >= 1",
+                  "eval.")
+    own = self.drafter.name
+    keeps_bank = own not in ("none", "eagle3", DRAFT_MODEL) and history_drafter(
+        build_drafter(own, DraftSource(self.model))[0]) is not None
+    for name in self.eval.arm_drafters:
+      drafter = build_drafter(name, DraftSource(self.model))[0]
+      require_field(self.eval, "arm_drafters",
+                    history_drafter(drafter) is None or keeps_bank,
+                    f"{name!r} drafts from the run's history bank, which only a run whose "
+                    "own drafter reads it keeps: set drafter.name 'history' or 'history+mtp'",
+                    "eval.")
+      try:
+        drafter.validate(self.model, self.tree)
+      except ConfigError as err:
+        raise ConfigError(f"eval.arm_drafters: {name!r} cannot draft this run's tree: "
+                          f"{err}") from None
 
   def _take_policy_model(self) -> None:
     """`model` from `policy_dir`'s config.json (the default `model` replaced; another one is
@@ -514,7 +568,10 @@ class ExperimentConfig:
       draft = DraftModelDrafter(self.draft_model_config())
     else:
       draft = build_drafter(drafter, DraftSource(self.model))[0]
-    draft = with_group_size(draft, self.grpo.group_size)
+    draft = with_bank_sizes(with_group_size(draft, self.grpo.group_size),
+                            slots=self.drafter.history_slots,
+                            per_prompt=self.drafter.history_per_prompt,
+                            recent=self.drafter.history_recent)
     tree, speculation = None, None
     if draft is not None and self.rollout.speculation == "adaptive":
       speculation = self.adaptive(costs)

@@ -23,6 +23,7 @@ from specjax.decoding import (AcceptanceCounts, CostTable, Eagle3Weights, Sampli
                               generate)
 from specjax.decoding.calibrate import default_cache_dir
 from specjax.decoding.drafters.group import with_group_size
+from specjax.decoding.drafters.history import history_drafter
 from specjax.decoding.inputs import check_prompt_values
 from specjax.decoding.loop_state import compaction_buckets
 from specjax.errors import ConfigError
@@ -43,7 +44,8 @@ from specjax.timing import interleaved
 # Group drafting is a lookup in text, free like n-gram drafting; with MTP behind it a round
 # costs MTP's drafting.
 _SIM_DRAFTERS = {"mtp": "mtp", "eagle3": "eagle3", "draft-model": "draft-model",
-                 "ngram": "ngram", "group": "ngram", "group+mtp": "mtp"}
+                 "ngram": "ngram", "group": "ngram", "group+mtp": "mtp", "history": "ngram",
+                 "history+mtp": "mtp"}
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
@@ -214,6 +216,49 @@ def rollout_arms(config: ExperimentConfig, batch, costs: CostTable | None = None
     # checks per call (milliseconds, and more for the speculative arm's) in its timing.
     arms[name] = jax.jit(arm)
   return arms
+
+
+def acceptance_arms(config: ExperimentConfig, batch) -> dict[str, Any]:
+  """For each drafter of `config.eval.arm_drafters`, a compiled `(params, bank, key) ->
+  (all [], tail [])` that drafts a fixed chain of the rollout's tree on `batch` (B = prompts x
+  G rows, sampled as the rollout is, the rollout's compaction): its tokens per row-round over
+  all rounds, and over the longest quarter of the rows (the rows the tail rounds run; their
+  own rounds, all of them). `bank` is the train state's `HistoryBank` (None without): the
+  history drafters read it, the others ignore it."""
+  g = config.grpo.group_size
+  tokens = jnp.repeat(batch.tokens, g, 0)
+  lengths = jnp.repeat(batch.lengths, g, 0)
+  check_prompt_values(batch.tokens, batch.lengths, vocab_size=config.model.vocab_size,
+                      shortest=1)
+  fixed = config.fixed_tree()
+  arms = {}
+  for name in config.eval.arm_drafters:
+    rc = fixed.train_config(name).rollout
+
+    def arm(params, bank, key, rc=rc):
+      reads = history_drafter(rc.drafter) is not None
+      out = generate(params, config.model, tokens, lengths, key,
+                     max_new_tokens=rc.max_new_tokens, sampling=rc.sampling,
+                     drafter=rc.drafter, tree=rc.tree, eos_id=rc.eos_id,
+                     compaction=rc.compaction, drafter_params=bank if reads else None,
+                     check_values=False)
+      rounds, emitted = out.stats.row_rounds, jnp.maximum(out.lengths - 1, 0)
+      longest = jnp.argsort(-rounds)[:max(rounds.shape[0] // 4, 1)]
+      tail = emitted[longest].sum() / jnp.maximum(rounds[longest].sum(), 1)
+      return out.stats.tokens_per_round, tail.astype(jnp.float32)
+    arms[name] = jax.jit(arm)
+  return arms
+
+
+def arm_acceptance(arms: dict[str, Any], params, bank, key: jax.Array) -> dict[str, float]:
+  """One call of each of `acceptance_arms` on the current policy (and history `bank`, or
+  None): `arm_acceptance_<name>` and `arm_tail_acceptance_<name>`."""
+  out = {}
+  for name, arm in arms.items():
+    every, tail = jax.device_get(arm(params, bank, key))
+    out[f"arm_acceptance_{name}"] = float(every)
+    out[f"arm_tail_acceptance_{name}"] = float(tail)
+  return out
 
 
 def rollout_arm_seconds(arms: dict[str, Any], params, drafter_params, key: jax.Array,

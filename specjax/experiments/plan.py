@@ -395,8 +395,9 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
       weights = state.drafter.weights
       grads += _bytes(weights.params if isinstance(weights, Eagle3Weights) else weights)
   # The step reads the prompts' tokens, lengths and answers (jit drops the unread `index`).
-  other = _bytes((state.step, state.key, state.pending, state.acceptance, batch.tokens,
-                  batch.lengths, batch.answers))
+  # A history drafter's bank is replicated: every device holds all of it.
+  other = _bytes((state.step, state.key, state.pending, state.acceptance, state.history,
+                  batch.tokens, batch.lengths, batch.answers))
 
   # Update: one minibatch's forward kept for the backward pass (`model.remat`: per layer
   # everything, the projections' outputs, or the layer's input; a rematerialised layer's
@@ -444,6 +445,8 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   if rc.drafter is not None:
     cache_layers += model.num_mtp_modules + (1 if train_config.eagle3 is not None else 0)
   kv = rows_dev * slots * cache_layers * per_row_slot
+  if state.history is not None:  # each call row's prompt + earlier answers, int32 (`init`)
+    kv += rows * state.history.lengths.shape[1] * slots * 4
   prefill = rows_dev * 4 * v // tv  # the head runs at each row's last prompt position
   logprob_pass = 0
   if gc.num_minibatches > 1 or gc.num_epochs > 1 or gc.beta > 0:

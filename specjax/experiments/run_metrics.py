@@ -22,7 +22,8 @@ def part_keys(history: list[dict]) -> list[str]:
 
 # TensorBoard's sections: a metric goes under the first whose prefix or name it matches, else
 # under train/. metrics.jsonl keeps the plain names.
-_SECTIONS = (("reward/", ("reward_", "accuracy")),
+_SECTIONS = (("arm/", ("arm_",)),
+             ("reward/", ("reward_", "accuracy")),
              ("spec/", ("acceptance_", "accepted_per_depth", "plain_share", "drafted_by_")),
              ("rollout/", ("response_", "rollout_")),
              ("perf/", ("step_time_s",)))
@@ -70,6 +71,23 @@ def part_acceptance(history: list[dict]) -> dict[str, float]:
   return out
 
 
+def arm_keys(history: list[dict]) -> list[str]:
+  """The acceptance arms' metrics (`eval.arm_drafters`) logged anywhere in `history`, sorted."""
+  return sorted({key for record in history for key in record
+                 if key.startswith(("arm_acceptance_", "arm_tail_acceptance_"))})
+
+
+def arm_summary(history: list[dict]) -> dict[str, float]:
+  """Each acceptance arm's `<key>_first`, `_last` (its first and last measurement) and
+  `_mean` (over every measurement after the first)."""
+  out = {}
+  for key in arm_keys(history):
+    seen = [h[key] for h in history if h.get(key) is not None]
+    out[f"{key}_first"], out[f"{key}_last"] = float(seen[0]), float(seen[-1])
+    out[f"{key}_mean"] = float(np.mean(seen[1:] if len(seen) > 1 else seen))
+  return out
+
+
 def plot_curves(history: list[dict], path: Path) -> None:
   """The run's curves as a PNG. A bare `Figure` (no pyplot), so a notebook's or script's
   matplotlib backend and open figures are left as they were."""
@@ -91,7 +109,12 @@ def plot_curves(history: list[dict], path: Path) -> None:
   for key in parts:
     axes[1].plot(steps, [np.nan if h.get(key) is None else h[key] for h in history],
                  label=f"{key.removeprefix('acceptance_')} drafted")
-  if parts:
+  # Each acceptance arm (a fixed chain of one drafter on the first batch), all rounds.
+  for key in (k for k in arm_keys(history) if k.startswith("arm_acceptance_")):
+    measured = [h for h in history if h.get(key) is not None]
+    axes[1].plot([h["step"] for h in measured], [h[key] for h in measured], marker=".",
+                 linestyle="--", label=f"{key.removeprefix('arm_acceptance_')} (fixed chain)")
+  if parts or arm_keys(history):
     axes[1].legend(fontsize="small")
   labels = {"rollout_s_plain": "plain", "rollout_s_spec": "speculative",
             "rollout_s_uncompacted": "plain, no compaction"}

@@ -361,6 +361,12 @@ class TrainState:
     return merged_policy(self.params, self.adapters)
 
   @property
+  def rollout_drafter_params(self) -> Any:
+    """What the rollout's drafter reads as its `drafter_params`: the history bank, or the
+    drafter's own weights (None for drafters with neither)."""
+    return self.drafter_weights if self.history is None else self.history
+
+  @property
   def drafter_weights(self) -> Eagle3Weights | None:
     """The rollout drafter's own parameters (the EAGLE-3 head, the draft model; None for
     drafters without)."""

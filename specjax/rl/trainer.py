@@ -67,15 +67,11 @@ def _state_rollout(state: TrainState, config: TrainConfig, batch, key: jax.Array
                    reward_fn: RewardFn, pad_id: int) -> tuple[Rollout, TrainState]:
   """`scored_rollout` by the state's policy and drafter, and the state with its counts and,
   with a history drafter, its bank with the rollout recorded."""
-  roll, acceptance = scored_rollout(state.policy, _drafter_params(state), state.acceptance,
-                                    config, batch, key, reward_fn, pad_id)
+  roll, acceptance = scored_rollout(state.policy, state.rollout_drafter_params,
+                                    state.acceptance, config, batch, key, reward_fn, pad_id)
   history = recorded(state.history, config, batch.tokens, batch.lengths, roll)
   return roll, _with_acceptance(state, acceptance).replace(history=history)
 
-
-def _drafter_params(state: TrainState) -> Any:
-  """What the rollout's drafter reads: the history bank, or the drafter's own weights."""
-  return state.drafter_weights if state.history is None else state.history
 
 
 
@@ -168,7 +164,7 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
         scope.enter_context(jax.sharding.set_mesh(mesh))
       roll, responses, lengths, acceptance = rollout_fn(
           state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
-          _drafter_params(state),
+          state.rollout_drafter_params,
           state.acceptance)
       scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
       rewards, extra = scored if isinstance(scored, tuple) else (scored, {})

@@ -190,3 +190,15 @@ def test_the_accelerator_estimate_matches_the_step_compiled_for_an_h200():
   compiled = H200_COMPILED_GIB[none] - H200_COMPILED_GIB[full]
   predicted = estimates[none] - estimates[full]
   assert abs(compiled / predicted - 1) <= 0.2, (compiled, predicted)
+
+
+def test_a_history_banks_bytes_are_counted_in_the_plan():
+  """The bank is replicated train state: twice the slots add the bank's bytes per slot
+  (tokens and lengths of R answers of T tokens, the slot's key and ring head, int32)."""
+  from specjax.experiments import override
+  config = load_experiment(str(ROOT / "configs" / "arithmetic_worked_history.py"))
+  small = estimate_config(config, 1)
+  big = estimate_config(override(config, {"drafter.history_slots": 2048}), 1)
+  r, t = config.drafter.history_per_prompt, config.rollout.max_new_tokens
+  assert big.state_and_batch - small.state_and_batch == 1024 * 4 * (r * t + r + 2)
+  assert big.kv_cache == small.kv_cache  # the call's copy holds rows, not slots

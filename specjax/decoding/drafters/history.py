@@ -260,6 +260,17 @@ class HistoryDrafter(GroupDrafter):
     return Proposal(tokens=tokens, drafted=valid), state.replace(group=group)
 
 
+def with_bank_sizes(drafter: Drafter | None, **sizes: int) -> Drafter | None:
+  """`drafter` with every `HistoryDrafter` in it (itself, or a `FallbackDrafter`'s) keeping a
+  bank of `sizes` (`slots`, `per_prompt`, `recent`)."""
+  if isinstance(drafter, HistoryDrafter):
+    return dataclasses.replace(drafter, **sizes)
+  if isinstance(drafter, FallbackDrafter):
+    return dataclasses.replace(drafter, primary=with_bank_sizes(drafter.primary, **sizes),
+                               fallback=with_bank_sizes(drafter.fallback, **sizes))
+  return drafter
+
+
 def history_drafter(drafter: Drafter | None) -> HistoryDrafter | None:
   """The `HistoryDrafter` in `drafter` (itself, or a `FallbackDrafter`'s part), if any."""
   if isinstance(drafter, HistoryDrafter):
