@@ -45,14 +45,14 @@ from jax.sharding import Mesh
 
 from specjax.checks import is_int
 from specjax.decoding.drafters.eagle3 import Eagle3Weights
-from specjax.decoding.drafters.history import history_drafter
+from specjax.decoding.drafters.history import HistoryBank
 from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
 from specjax.models.lora import LoraAdapters, merged_policy
 from specjax.models.params import Params
 from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
-from specjax.rl.rollouts import rollout_metrics, scored_rollout
+from specjax.rl.rollouts import recorded, rollout_metrics, scored_rollout
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.trainer import prime_keys, step_keys
 from specjax.rl.updates import update
@@ -84,10 +84,12 @@ class PolicyWeights:
 @struct.dataclass
 class _RolloutSide:
   """The rollout mesh's state besides the weights: the speculation policy's counts (None
-  without a carry) and a replica of the train state's key, advanced in step with it."""
+  without a carry), a replica of the train state's key, advanced in step with it, and a
+  history drafter's bank (None without), which each rollout records into where it runs."""
 
   acceptance: AcceptanceCounts | None
   key: jax.Array
+  history: HistoryBank | None = None
 
 
 class DisaggregatedAsync:
@@ -120,10 +122,6 @@ class DisaggregatedAsync:
       raise ConfigError(f"the rollout and train meshes share devices "
                         f"{sorted(d.id for d in shared)}; disaggregated mode needs disjoint "
                         "device sets (for one set, use the fused async step)")
-    if history_drafter(config.rollout.drafter) is not None:
-      raise ConfigError("DisaggregatedAsync does not carry a history bank to its rollout mesh "
-                        "yet: with a HistoryDrafter use the fused async step (pipeline."
-                        "disaggregated off)")
     if jax.process_count() > 1:
       raise ConfigError("DisaggregatedAsync runs in one process; with several processes use "
                         "the fused async step (`specjax.rl.sharded_train_step`)")
@@ -146,22 +144,24 @@ class DisaggregatedAsync:
     config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
     roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
     weights = self._weights(state)
-    side = _RolloutSide(acceptance=state.acceptance, key=state.key)
+    side = _RolloutSide(acceptance=state.acceptance, key=state.key, history=state.history)
     every = replicated(roll_mesh)
     side_shardings = jax.tree.map(lambda _: every, side)
 
     def rollout_program(weights: PolicyWeights, side: _RolloutSide, batch, prime: bool):
       key, k_roll = prime_keys(side.key) if prime else step_keys(side.key)[:2]
-      roll, acceptance = scored_rollout(weights.policy, weights.drafter, side.acceptance,
+      drafter_params = weights.drafter if side.history is None else side.history
+      roll, acceptance = scored_rollout(weights.policy, drafter_params, side.acceptance,
                                         config, batch, k_roll, reward_fn, pad_id)
       return roll, _RolloutSide(acceptance=None if side.acceptance is None else acceptance,
-                                key=key)
+                                key=key, history=recorded(side.history, config, batch.tokens,
+                                                          batch.lengths, roll))
 
     pending = state.pending
     if pending is None:
       pending = jax.eval_shape(functools.partial(rollout_program, prime=True), weights, side,
                                batch)[0]
-    train = state.replace(pending=None, acceptance=None)
+    train = state.replace(pending=None, acceptance=None, history=None)
     train_shardings = train_state_shardings(train, train_mesh, config, rules)
     self._pending_shardings = rollout_shardings(pending, train_mesh, rules)
     self._weight_shardings = self._weights_on(state, roll_mesh)
@@ -230,14 +230,13 @@ class DisaggregatedAsync:
 
   def state(self) -> TrainState:
     """The train state on the train mesh with the pending rollout and the rollout side's
-    counts: what a checkpoint saves (the weight versions in flight at lag > 1 are not in
+    counts and history bank: what a checkpoint saves (the weight versions in flight at lag > 1 are not in
     it). Its arrays are the live state's: the next `step` donates them, so save or copy
     them first."""
-    acceptance = self._side.acceptance
-    if acceptance is not None:
-      acceptance = transfer(acceptance, jax.tree.map(lambda _: replicated(self.train_mesh),
-                                                     acceptance))
-    return self._train.replace(pending=self._pending, acceptance=acceptance)
+    on_train = lambda tree: None if tree is None else transfer(
+        tree, jax.tree.map(lambda _: replicated(self.train_mesh), tree))
+    return self._train.replace(pending=self._pending, acceptance=on_train(self._side.acceptance),
+                               history=on_train(self._side.history))
 
   def _weights_on(self, state: TrainState, mesh: Mesh) -> PolicyWeights:
     shardings = train_state_shardings(state.replace(pending=None), mesh, self.config,

@@ -336,3 +336,15 @@ def test_async_runs_with_adaptive_speculation_start_and_resume(tmp_path, monkeyp
   metrics = _metrics(tmp_path / "run")
   assert [m["step"] for m in metrics] == [1, 2, 3]
   assert all(m["acceptance_length"] >= 1 for m in metrics), metrics
+
+
+@pytest.mark.slow
+def test_lag_1_with_a_history_drafter_keeps_the_bank_on_the_rollout_side_as_the_fused_step():
+  """The bank lives where the rollouts run and comes back with the state: the run, its bank
+  included (`flat` compares every leaf), equals the fused async step's."""
+  from specjax.decoding.drafters.history import HistoryDrafter
+  base = mtp_config()
+  rollout = dataclasses.replace(base.rollout, tree=DraftTree.chain(3),
+                                drafter=HistoryDrafter(group_size=base.grpo.group_size))
+  final, _ = lag_1_against_the_fused_async_step(dataclasses.replace(base, rollout=rollout))
+  assert int((np.asarray(final.history.lengths) > 0).sum()) > 0
