@@ -10,7 +10,10 @@ some 19 times in 300 steps. The rollout drafter is `history`: each row drafts wh
 answers to its prompt wrote after its last tokens (the train state's `HistoryBank`, recorded
 inside every step and checkpointed), else what a sibling or a recent answer to another prompt
 wrote. No drafter model, so no forward pass of its own; the adaptive policy picks plain
-decoding or a chain of 1 .. 8 drafts each round by the costs measured at the start.
+decoding or a chain of 1 .. 8 drafts each round by the costs measured at the start. Every 20
+steps the acceptance arms measure group, history and n-gram drafting on fixed chains of 8
+(`arm_acceptance_*`: what each would accept, also where the policy decodes plainly).
+Measured on a 2-core CPU: docs/decoding.md, "History drafting".
 """
 
 import runpy
@@ -31,4 +34,5 @@ def get_config():
       "drafter.name": "history",
       "drafter.history_slots": 1024,  # 4x the prompts: few of them share a slot
       "rollout.tree_widths": (1,) * 8,
+      "eval.arm_drafters": ("group", "history", "ngram"),
   })

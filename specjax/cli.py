@@ -244,6 +244,10 @@ def _config_line(path: str, err: Exception) -> str:
   return f", line {lines[-1]}" if lines else ""
 
 
+# Where the acceptance a CPU run's simulated speedup drafts at was measured.
+_SIM_SOURCES = {"probe": "the probe's", "arm": "the training prompts' (acceptance arm, mean)"}
+
+
 def train_command(argv: list[str]) -> dict:
   """`specjax train --config FILE [--field value ...]`: any config field can be overridden.
 
@@ -325,7 +329,8 @@ def train_command(argv: list[str]) -> dict:
     print(f"simulated on one {summary['simulated_device']} (specjax.sim, a prediction, not a "
           f"measurement): speculative / plain rollout "
           f"{summary['simulated_generation_speedup']:.2f}x for this run's shapes and lengths at "
-          f"the probe's acceptance length {summary['simulated_acceptance']:.2f} (other devices: "
+          f"{_SIM_SOURCES[summary.get('simulated_acceptance_source', 'probe')]} acceptance length "
+          f"{summary['simulated_acceptance']:.2f} (other devices: "
           f"specjax simulate --response-lengths {Path(config.run_dir) / 'summary.json'} ...)")
   return summary
 

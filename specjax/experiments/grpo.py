@@ -348,7 +348,8 @@ def run(config: ExperimentConfig, log=print) -> dict:
   With several processes every process calls this with the same config (`specjax train`
   does after joining the cluster); only process 0 calls `log` and writes files other than
   checkpoints, and only its summary has the entries read from them (`acceptance_first`,
-  `acceptance_last`, `probe_acceptance_after_frozen`).
+  `acceptance_last`, `probe_acceptance_after_frozen`, the acceptance arms', a CPU run's
+  `simulated_*`).
 
   Raises:
     RunDirectoryInUse: another live run owns `config.run_dir` (process 0 holds its lock for
@@ -573,18 +574,27 @@ def _run(config: ExperimentConfig, log) -> dict:
     save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
   summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs,
                              final["acceptance"], arms=arms)
-  if jax.default_backend() == "cpu":  # what an accelerator would make of this run's rollout
-    try:
-      summary |= simulated_speedup(config, summary["prompt_length"],
-                                   summary["response_lengths"], summary["probe_acceptance_after"])
-    except ConfigError as err:  # e.g. a policy too large for one device: the run still ends
-      log(f"no simulated speedup for this run: {err}")
+  # The simulator drafts at the acceptance measured for the run's own drafter on training
+  # prompts (its acceptance arm) where there is one: the held-out probe's prompts were never
+  # answered before, so a history drafter's probe says nothing about its rollouts.
+  sim_acceptance, sim_source = summary["probe_acceptance_after"], "probe"
   if lead:
     history = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
     summary["acceptance_first"] = float(np.mean([h["acceptance_length"]
                                                  for h in history[:5]]))
     summary["acceptance_last"] = float(np.mean([h["acceptance_length"] for h in history[-5:]]))
     summary |= part_acceptance(history) | arm_summary(history)
+    own = f"arm_acceptance_{config.drafter.name}_mean"
+    if own in summary:
+      sim_acceptance, sim_source = summary[own], "arm"
+  if jax.default_backend() == "cpu" and lead:  # what an accelerator makes of this rollout
+    try:
+      summary |= simulated_speedup(config, summary["prompt_length"],
+                                   summary["response_lengths"], sim_acceptance)
+      summary["simulated_acceptance_source"] = sim_source
+    except ConfigError as err:  # e.g. a policy too large for one device: the run still ends
+      log(f"no simulated speedup for this run: {err}")
+  if lead:
     with storage(run_dir / "summary.json", "summary"):
       (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     with storage(run_dir / "curves.png", "plot"):

@@ -182,7 +182,7 @@ class Drafting:
   checkpoint: str | None = None
   draft_model_learning_rate: float = 0.0
   history_slots: int = 4096
-  history_per_prompt: int = 4
+  history_per_prompt: int = 8
   history_recent: int = 8
 
   def __post_init__(self):

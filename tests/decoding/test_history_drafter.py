@@ -111,7 +111,9 @@ def _bank_after(params, prompts, lengths, sampling, group_size, key=1):
   return bank.record(prompts, lengths, out.tokens, out.lengths, group_size), out
 
 
-@pytest.mark.parametrize("compaction, with_mtp", [(0, False), (2, False), (1, True)])
+@pytest.mark.parametrize("compaction, with_mtp", [
+    (0, False),  # the others slow: they keep the README's tests < 10 min
+    pytest.param(2, False, marks=pytest.mark.slow), pytest.param(1, True, marks=pytest.mark.slow)])
 def test_greedy_history_drafting_equals_plain_decoding(compaction, with_mtp):
   params = init_params(CONFIG, jax.random.key(0))
   prompts, lengths = _prompts()
@@ -180,3 +182,20 @@ def test_the_registry_builds_history_and_history_before_mtp():
   both, _ = build_drafter("history+mtp", DraftSource(CONFIG))
   assert isinstance(both, FallbackDrafter) and isinstance(both.fallback, MTPDrafter)
   assert history_drafter(both) is both.primary and history_drafter(MTPDrafter()) is None
+
+
+def test_a_vote_drafts_the_continuation_most_earlier_texts_agree_on():
+  """Four texts match the row's suffix "5 6" equally long: one of high priority goes on with
+  9, three with 7. By priority the draft is 9; by vote it is 7, and priority still breaks a
+  tie of votes. A longer match beats any vote."""
+  from specjax.decoding.drafters.group import suffix_match
+  cand = jnp.asarray([[[1, 5, 6, 9, 0], [2, 5, 6, 7, 0], [3, 5, 6, 7, 0], [4, 5, 6, 7, 0]]])
+  seq, seq_len = jnp.asarray([[8, 5, 6, 0, 0]]), jnp.asarray([3])
+  args = (cand, jnp.full((1, 4), 4), jnp.zeros((1, 4), bool), jnp.asarray([[3, 0, 0, 0]]),
+          seq, seq_len, 2, 1)
+  assert int(suffix_match(*args)[1][0, 0]) == 9
+  assert int(suffix_match(*args, vote=True)[1][0, 0]) == 7
+  tie = cand.at[0, 2, 3].set(9).at[0, 3, 3].set(4)  # 9 twice (one of priority 3), 7 once
+  assert int(suffix_match(tie, *args[1:], vote=True)[1][0, 0]) == 9
+  longer = cand.at[0, 0, 0].set(8)  # "8 5 6" in the first: a match of 3
+  assert int(suffix_match(longer, *args[1:6], 3, 1, min_n=2, vote=True)[1][0, 0]) == 9

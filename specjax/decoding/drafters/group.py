@@ -51,8 +51,8 @@ class GroupState:
 
 
 def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority: jax.Array,
-                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None,
+                 vote: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The continuation of each row's longest suffix of `min_n` .. `n` tokens (`min_n` None:
   `n` only) that occurs in one of its candidate texts.
 
@@ -60,6 +60,9 @@ def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority:
   must end before the suffix starts. A longer match beats a shorter one; among equally long
   ones the higher `priority` wins, and then the match closest to the row's own position
   (texts that answer one prompt run in parallel, so the aligned occurrence is the likely one).
+  With `vote`, among the candidates whose best match is the longest, the continuation that
+  most of them agree on (its first token) comes before priority and position: the policy's
+  likeliest next token is the one most of its earlier samples took.
 
   Candidates are indexed by q, the position their continuation starts at: a suffix of m tokens
   matches there when `cand[q - i] == seq[seq_len - i]` for i = 1 .. m, so the matches of every
@@ -94,17 +97,39 @@ def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority:
   # and priority a score lies in [0, l], so priorities are tiers l + 1 apart and lengths
   # 4 (l + 1).
   distance = jnp.abs(q - seq_len[:, None, None])
-  score = longest * (4 * (l + 1)) + priority[:, :, None] * (l + 1) + (l - distance)
-  score = jnp.where(longest > 0, score, -1).reshape(b, c * l)
-  best = jnp.argmax(score, axis=1)
-  found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
-  member, start = best // l, best % l
+  tier = 4 * (l + 1)
+  score = longest * tier + priority[:, :, None] * (l + 1) + (l - distance)
+  score = jnp.where(longest > 0, score, -1)
+  if vote:
+    member, start, found = _voted(cand, longest, score, tier)
+  else:
+    score = score.reshape(b, c * l)
+    best = jnp.argmax(score, axis=1)
+    found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
+    member, start = best // l, best % l
   text = jnp.take_along_axis(cand, member[:, None, None], axis=1)[:, 0]  # [B, L]
   end = jnp.take_along_axis(ends, member[:, None], axis=1)[:, 0]
   idx = start[:, None] + jnp.arange(k)[None, :]
   valid = found[:, None] & (idx < end[:, None])
   tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
   return found, tokens, valid
+
+
+def _voted(cand: jax.Array, longest: jax.Array, score: jax.Array, tier: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`suffix_match`'s choice with `vote`: `(member [B], start [B], found [B])` from each
+  candidate's best occurrence (`score [B, C, L]`, length tiers `tier` apart)."""
+  at = jnp.argmax(score, axis=2)  # [B, C] each candidate's best occurrence
+  best = jnp.take_along_axis(score, at[:, :, None], axis=2)[:, :, 0]
+  length = jnp.take_along_axis(longest, at[:, :, None], axis=2)[:, :, 0]
+  first = jnp.take_along_axis(cand, at[:, :, None], axis=2)[:, :, 0]  # its continuation's
+  contender = (length == length.max(axis=1, keepdims=True)) & (best >= 0)
+  votes = ((first[:, :, None] == first[:, None, :]) & contender[:, None, :]).sum(2)
+  # Votes first, then what the score ranks within one length (priority, then position).
+  final = jnp.where(contender, votes * tier + best - length * tier, -1)
+  member = jnp.argmax(final, axis=1)
+  start = jnp.take_along_axis(at, member[:, None], axis=1)[:, 0]
+  return member, start, jnp.take_along_axis(final, member[:, None], axis=1)[:, 0] >= 0
 
 
 def group_candidates(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int

@@ -185,13 +185,16 @@ class HistoryDrafter(GroupDrafter):
     group_size, max_ngram, min_ngram: as `GroupDrafter`.
     slots, per_prompt, recent: the bank a run keeps (`new_bank`): prompts, responses per
       prompt, recent responses of any prompt.
+    vote: among equally long matches, draft the continuation most candidates agree on
+      (`suffix_match`); False: the highest-priority, best-aligned one.
   """
 
   max_ngram: int = 8
   min_ngram: int = 2
   slots: int = 4096
-  per_prompt: int = 4
+  per_prompt: int = 8
   recent: int = 8
+  vote: bool = True
 
   def __post_init__(self):
     super().__post_init__()
@@ -254,7 +257,8 @@ class HistoryDrafter(GroupDrafter):
                                 jnp.where(own, _OWN, _SIBLING),
                                 jnp.full((b, c), _RECENT)], axis=1)
     found, tokens, valid = suffix_match(cand, cand_len, is_own, priority, ctx.seq, ctx.seq_len,
-                                        self.max_ngram, tree.num_nodes, min_n=self.min_ngram)
+                                        self.max_ngram, tree.num_nodes, min_n=self.min_ngram,
+                                        vote=self.vote)
     tokens = jnp.where(found[:, None], tokens, ctx.root[:, None])
     valid = jnp.cumprod(valid, axis=1).astype(bool)  # a draft is a prefix
     return Proposal(tokens=tokens, drafted=valid), state.replace(group=group)
