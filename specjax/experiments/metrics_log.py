@@ -110,6 +110,7 @@ class MetricsLog:
 
   def __init__(self, run_dir: str | Path, logging: Logging, config: Mapping[str, Any]):
     run_dir = Path(run_dir)
+    self._run_dir = run_dir
     self._tensorboard = _EventFile(run_dir / "tensorboard")
     self._wandb = None
     if logging.wandb_project is not None:
@@ -127,7 +128,7 @@ class MetricsLog:
     from tensorboardX.summary import scalar
     self._tensorboard.write(step, [scalar(name, float(value)) for name, value in values.items()])
     if self._wandb is not None:
-      with storage(self._wandb.dir, "W&B files in"):
+      with storage(self._run_dir / "wandb", "W&B files in"):
         self._wandb.log(dict(values), step=step)
 
   def text(self, step: int, name: str, text: str) -> None:
@@ -139,7 +140,7 @@ class MetricsLog:
       import html
 
       import wandb
-      with storage(self._wandb.dir, "W&B files in"):
+      with storage(self._run_dir / "wandb", "W&B files in"):
         self._wandb.log({name: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
   def close(self) -> None:
@@ -148,8 +149,8 @@ class MetricsLog:
       self._wandb.finish()
 
   def abandon(self) -> None:
-    """End a run that failed: close the files without writing more (a W&B run is marked
-    failed)."""
+    """End a run that failed: close the TensorBoard file without writing more, and finish
+    the W&B run (what it logged is kept; a resume continues it)."""
     self._tensorboard.abandon()
     if self._wandb is not None:
-      self._wandb.finish(exit_code=1)
+      self._wandb.finish()
