@@ -4,7 +4,7 @@
     python benchmarks/accelerator.py --smoke --json out.json  # tiny model on CPU, < 60 s (CI)
     python benchmarks/accelerator.py --sections spec,rl       # only some sections
 
-It downloads nothing: every model has random weights built here. Six sections, each a table
+It downloads nothing: every model has random weights built here. Seven sections, each a table
 of ratios measured side by side in this run (see "Performance doctrine" in DESIGN.md):
 
 1. `decode`: one cached decode step (T=1, cache donated, written in place) at batch 1, 4, 16,
@@ -42,6 +42,13 @@ of ratios measured side by side in this run (see "Performance doctrine" in DESIG
    `model.remat` full and none and with LoRA, and the saving full remat buys in both. On a
    CPU the compiled column is XLA:CPU's (see the README's Plans); on a GPU or TPU it is the
    figure the planner's accelerator column predicts.
+7. `rl_spec` (run before `memory`, the dearest): GRPO steps at 16, 64 and 256 rows with
+   long-tail response lengths and compaction, plain vs speculative rollouts in the same run:
+   the controlled drafter at the reference system's acceptance (3 tokens per round) and the
+   history drafter (`HistoryDrafter`, its bank in the train state). The policy is section
+   3's controlled target (`--rl-layers` layers); prompts are placed along its map so that
+   every arm's responses have the same designed lengths. Rollout and fused-step ratios, beside
+   `specjax.sim`'s prediction for the same shapes and measured acceptance.
 
 Timing: programs are compiled and warmed up first; repeats are interleaved across the columns
 of a row so that noise hits them alike; medians, with the interquartile range (`iqr%`) of the
@@ -83,7 +90,8 @@ from flax import struct
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode_step as ds  # noqa: E402
-from specjax.decoding import (DecodeLoop, DraftTree, Drafter, Proposal,  # noqa: E402
+from specjax import sim  # noqa: E402
+from specjax.decoding import (DecodeLoop, DraftTree, Drafter, HistoryDrafter, Proposal,  # noqa: E402
                               SamplingConfig, generate)
 from specjax.errors import ConfigError  # noqa: E402
 from specjax.experiments.plan import GIB  # noqa: E402
@@ -99,10 +107,10 @@ from specjax.rl.trainer import make_train_step
 from specjax.rl.updates import sequence_logprobs, update
 from specjax.sharding import MeshConfig
 
-SECTIONS = ("decode", "verify", "spec", "attention", "rl", "memory")  # memory last: the dearest
+SECTIONS = ("decode", "verify", "spec", "attention", "rl", "rl_spec", "memory")  # memory last: the dearest
 LAYER_OUT_SCALE = 1e-3  # keeps the residual stream the current token's embedding (section 3)
 # JSON fields that may be zero or negative; every other number a section writes is > 0.
-SIGNED_FIELDS = ("draft", "changed", "extra_cache_sized_ops", "cache_sized_ops", "iqr",
+SIGNED_FIELDS = ("draft", "changed", "same_lengths", "extra_cache_sized_ops", "cache_sized_ops", "iqr",
                  "plain_iqr", "spec_iqr", "spread", "lora", "savings")
 
 
@@ -122,6 +130,11 @@ class Plan:
   max_new: int = 128         # new tokens per row in sections 3 and 4
   rl_prompts: int = 2
   rl_group: int = 8
+  rl_spec_rows: tuple[int, ...] = (16, 64, 256)  # section 7
+  rl_spec_group: int = 4
+  rl_spec_new: int = 256
+  rl_spec_acceptance: float = 3.0  # the reference system's 2.8-3.3 tokens per round
+  rl_spec_repeats: int = 3
   repeats: int = 7           # timed samples of a step or forward
   inner: int = 10            # back-to-back calls per sample of a short program
   spec_repeats: int = 5      # timed generate calls per arm
@@ -144,7 +157,8 @@ SMOKE = Plan(decode_batches=(1, 2), verify_batches=(2,), verify_tokens=(2, 4),
              spec_batches=(2,), attention_batches=(2,),
              attention_impls=("auto", "dense", "blocked"), chain=3, max_len=64, committed=32,
              prompt_len=8, max_new=48,
-             rl_prompts=1, rl_group=2, repeats=3, inner=2, spec_repeats=5, bandwidth_mb=16,
+             rl_prompts=1, rl_group=2, rl_spec_rows=(4,), rl_spec_group=2, rl_spec_new=24,
+             rl_spec_repeats=2, repeats=3, inner=2, spec_repeats=5, bandwidth_mb=16,
              memory=(("arithmetic_tiny.py", "full", 0), ("arithmetic_tiny.py", "none", 0),
                      ("arithmetic_tiny.py", "full", 4)))
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -236,8 +250,29 @@ class CopyProbe:
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def cycle_map(vocab: int) -> tuple[np.ndarray, int, int]:
+  """`(next_of [V], a, c)`: next_of[t] = (a t + c) mod V with a, c chosen (Hull-Dobell) so
+  that the map is ONE cycle through the whole vocabulary: from any token, following it reaches
+  any other, in a known number of steps (section 7 places each prompt that many steps before
+  EOS, so response lengths are set by design)."""
+  primes, n = [], vocab
+  for p in range(2, vocab + 1):
+    if n % p == 0:
+      primes.append(p)
+      while n % p == 0:
+        n //= p
+    if n == 1:
+      break
+  m = math.lcm(math.prod(primes), 4 if vocab % 4 == 0 else 1)
+  a = 1 + m * max(1, vocab // m // 3) if m < vocab else 1  # a - 1: every prime of V, 4 | V
+  c = next(x for x in range(vocab // 2 + 1, vocab + 1) if math.gcd(x, vocab) == 1)
+  next_of = (a * np.arange(vocab, dtype=np.int64) + c) % vocab
+  return next_of.astype(np.int32), a, c
+
+
 def controlled_target(config: ModelConfig, key: jax.Array) -> tuple[dict, jax.Array]:
-  """Random parameters whose greedy next token is `next_of[current token]`, and `next_of [V]`.
+  """Random parameters whose greedy next token is `next_of[current token]`, and `next_of [V]`
+  (`cycle_map`'s permutation).
 
   The layers' output projections are scaled by `LAYER_OUT_SCALE`, so the final hidden state
   is (nearly) the current token's embedding e_t, and the output head's column v is the
@@ -247,9 +282,8 @@ def controlled_target(config: ModelConfig, key: jax.Array) -> tuple[dict, jax.Ar
   """
   if config.tie_embeddings:
     raise ConfigError("controlled_target needs an untied output head (tie_embeddings=False)")
-  k_init, k_perm = jax.random.split(key)
-  params = init_params(config, k_init)
-  next_of = jax.random.permutation(k_perm, config.vocab_size).astype(jnp.int32)
+  params = init_params(config, key)
+  next_of = jnp.asarray(cycle_map(config.vocab_size)[0])
   embed = params["embed"].astype(jnp.float32)
   head = embed[jnp.argsort(next_of)].T / jnp.std(embed)  # [E, V]
   params["unembed"] = head.astype(params["unembed"].dtype)
@@ -305,12 +339,36 @@ class ControlledDrafter(Drafter):
     return Proposal(tokens=jnp.where(kept, truth, other)), state
 
 
+@dataclasses.dataclass(frozen=True)
+class MapDrafter(ControlledDrafter):
+  """`ControlledDrafter` with its map and keep probability fixed in the drafter (static), so it
+  drafts inside a train step, whose rollout drafter reads no parameters of its own:
+  `cycle_map(V)`'s continuation, each draft token kept with probability `keep`."""
+
+  vocab: int = 0
+  keep: float = 1.0
+
+  def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
+           plain_rounds=False) -> ControlledState:
+    return ControlledState(next_of=jnp.asarray(cycle_map(self.vocab)[0]),
+                           keep=jnp.float32(self.keep))
+
+
+def keep_for(acceptance: float, k: int) -> float:
+  """The keep probability p whose chain of k drafts accepts `acceptance` tokens per round
+  (sum of p^d, d = 0 .. k): `specjax.sim`'s constant per-depth acceptance."""
+  return sim.per_depth_from_mean(k, min(acceptance, k + 1.0))[0]
+
+
 def map_agreement(tokens: np.ndarray, prompts: np.ndarray, lengths: np.ndarray,
-                  next_of: np.ndarray) -> float:
-  """Fraction of generated tokens `[B, T]` that are `next_of` of the token before them."""
+                  next_of: np.ndarray, response_lengths: np.ndarray | None = None) -> float:
+  """Fraction of generated tokens `[B, T]` (the first `response_lengths [B]` of each row, or
+  all) that are `next_of` of the token before them."""
   last = prompts[np.arange(len(prompts)), lengths - 1]
   previous = np.concatenate([last[:, None], tokens[:, :-1]], axis=1)
-  return float(np.mean(tokens == next_of[previous]))
+  valid = (np.ones(tokens.shape, bool) if response_lengths is None
+           else np.arange(tokens.shape[1])[None, :] < response_lengths[:, None])
+  return float(np.sum((tokens == next_of[previous]) & valid) / np.sum(valid))
 
 
 # ----------------------------------------------------------------------------- sections
@@ -592,6 +650,158 @@ def section_rl(ctx: Context) -> dict:
   return out
 
 
+def long_tail_lengths(prompts: int, max_new: int) -> np.ndarray:
+  """Response lengths `[prompts]`, ascending: lognormal quantiles (median max_new / 6, sigma
+  0.8), the longest at max_new, so a few rows hold the rollout up while the rest are done."""
+  lengths = np.sort(sim.Lognormal(max_new / 6, 0.8, max_new).lengths(prompts))
+  lengths[-1] = max_new
+  return lengths.astype(np.int32)
+
+
+def prompts_ending_after(next_of: np.ndarray, eos: int, lengths: np.ndarray, prompt_len: int,
+                         rng: np.random.Generator) -> np.ndarray:
+  """`[P, prompt_len]` random prompts whose last token is `lengths[p]` steps of the map
+  before `eos`: the controlled target (greedy, or sampled: it is that peaked) answers prompt p
+  with exactly `lengths[p]` tokens, the last one EOS."""
+  before = np.argsort(next_of)  # the inverse map
+  last = np.full(len(lengths), eos)
+  for step in range(int(lengths.max())):
+    last = np.where(step < lengths, before[last], last)
+  prompts = rng.integers(0, len(next_of), (len(lengths), prompt_len))
+  prompts[:, -1] = last
+  return prompts.astype(np.int32)
+
+
+def sim_device() -> tuple[sim.DeviceProfile, str]:
+  """`specjax.sim`'s spec-sheet profile of this device, or the H200's where it has none."""
+  kind = jax.devices()[0].device_kind
+  for name in ("GB200", "B200", "H200", "H100"):
+    if name.lower() in kind.lower():
+      return sim.device_profile(name), name
+  return sim.device_profile("H200"), f"H200 (spec sheet; this device, {kind}, has no profile)"
+
+
+def section_rl_spec(ctx: Context) -> dict:
+  """GRPO steps with long-tail responses and compaction: plain vs speculative rollouts.
+
+  The policy is the controlled target (section 3) with `--rl-layers` layers. Each prompt's
+  last token sits a chosen number of map steps before EOS, so its G responses have a length
+  set by design (`long_tail_lengths`), identical in every arm: the arms differ only in how
+  the rollout decodes. Arms: plain; `controlled`, a chain of k whose tokens are the map's
+  with probability keep (set for `Plan.rl_spec_acceptance` tokens per round, the reference
+  system's acceptance); `history`, the history drafter on the train state's bank, which the
+  first (compiling) step fills: the same prompts come back every step, and this policy
+  answers them as before, so it is an upper bound of what a converging policy gives. Each
+  arm's rollout alone and its fused step (rollout + reward + update, one program) are timed,
+  interleaved across arms; beside them `specjax.sim`'s prediction for the same shapes from
+  the arm's measured acceptance and the measured lengths.
+  """
+  plan, c = ctx.plan, ctx.config
+  model = c if ctx.rl_layers is None else c.replace(n_layers=ctx.rl_layers)
+  params = ctx.params if model == c else controlled_target(model, ctx.key)[0]
+  next_of = np.asarray(ctx.next_of)
+  g, k, n = plan.rl_spec_group, plan.chain, plan.rl_spec_new
+  eos = 1
+  keep = keep_for(plan.rl_spec_acceptance, k)
+  profile, device_name = sim_device()
+  spec_model = sim.ModelSpec.from_model_config(model)
+  arms: dict[str, tuple[Any, Any]] = {
+      "plain": (None, None),
+      "controlled": (MapDrafter(vocab=model.vocab_size, keep=keep), DraftTree.chain(k)),
+      "history": (HistoryDrafter(group_size=g), DraftTree.chain(k))}
+  out: dict[str, Any] = {"model": describe_model(model, count_params(params)), "chain": k,
+                         "keep": keep, "group": g, "max_new": n, "sim_device": device_name,
+                         "rows": []}
+  optimizer = optax.adam(1e-6)
+  for rows in plan.rl_spec_rows:
+    if ctx.clock.over():
+      out["partial"] = f"budget exceeded before {rows} rows"
+      break
+    t0 = time.perf_counter()
+    prompts_n = rows // g
+    lengths = long_tail_lengths(prompts_n, n)
+    rng = np.random.default_rng(rows)
+    batch = PromptBatch(
+        tokens=prompts_ending_after(next_of, eos, lengths, plan.prompt_len, rng),
+        lengths=np.full((prompts_n,), plan.prompt_len, np.int32),
+        answers=np.zeros((prompts_n,), np.int32), index=np.arange(prompts_n, dtype=np.int32))
+    compaction = max(1, min(3, rows.bit_length() - 3))  # down to rows / 8, at least 2 rows
+    configs = {name: TrainConfig(
+        model=model, grpo=GRPOConfig(group_size=g),
+        rollout=RolloutConfig(max_new_tokens=n, eos_id=eos, sampling=SamplingConfig(1.0),
+                              drafter=drafter, tree=tree, compaction=compaction))
+        for name, (drafter, tree) in arms.items()}
+    state = init_train_state(configs["plain"], jax.tree.map(jnp.copy, params), optimizer, 0)
+    holder = {"state": state, "bank": configs["history"].rollout.drafter.new_bank(n)}
+    steps = {name: make_train_step(cfg, even_reward, optimizer) for name, cfg in configs.items()}
+    rollouts = {name: jax.jit(functools.partial(_rollout_lengths, cfg))
+                for name, cfg in configs.items()}
+    key = jax.random.key(3)
+    results: dict[str, Any] = {}
+
+    def run(name: str, program: str) -> float:
+      bank = holder["bank"] if name == "history" else None
+      if program == "rollout":
+        results[name], dt = _wall(lambda: rollouts[name](holder["state"].params, bank,
+                                                         batch.tokens, batch.lengths, key))
+        return dt
+      given = holder["state"].replace(history=bank)
+      (state, _), dt = _wall(lambda: steps[name](given, batch))
+      if bank is not None:
+        holder["bank"] = state.history
+      holder["state"] = state.replace(history=None)
+      return dt
+
+    for name in arms:  # compile; the history arm's first step fills its bank
+      for program in ("step", "rollout"):
+        run(name, program)
+    compile_s = time.perf_counter() - t0
+    times = {(name, program): [] for name in arms for program in ("rollout", "step")}
+    for _ in range(plan.rl_spec_repeats):
+      for name, program in times:
+        times[name, program].append(run(name, program))
+    plain_lengths = np.asarray(results["plain"][0])
+    workload = sim.Workload(prompts_n, g, plan.prompt_len,
+                            sim.Empirical(tuple(int(x) for x in plain_lengths)))
+    medians = {key_: _median_iqr(ts) for key_, ts in times.items()}
+    for name in arms:
+      lengths_arm, acc, tokens = (np.asarray(x) for x in results[name])
+      row = {"rows": rows, "arm": name, "compaction": compaction, "acc_len": float(acc),
+             "rollout_ms": 1e3 * medians[name, "rollout"][0],
+             "step_ms": 1e3 * medians[name, "step"][0],
+             "rollout_iqr": medians[name, "rollout"][1], "iqr": medians[name, "step"][1],
+             "length_mean": float(lengths_arm.mean()), "length_max": int(lengths_arm.max()),
+             "same_lengths": bool(np.array_equal(lengths_arm, plain_lengths)),
+             "map_agreement": map_agreement(tokens, np.repeat(batch.tokens, g, 0),
+                                            np.repeat(batch.lengths, g, 0), next_of, lengths_arm)}
+      if name != "plain":
+        row["rollout_speedup"] = row_ratio(times, name, "rollout")
+        row["step_speedup"] = row_ratio(times, name, "step")
+        spec = sim.Speculation.chain("ngram", k, acceptance=min(max(float(acc), 1.0), k + 1.0))
+        predicted = sim.compare(spec_model, sim.Cluster(profile, 1), workload, spec)
+        row["sim_rollout_speedup"] = predicted.speedup("fixed", "generation")
+        row["sim_step_speedup"] = predicted.speedup("fixed")
+      out["rows"].append(row)
+    out.setdefault("compile_s", {})[str(rows)] = compile_s
+    ctx.log(f"  rl_spec {rows} rows: plain step {1e3 * medians['plain', 'step'][0]:.1f} ms "
+            f"({compile_s:.0f}s compile, {time.perf_counter() - t0:.0f}s in all)")
+    del holder
+  return out
+
+
+def _rollout_lengths(config: TrainConfig, params, drafter_params, tokens, lengths, key):
+  """A rollout's response lengths `[B]`, tokens per round and responses `[B, T]`."""
+  roll, responses, response_lengths, _ = rollout(params, config, tokens, lengths, key,
+                                                 drafter_params=drafter_params,
+                                                 check_values=False)
+  return response_lengths, roll.tokens_per_round, responses
+
+
+def row_ratio(times: dict, name: str, program: str) -> float:
+  """Plain's time over the arm's, the median of the ratios paired within each repetition."""
+  return statistics.median(p / s for p, s in zip(times["plain", program], times[name, program]))
+
+
 def memory_config(name: str, remat: str, lora_rank: int):
   """`configs/<name>`'s experiment with `model.remat` and a LoRA rank (0: none) set, as
   `specjax plan --config configs/<name> --model.remat R --lora.rank N` plans it (with LoRA,
@@ -798,6 +1008,26 @@ def print_rl(out: dict, plan: Plan) -> None:
            if step and "vs_split" in step else ""))
 
 
+def print_rl_spec(out: dict, plan: Plan) -> None:
+  print(f"\n(7) GRPO steps, plain vs speculative rollouts: G={out['group']}, {plan.prompt_len} "
+        f"+ up to {out['max_new']} tokens (long tail by design, the same lengths in every arm), "
+        f"compaction, temperature 1, chains of {out['chain']}; controlled keep "
+        f"{out['keep']:.3f}; policy: the controlled target, {out['model']}")
+  print(f"{'rows':>5} {'arm':<11} {'acc':>5} {'len':>6} {'rollout ms':>11} {'step ms':>9} "
+        f"{'iqr%':>5} {'rollout x':>9} {'step x':>7} {'sim roll x':>10} {'sim step x':>10} "
+        f"{'same':>5}")
+  for r in out["rows"]:
+    ratios = "".join(f"{r[f]:{w}.2f}" if f in r else f"{'':>{w}}" for f, w in (
+        ("rollout_speedup", 10), ("step_speedup", 8), ("sim_rollout_speedup", 11),
+        ("sim_step_speedup", 11)))
+    print(f"{r['rows']:5d} {r['arm']:<11} {r['acc_len']:5.2f} {r['length_mean']:6.1f} "
+          f"{r['rollout_ms']:11.1f} {r['step_ms']:9.1f} {100 * r['iqr']:5.0f}{ratios} "
+          f"{'yes' if r['same_lengths'] else 'NO':>5}")
+  print(f"x: plain's time over the arm's (median of paired repeats). sim: specjax.sim on "
+        f"{out['sim_device']} from the arm's measured acceptance and lengths. same: every "
+        "response as long as plain's (lossless on this designed policy)")
+
+
 def print_attention(out: dict, plan: Plan) -> None:
   impls = [impl for impl in out["impls"] if impl not in out["failed"]]
   print(f"\n(5) decode step (T=1, {plan.committed} of {plan.max_len} slots committed) by "
@@ -839,9 +1069,11 @@ def print_memory(out: dict, plan: Plan) -> None:
 
 
 PRINTERS = {"decode": print_decode, "verify": print_verify, "spec": print_spec,
-            "attention": print_attention, "memory": print_memory, "rl": print_rl}
+            "attention": print_attention, "memory": print_memory, "rl": print_rl,
+            "rl_spec": print_rl_spec}
 RUNNERS = {"decode": section_decode, "verify": section_verify, "spec": section_spec,
-           "attention": section_attention, "memory": section_memory, "rl": section_rl}
+           "attention": section_attention, "memory": section_memory, "rl": section_rl,
+           "rl_spec": section_rl_spec}
 
 
 # ----------------------------------------------------------------------------- main
@@ -860,7 +1092,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--sections", default=",".join(SECTIONS),
                       help=f"comma-separated subset of {','.join(SECTIONS)}")
   parser.add_argument("--rl-layers", type=int, default=None,
-                      help="layers of section 4's policy (default: the full model's)")
+                      help="layers of the policy of sections 4 and 7 (default: the full "
+                           "model's)")
   parser.add_argument("--chain", type=int, default=None, help="draft chain length (4)")
   parser.add_argument("--keep", default=None,
                       help="comma-separated draft keep probabilities (0.6,0.9)")

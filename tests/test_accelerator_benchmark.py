@@ -61,6 +61,16 @@ def test_smoke_run_writes_every_section_with_finite_positive_numbers(tmp_path):
     assert 1.0 < row["acc_len"] <= plan.chain + 1
   rl = {r["program"] for r in report["sections"]["rl"]["rows"]}
   assert rl == {"rollout", "logprobs", "update", "step"}
+  rl_spec = report["sections"]["rl_spec"]["rows"]
+  assert [(r["rows"], r["arm"]) for r in rl_spec] == [
+      (rows, arm) for rows in plan.rl_spec_rows for arm in ("plain", "controlled", "history")]
+  for row in rl_spec:
+    # Every arm samples the designed policy at temperature 1 (it is that peaked) and is
+    # lossless, so every response follows the map to EOS at its designed length.
+    assert row["map_agreement"] == 1.0 and row["same_lengths"] is True, row
+    assert row["length_max"] == plan.rl_spec_new, row
+    assert (row["acc_len"] == 1.0) == (row["arm"] == "plain"), row
+    assert row["acc_len"] <= plan.chain + 1, row
   attention = report["sections"]["attention"]["rows"]
   assert [r["batch"] for r in attention] == list(plan.attention_batches)
   assert all(set(r["ms"]) == set(plan.attention_impls) for r in attention)
