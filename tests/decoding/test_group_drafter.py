@@ -31,8 +31,9 @@ def _lookup(bank, rows, group_size, n, k, seq=None, seq_len=None):
   rows = jnp.asarray(rows, jnp.int32)
   seq = bank[rows] if seq is None else jnp.asarray(seq, jnp.int32)
   seq_len = bank_len[rows] if seq_len is None else jnp.asarray(seq_len, jnp.int32)
-  found, tokens, valid = group_lookup(bank, bank_len, rows, group_size, seq, seq_len, n, k)
-  return np.asarray(found), np.asarray(tokens), np.asarray(valid)
+  tokens, drafted = group_lookup(bank, bank_len, rows, group_size, seq, seq_len, n,
+                                 DraftTree.chain(k))
+  return np.asarray(drafted[:, 0]), np.asarray(tokens), np.asarray(drafted)
 
 
 def test_a_row_drafts_what_its_sibling_wrote_after_the_same_text():
@@ -78,28 +79,29 @@ def test_a_batch_of_partial_groups_looks_only_at_members_that_exist():
 def test_one_pass_over_suffix_lengths_finds_what_trying_each_longest_first_finds():
   """`min_n`: the longest matching suffix of min_n .. n tokens, as a loop over each length
   (longest first, the first that matches anywhere wins) finds it; on random texts of a
-  four-token vocabulary, so that matches of every length occur."""
+  four-token vocabulary, so that matches of every length occur. (Deeper drafts may go on
+  along a shorter match that agrees with the path so far, so the first token is compared.)"""
   rng = np.random.default_rng(0)
   chosen = {4: 0, 3: 0, 2: 0, None: 0}  # rows whose longest match has each length
+  tree = DraftTree.chain(3)
   for trial in range(20):
-    b0, l, g, k = 6, 24, 3, 3
+    b0, l, g = 6, 24, 3
     bank = jnp.asarray(rng.integers(0, 4, (b0, l)), jnp.int32)
     bank_len = jnp.asarray(rng.integers(0, l + 1, b0), jnp.int32)
     rows = jnp.asarray(rng.choice(b0, 4, replace=False), jnp.int32)
     seq, seq_len = bank[rows], bank_len[rows]
-    got = group_lookup(bank, bank_len, rows, g, seq, seq_len, 4, k, min_n=2)
-    found = np.zeros(4, bool)
-    tokens, valid = np.zeros((4, k), np.int32), np.zeros((4, k), bool)
+    got_tokens, got = map(np.asarray, group_lookup(bank, bank_len, rows, g, seq, seq_len, 4,
+                                                   tree, min_n=2))
+    found, first = np.zeros(4, bool), np.zeros(4, np.int32)
     for n in (4, 3, 2):
-      hit, cont, ok = map(np.asarray, group_lookup(bank, bank_len, rows, g, seq, seq_len, n, k))
-      take = hit & ~found
-      tokens[take], valid[take] = cont[take], ok[take]
-      found |= hit
+      cont, ok = map(np.asarray, group_lookup(bank, bank_len, rows, g, seq, seq_len, n, tree))
+      take = ok[:, 0] & ~found
+      first[take] = cont[take, 0]
+      found |= take
       chosen[n] += int(take.sum())
-    np.testing.assert_array_equal(np.asarray(got[0]), found, err_msg=f"trial {trial}")
-    np.testing.assert_array_equal(np.asarray(got[2]), valid, err_msg=f"trial {trial}")
-    np.testing.assert_array_equal(np.where(found[:, None], np.asarray(got[1]), 0),
-                                  np.where(found[:, None], tokens, 0), err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(got[:, 0], found, err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(np.where(found, got_tokens[:, 0], 0),
+                                  np.where(found, first, 0), err_msg=f"trial {trial}")
     chosen[None] += int((~found).sum())
   assert min(chosen.values()) > 0, chosen  # every length, and no match, occurred
 
@@ -234,5 +236,3 @@ def test_the_group_drafter_is_registered_and_checks_its_settings():
     GroupDrafter(group_size=0)
   with pytest.raises(ConfigError, match="need 1 <= min_ngram <= max_ngram"):
     GroupDrafter(min_ngram=3, max_ngram=2)
-  with pytest.raises(ConfigError, match="use DraftTree.chain"):
-    GroupDrafter().validate(None, DraftTree.from_widths((2, 1)))

@@ -111,10 +111,13 @@ def _bank_after(params, prompts, lengths, sampling, group_size, key=1):
   return bank.record(prompts, lengths, out.tokens, out.lengths, group_size), out
 
 
-@pytest.mark.parametrize("compaction, with_mtp", [
-    (0, False),  # the others slow: they keep the README's tests < 10 min
-    pytest.param(2, False, marks=pytest.mark.slow), pytest.param(1, True, marks=pytest.mark.slow)])
-def test_greedy_history_drafting_equals_plain_decoding(compaction, with_mtp):
+@pytest.mark.parametrize("compaction, with_mtp, widths", [
+    (0, False, None),  # the others slow: they keep the README's tests < 10 min
+    pytest.param(2, False, None, marks=pytest.mark.slow),
+    pytest.param(1, True, None, marks=pytest.mark.slow),
+    pytest.param(2, False, (3, 2, 1), marks=pytest.mark.slow),
+    pytest.param(1, True, (2, 1), marks=pytest.mark.slow)])
+def test_greedy_history_drafting_equals_plain_decoding(compaction, with_mtp, widths):
   params = init_params(CONFIG, jax.random.key(0))
   prompts, lengths = _prompts()
   bank, _ = _bank_after(params, prompts, lengths, SamplingConfig(1.0), 2)  # other texts
@@ -124,8 +127,10 @@ def test_greedy_history_drafting_equals_plain_decoding(compaction, with_mtp):
   drafter = HistoryDrafter(group_size=2, min_ngram=1)
   if with_mtp:
     drafter = FallbackDrafter(drafter, MTPDrafter())
-  spec = generate(params, CONFIG, *rows, jax.random.key(0), drafter=drafter,
-                  tree=DraftTree.chain(2 if with_mtp else 4), drafter_params=bank, **kwargs)
+  tree = (DraftTree.from_widths(widths) if widths
+          else DraftTree.chain(2 if with_mtp else 4))
+  spec = generate(params, CONFIG, *rows, jax.random.key(0), drafter=drafter, tree=tree,
+                  drafter_params=bank, **kwargs)
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   np.testing.assert_array_equal(spec.lengths, plain.lengths)
   np.testing.assert_allclose(spec.logprobs, plain.logprobs, atol=1e-5)
@@ -184,6 +189,25 @@ def test_the_registry_builds_history_and_history_before_mtp():
   assert history_drafter(both) is both.primary and history_drafter(MTPDrafter()) is None
 
 
+def test_a_tree_drafts_the_distinct_continuations_most_supported_first():
+  """Five earlier texts continue the row's suffix "5 6": three with "7 8", one with "7 3",
+  one with "9 1". A (2, 2) tree drafts 7 then 9 at depth 1 (three votes before one), 8 then
+  3 under 7, and 1 alone under 9: its second child has no candidate left, so it is not
+  drafted. A chain drafts the majority's path, 7 8."""
+  from specjax.decoding.drafters.group import suffix_match
+  texts = [[1, 5, 6, 7, 8], [2, 5, 6, 7, 8], [3, 5, 6, 9, 1], [4, 5, 6, 7, 3], [0, 5, 6, 7, 8]]
+  cand = jnp.asarray([texts])
+  seq, seq_len = jnp.asarray([[8, 5, 6, 0, 0]]), jnp.asarray([3])
+  args = (cand, jnp.full((1, 5), 5), jnp.zeros((1, 5), bool), jnp.zeros((1, 5), jnp.int32),
+          seq, seq_len, 2)
+  tree = DraftTree.from_widths((2, 2))  # nodes: 7, 9 | 7's children, 9's children
+  tokens, drafted = map(np.asarray, suffix_match(*args, tree, vote=True))
+  assert drafted[0].tolist() == [True, True, True, True, True, False]
+  assert tokens[0, :5].tolist() == [7, 9, 8, 3, 1]
+  tokens, drafted = map(np.asarray, suffix_match(*args, DraftTree.chain(2), vote=True))
+  assert tokens[0].tolist() == [7, 8] and drafted[0].all()
+
+
 def test_a_vote_drafts_the_continuation_most_earlier_texts_agree_on():
   """Four texts match the row's suffix "5 6" equally long: one of high priority goes on with
   9, three with 7. By priority the draft is 9; by vote it is 7, and priority still breaks a
@@ -191,11 +215,12 @@ def test_a_vote_drafts_the_continuation_most_earlier_texts_agree_on():
   from specjax.decoding.drafters.group import suffix_match
   cand = jnp.asarray([[[1, 5, 6, 9, 0], [2, 5, 6, 7, 0], [3, 5, 6, 7, 0], [4, 5, 6, 7, 0]]])
   seq, seq_len = jnp.asarray([[8, 5, 6, 0, 0]]), jnp.asarray([3])
+  one = DraftTree.chain(1)
   args = (cand, jnp.full((1, 4), 4), jnp.zeros((1, 4), bool), jnp.asarray([[3, 0, 0, 0]]),
-          seq, seq_len, 2, 1)
-  assert int(suffix_match(*args)[1][0, 0]) == 9
-  assert int(suffix_match(*args, vote=True)[1][0, 0]) == 7
+          seq, seq_len, 2, one)
+  assert int(suffix_match(*args)[0][0, 0]) == 9
+  assert int(suffix_match(*args, vote=True)[0][0, 0]) == 7
   tie = cand.at[0, 2, 3].set(9).at[0, 3, 3].set(4)  # 9 twice (one of priority 3), 7 once
-  assert int(suffix_match(tie, *args[1:], vote=True)[1][0, 0]) == 9
+  assert int(suffix_match(tie, *args[1:], vote=True)[0][0, 0]) == 9
   longer = cand.at[0, 0, 0].set(8)  # "8 5 6" in the first: a match of 3
-  assert int(suffix_match(longer, *args[1:6], 3, 1, min_n=2, vote=True)[1][0, 0]) == 9
+  assert int(suffix_match(longer, *args[1:6], 3, one, min_n=2, vote=True)[0][0, 0]) == 9

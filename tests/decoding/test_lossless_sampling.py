@@ -158,6 +158,9 @@ CASES = {
     # Earlier answers to the prompt, the group's and recent ones draft (`_history_bank`).
     "history_chain": (HistoryDrafter(group_size=4, min_ngram=1, max_ngram=2),
                       DraftTree.chain(2)),
+    # A tree of the distinct continuations (the best two at each depth).
+    "history_tree": (HistoryDrafter(group_size=4, min_ngram=1, max_ngram=2),
+                     DraftTree.from_widths((2, 2))),
     "history_medusa_chain": (FallbackDrafter(HistoryDrafter(group_size=4, min_ngram=1,
                                                             max_ngram=2), MedusaDrafter()),
                              DraftTree.chain(2)),
@@ -242,7 +245,7 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
                                   "eagle3_sampled_chain", "sampled_switching", "group_chain",
-                                  "history_chain"])
+                                  "history_chain", "history_tree"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
   if case.startswith("eagle3"):

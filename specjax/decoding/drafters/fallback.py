@@ -1,7 +1,8 @@
 """Two drafters, row by row: a free one where it has a whole draft, a model where it has not.
 
 `FallbackDrafter(primary, fallback)` asks both drafters every round; a row whose `primary`
-proposal drafts every node of the tree takes it, the other rows take `fallback`'s. Made for
+proposal drafts the tree's main path (every node of a chain; in a tree, the first child at
+every depth: the primary's best continuation) takes it, the other rows take `fallback`'s. Made for
 group drafting (`GroupDrafter` as primary: long, exact drafts where a sibling has already
 written the text) in front of a model drafter (MTP, EAGLE-3, a draft model: a guess at every
 position). Both must draft deterministically (drafts verified by matching: a sampled draft's
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from specjax.decoding.drafters.base import Drafter, Proposal, take_rows
@@ -28,6 +30,18 @@ from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+
+
+def main_path(tree: DraftTree) -> np.ndarray:
+  """`[N]` whether each draft node is on the tree's main path: the first child of the root,
+  its first child, and so on (a chain: every node)."""
+  on = np.zeros(tree.num_nodes + 1, bool)
+  on[0] = True
+  seen = set()
+  for node, parent in enumerate(tree.parents, start=1):
+    on[node] = on[parent] and parent not in seen
+    seen.add(parent)
+  return on[1:]
 
 
 @struct.dataclass
@@ -112,9 +126,10 @@ class FallbackDrafter(Drafter):
                                              sampling, k_fallback)
     b, n = first.tokens.shape
     drafted = (jnp.ones((b, n), bool) if first.drafted is None else first.drafted)
-    use = drafted.all(axis=1)
+    use = drafted[:, main_path(tree)].all(axis=1)
     tokens = jnp.where(use[:, None], first.tokens, second.tokens)
-    out = None if second.drafted is None else jnp.where(use[:, None], True, second.drafted)
+    theirs = jnp.ones((b, n), bool) if second.drafted is None else second.drafted
+    out = jnp.where(use[:, None], drafted, theirs)
     return (Proposal(tokens=tokens, drafted=out),
             state.replace(primary=primary, fallback=fallback, primary_rows=use))
 

@@ -5,7 +5,8 @@ and as training converges they say nearly the same thing. A row that is behind, 
 long tail after its siblings finished, can draft what a sibling wrote after the text the row
 has just produced: the row's last n tokens are looked up in each sibling of its group (and,
 failing that, in its own prompt and response, as n-gram prompt lookup does), longest n first,
-and the k tokens that followed the best match are the draft. Deterministic drafts, verified by
+and the k tokens that followed the best match are the draft (on a tree: the distinct
+continuations of the matches, best first, `trie_draft`). Deterministic drafts, verified by
 matching: lossless like every drafter.
 
 The drafter keeps every row's text of the call in a bank `[B0, L]` that the loop's compaction
@@ -32,7 +33,6 @@ from specjax.decoding.drafters.fallback import FallbackDrafter
 from specjax.decoding.sampling import SamplingConfig
 from specjax.decoding.tree import DraftTree
 from specjax.errors import ConfigError
-from specjax.models.config import ModelConfig
 
 
 @struct.dataclass
@@ -51,22 +51,20 @@ class GroupState:
 
 
 def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority: jax.Array,
-                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None,
-                 vote: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The continuation of each row's longest suffix of `min_n` .. `n` tokens (`min_n` None:
-  `n` only) that occurs in one of its candidate texts.
+                 seq: jax.Array, seq_len: jax.Array, n: int, tree: DraftTree,
+                 min_n: int | None = None, vote: bool = False) -> tuple[jax.Array, jax.Array]:
+  """A draft `tree` of what followed each row's longest suffix of `min_n` .. `n` tokens
+  (`min_n` None: `n` only) in its candidate texts.
 
   A candidate's match may sit anywhere with a token after it; in the row's own text (`own`) it
-  must end before the suffix starts. A longer match beats a shorter one; among equally long
-  ones the higher `priority` wins, and then the match closest to the row's own position
-  (texts that answer one prompt run in parallel, so the aligned occurrence is the likely one).
-  With `vote`, among the candidates whose best match is the longest, the continuation that
-  most of them agree on (its first token) comes before priority and position: the policy's
-  likeliest next token is the one most of its earlier samples took.
-
-  Candidates are indexed by q, the position their continuation starts at: a suffix of m tokens
-  matches there when `cand[q - i] == seq[seq_len - i]` for i = 1 .. m, so the matches of every
-  suffix length come from one pass over i (each length's the running AND of the first ones).
+  must end before the suffix starts. Each candidate offers the continuation of its best
+  occurrence (`candidate_matches`); the tree is the trie of those continuations, its nodes
+  the best distinct tokens at each branch point (`trie_draft`): a chain follows the best
+  continuation, a tree also the next-best distinct ones (SRT's tree over earlier rollouts).
+  Best: the longest match first; among equally long ones, with `vote`, the token most of
+  them continue with (the policy's likeliest next token is the one most of its earlier samples
+  took); then the higher `priority`, then the match closest to the row's own position (texts
+  that answer one prompt run in parallel, so the aligned occurrence is the likely one).
 
   Args:
     cand, cand_len: `[B, C, L]`, `[B, C]` each row's C candidate texts and their lengths (0:
@@ -76,8 +74,30 @@ def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority:
     seq, seq_len: `[B, L]`, `[B]` the rows' texts.
 
   Returns:
-    `(found [B], tokens [B, k], valid [B, k])`: the continuation and which of its tokens
-    exist (a match near the end of a text has fewer than k after it).
+    `(tokens [B, N], drafted [B, N])`: each node's token and whether it was drafted (a node
+    whose parent was not, or with no candidate left to continue it, is not).
+  """
+  matches = candidate_matches(cand, cand_len, own, priority, seq, seq_len, n, tree.depth,
+                              min_n)
+  return trie_draft(*matches, tree, vote=vote)
+
+
+def candidate_matches(cand: jax.Array, cand_len: jax.Array, own: jax.Array,
+                      priority: jax.Array, seq: jax.Array, seq_len: jax.Array, n: int,
+                      depth: int, min_n: int | None = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Each candidate's best occurrence of the row's suffix (`suffix_match`'s arguments) and
+  the `depth` tokens after it.
+
+  Candidates are indexed by q, the position their continuation starts at: a suffix of m tokens
+  matches there when `cand[q - i] == seq[seq_len - i]` for i = 1 .. m, so the matches of every
+  suffix length come from one pass over i (each length's the running AND of the first ones).
+
+  Returns:
+    `(cont [B, C, D], valid [B, C, D], length [B, C], rank [B, C])`: the continuation and
+    which of its tokens exist (a match near the end of a text has fewer than D after it), the
+    match's length (0: none) and its rank among equally long matches (priority, then
+    nearness to the row's position; higher is better).
   """
   min_n = n if min_n is None else min_n
   b, c, l = cand.shape
@@ -93,43 +113,58 @@ def suffix_match(cand: jax.Array, cand_len: jax.Array, own: jax.Array, priority:
     run &= (seq_len >= i)[:, None, None]
     if i >= min_n:
       longest = jnp.where(run, i, longest)
-  # Longer first; then priority, then nearest to the row's own position: within one length
-  # and priority a score lies in [0, l], so priorities are tiers l + 1 apart and lengths
-  # 4 (l + 1).
-  distance = jnp.abs(q - seq_len[:, None, None])
-  tier = 4 * (l + 1)
-  score = longest * tier + priority[:, :, None] * (l + 1) + (l - distance)
-  score = jnp.where(longest > 0, score, -1)
-  if vote:
-    member, start, found = _voted(cand, longest, score, tier)
-  else:
-    score = score.reshape(b, c * l)
-    best = jnp.argmax(score, axis=1)
-    found = jnp.take_along_axis(score, best[:, None], axis=1)[:, 0] >= 0
-    member, start = best // l, best % l
-  text = jnp.take_along_axis(cand, member[:, None, None], axis=1)[:, 0]  # [B, L]
-  end = jnp.take_along_axis(ends, member[:, None], axis=1)[:, 0]
-  idx = start[:, None] + jnp.arange(k)[None, :]
-  valid = found[:, None] & (idx < end[:, None])
-  tokens = jnp.take_along_axis(text, jnp.minimum(idx, l - 1), axis=1)
-  return found, tokens, valid
-
-
-def _voted(cand: jax.Array, longest: jax.Array, score: jax.Array, tier: int
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`suffix_match`'s choice with `vote`: `(member [B], start [B], found [B])` from each
-  candidate's best occurrence (`score [B, C, L]`, length tiers `tier` apart)."""
+  # Within one length a rank lies in [0, 4 (l + 1)): priority tiers l + 1 apart, then
+  # nearness to the row's position.
+  rank = priority[:, :, None] * (l + 1) + (l - jnp.abs(q - seq_len[:, None, None]))
+  score = jnp.where(longest > 0, longest * 4 * (l + 1) + rank, -1)
   at = jnp.argmax(score, axis=2)  # [B, C] each candidate's best occurrence
-  best = jnp.take_along_axis(score, at[:, :, None], axis=2)[:, :, 0]
   length = jnp.take_along_axis(longest, at[:, :, None], axis=2)[:, :, 0]
-  first = jnp.take_along_axis(cand, at[:, :, None], axis=2)[:, :, 0]  # its continuation's
-  contender = (length == length.max(axis=1, keepdims=True)) & (best >= 0)
-  votes = ((first[:, :, None] == first[:, None, :]) & contender[:, None, :]).sum(2)
-  # Votes first, then what the score ranks within one length (priority, then position).
-  final = jnp.where(contender, votes * tier + best - length * tier, -1)
-  member = jnp.argmax(final, axis=1)
-  start = jnp.take_along_axis(at, member[:, None], axis=1)[:, 0]
-  return member, start, jnp.take_along_axis(final, member[:, None], axis=1)[:, 0] >= 0
+  rank = jnp.take_along_axis(rank, at[:, :, None], axis=2)[:, :, 0]
+  idx = at[:, :, None] + jnp.arange(depth)[None, None, :]
+  cont = jnp.take_along_axis(cand, jnp.minimum(idx, l - 1), axis=2)
+  valid = (length > 0)[:, :, None] & (idx < ends[:, :, None])
+  return cont, valid, length, rank
+
+
+def trie_draft(cont: jax.Array, valid: jax.Array, length: jax.Array, rank: jax.Array,
+               tree: DraftTree, *, vote: bool) -> tuple[jax.Array, jax.Array]:
+  """The trie of the candidates' continuations laid onto `tree` (static shapes): `(tokens
+  [B, N], drafted [B, N])`.
+
+  A node continues its parent's path with the best token among the candidates that followed
+  that path and were not taken by an earlier sibling: the token whose longest match is
+  longest, then (with `vote`) offered by most candidates at that length, then of the best
+  rank (`candidate_matches`). So the first child of each node is the likeliest next token and
+  its siblings are the next distinct ones, most supported first; a chain (one child per node)
+  is the best continuation, re-voted among the candidates still on its path at every depth.
+  """
+  b, c, _ = cont.shape
+  parents, depths = tree.parent_array, tree.depths
+  top_rank = jnp.maximum(jnp.max(rank), 0) + 1  # ranks are tiers below a length step
+  on_path = {0: length > 0}  # [B, C] candidates whose continuation is the node's path
+  taken: dict[int, jax.Array] = {}  # per parent: candidates an earlier child continued
+  drafted = {0: jnp.ones((b,), bool)}
+  tokens, flags = [], []
+  for node in range(1, tree.num_nodes + 1):
+    parent, d = int(parents[node]), int(depths[node]) - 1
+    offered = cont[:, :, d]
+    eligible = on_path[parent] & valid[:, :, d] & ~taken.get(parent, False)
+    same = (offered[:, :, None] == offered[:, None, :]) & eligible[:, None, :]  # [B, C, C]
+    longest = jnp.max(jnp.where(same, length[:, None, :], 0), axis=2)  # per offered token
+    at_longest = same & (length[:, None, :] == longest[:, :, None])
+    support = at_longest.sum(2) if vote else 0
+    best = jnp.max(jnp.where(at_longest, rank[:, None, :], 0), axis=2)
+    key = jnp.where(eligible, (longest * (c + 1) + support) * top_rank + best, -1)
+    choice = jnp.argmax(key, axis=1)
+    token = jnp.take_along_axis(offered, choice[:, None], axis=1)[:, 0]
+    flag = drafted[parent] & (jnp.max(key, axis=1) >= 0)
+    follows = eligible & (offered == token[:, None])
+    on_path[node] = follows
+    taken[parent] = taken.get(parent, jnp.zeros((b, c), bool)) | follows
+    drafted[node] = flag
+    tokens.append(token)
+    flags.append(flag)
+  return jnp.stack(tokens, axis=1), jnp.stack(flags, axis=1)
 
 
 def group_candidates(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int
@@ -146,17 +181,17 @@ def group_candidates(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, grou
 
 
 def group_lookup(bank: jax.Array, bank_len: jax.Array, rows: jax.Array, group_size: int,
-                 seq: jax.Array, seq_len: jax.Array, n: int, k: int, min_n: int | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 seq: jax.Array, seq_len: jax.Array, n: int, tree: DraftTree,
+                 min_n: int | None = None) -> tuple[jax.Array, jax.Array]:
   """`suffix_match` over each row's group: its siblings (preferred) and its own text.
 
   Args:
     bank, bank_len: `[B0, L]`, `[B0]` the texts of every row of the call.
     rows: `[B]` the current rows' indices in the bank; `seq [B, L]`, `seq_len [B]` their texts.
-    n, min_n, k: as `suffix_match`.
+    n, min_n, tree: as `suffix_match`.
   """
   cand, cand_len, own = group_candidates(bank, bank_len, rows, group_size)
-  return suffix_match(cand, cand_len, own, jnp.where(own, 0, 1), seq, seq_len, n, k, min_n)
+  return suffix_match(cand, cand_len, own, jnp.where(own, 0, 1), seq, seq_len, n, tree, min_n)
 
 
 def group_sizes(drafter: Drafter | None) -> tuple[int, ...]:
@@ -202,11 +237,6 @@ class GroupDrafter(Drafter):
       raise ConfigError(f"GroupDrafter(min_ngram={self.min_ngram!r}, max_ngram="
                         f"{self.max_ngram!r}) is invalid: need 1 <= min_ngram <= max_ngram")
 
-  def validate(self, config: ModelConfig, tree: DraftTree) -> None:
-    if not tree.is_chain():
-      raise ConfigError("GroupDrafter proposes one continuation per row: use "
-                        "DraftTree.chain(k)")
-
   def init(self, params, config, drafter_params, ctx: DraftContext, tree, max_len, prompt, *,
            plain_rounds=False) -> GroupState:
     # Rows i * G .. i * G + G - 1 are a group; a batch that is not a multiple of G (a
@@ -219,10 +249,7 @@ class GroupDrafter(Drafter):
               sampling: SamplingConfig, key: jax.Array) -> tuple[Proposal, GroupState]:
     state = state.replace(bank=state.bank.at[state.rows].set(ctx.seq),
                           bank_len=state.bank_len.at[state.rows].set(ctx.seq_len))
-    found, tokens, valid = group_lookup(state.bank, state.bank_len, state.rows, self.group_size,
-                                        ctx.seq, ctx.seq_len, self.max_ngram, tree.num_nodes,
-                                        min_n=self.min_ngram)
-    tokens = jnp.where(found[:, None], tokens, ctx.root[:, None])
-    # A draft is a prefix: past the first token the match lacks, nothing is drafted.
-    valid = jnp.cumprod(valid, axis=1).astype(bool)
-    return Proposal(tokens=tokens, drafted=valid), state
+    tokens, drafted = group_lookup(state.bank, state.bank_len, state.rows, self.group_size,
+                                   ctx.seq, ctx.seq_len, self.max_ngram, tree,
+                                   min_n=self.min_ngram)
+    return Proposal(tokens=jnp.where(drafted, tokens, ctx.root[:, None]), drafted=drafted), state

@@ -12,8 +12,11 @@ steps' rollouts; DAS a suffix tree over recent rollouts).
 `max_ngram` tokens) found, in this order among equally long matches: its prompt's earlier
 responses (aligned after the prompt, so the first tokens of a response draft from the
 responses' starts), its siblings in this call and its own text (as `GroupDrafter`, whose bank
-it keeps), then the recent responses of other prompts. Deterministic drafts, verified by
-matching: lossless whatever the bank holds, a stale or colliding slot only drafts worse.
+it keeps), then the recent responses of other prompts. On a tree the drafts are the trie of
+those continuations: each node's children are the distinct next tokens, the best supported
+first (`group.trie_draft`), so where earlier answers part ways the tree drafts several of
+them (SRT's tree). Deterministic drafts, verified by matching: lossless whatever the bank
+holds, a stale or colliding slot only drafts worse.
 
 Shape letters: see `specjax` (B rows in the current bucket, B0 rows of the call, G group size,
 L sequence buffer); S bank slots (prompts), R responses per prompt, Q recent responses,
@@ -208,6 +211,11 @@ class HistoryDrafter(GroupDrafter):
     """An empty bank of this drafter's sizes for responses of up to `width` tokens."""
     return HistoryBank.create(self.slots, self.per_prompt, self.recent, width)
 
+  def bank_bytes(self, width: int) -> int:
+    """Bytes `new_bank(width)` takes on a device, without building it."""
+    per_slot = 4 + self.per_prompt * (width + 1) * 4 + 4  # key, answers and lengths, head
+    return self.slots * per_slot + self.recent * (width + 1) * 4 + 4
+
   def check_params(self, drafter_params: Any) -> None:
     if drafter_params is not None and not isinstance(drafter_params, HistoryBank):
       raise ConfigError(f"HistoryDrafter drafts from earlier responses: pass "
@@ -256,12 +264,10 @@ class HistoryDrafter(GroupDrafter):
     priority = jnp.concatenate([jnp.full((b, r), _SAME_PROMPT),
                                 jnp.where(own, _OWN, _SIBLING),
                                 jnp.full((b, c), _RECENT)], axis=1)
-    found, tokens, valid = suffix_match(cand, cand_len, is_own, priority, ctx.seq, ctx.seq_len,
-                                        self.max_ngram, tree.num_nodes, min_n=self.min_ngram,
-                                        vote=self.vote)
-    tokens = jnp.where(found[:, None], tokens, ctx.root[:, None])
-    valid = jnp.cumprod(valid, axis=1).astype(bool)  # a draft is a prefix
-    return Proposal(tokens=tokens, drafted=valid), state.replace(group=group)
+    tokens, drafted = suffix_match(cand, cand_len, is_own, priority, ctx.seq, ctx.seq_len,
+                                   self.max_ngram, tree, min_n=self.min_ngram, vote=self.vote)
+    return (Proposal(tokens=jnp.where(drafted, tokens, ctx.root[:, None]), drafted=drafted),
+            state.replace(group=group))
 
 
 def with_bank_sizes(drafter: Drafter | None, **sizes: int) -> Drafter | None:
