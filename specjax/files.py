@@ -214,11 +214,38 @@ def swap_into_place(new: Path, path: Path) -> None:
   shutil.rmtree(backup, ignore_errors=True)
 
 
+class DuplicateKey(ValueError):
+  """A JSON object that names one key twice (`strict_json`); `key` is the key."""
+
+  def __init__(self, key: str):
+    super().__init__(key)
+    self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise DuplicateKey(key)
+    out[key] = value
+  return out
+
+
+def strict_json(text: str) -> Any:
+  """`json.loads`, except that an object naming a key twice raises `DuplicateKey` (Python's
+  parser silently keeps the last value: a row whose reward column appears twice would be
+  scored on one of them without a word)."""
+  return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def read_object(file: Path, error: type[Exception], remedy: str) -> dict[str, Any]:
   """The JSON object in `file`; `error` naming the file, the position and `remedy` when the
-  text is not UTF-8, not JSON, or not an object."""
+  text is not UTF-8, not JSON, not an object, or an object that names a key twice."""
   try:
-    value = json.loads(Path(file).read_text(encoding="utf-8"))
+    value = strict_json(Path(file).read_text(encoding="utf-8"))
+  except DuplicateKey as err:
+    raise error(f"{file}: an object names the key {err.key!r} twice (JSON would keep only "
+                f"the last); every key may appear once per object; {remedy}") from None
   except json.JSONDecodeError as err:
     raise error(f"{file}: malformed JSON at line {err.lineno} column {err.colno} "
                 f"(char {err.pos}): {err.msg}; {remedy}") from None

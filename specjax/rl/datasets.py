@@ -24,6 +24,7 @@ import numpy as np
 
 from specjax.checks import is_int, is_real
 from specjax.errors import ConfigError, TaskError
+from specjax.files import DuplicateKey, strict_json
 from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, jax_rewards, score
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer, with_bos
@@ -58,7 +59,10 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
                     "must be UTF-8") from None
   if path.suffix == ".json":
     try:
-      rows = json.loads(text)
+      rows = strict_json(text)
+    except DuplicateKey as err:
+      raise TaskError(f"{path}: an object names the key {err.key!r} twice (JSON would keep "
+                      "only the last); every key may appear once per row") from None
     except json.JSONDecodeError as err:
       raise TaskError(f"{path}: not JSON ({err})") from None
     if not isinstance(rows, list):
@@ -72,7 +76,10 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
   for n, row in lines:
     if isinstance(row, str):
       try:
-        row = json.loads(row)
+        row = strict_json(row)
+      except DuplicateKey as err:
+        raise TaskError(f"{path} line {n} names the key {err.key!r} twice (JSON would keep "
+                        "only the last); every key may appear once per row") from None
       except json.JSONDecodeError as err:
         raise TaskError(f"{path} line {n} is not JSON ({err}): {row[:80]!r}") from None
     if not isinstance(row, dict):

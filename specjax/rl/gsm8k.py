@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.errors import ConfigError, TaskError
+from specjax.files import DuplicateKey, strict_json
 from specjax.rl.datasets import DatasetTask
 from specjax.rl.rewards import math_answer_reward
 from specjax.rl.tasks import Example, PythonReward, _check_split, _in_test_split
@@ -104,7 +105,10 @@ def read_gsm8k_jsonl(path: str | os.PathLike) -> list[tuple[str, float]]:
       if not line.strip():
         continue
       try:
-        row = json.loads(line)
+        row = strict_json(line)
+      except DuplicateKey as e:
+        raise TaskError(f"{where}: names the key {e.key!r} twice (JSON would keep only the "
+                        "last); every key may appear once per row") from None
       except json.JSONDecodeError as e:
         raise TaskError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
       if not isinstance(row, dict):

@@ -5,6 +5,7 @@ locally. Every comparison uses atol 1e-4 on logits of magnitude ~1-3.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -299,6 +300,16 @@ def test_unsupported_rope_type_error_names_it_and_allowed(saved_llama, rope_type
   _edit_config(saved_llama, rope_scaling=None,
                rope_parameters={"rope_type": rope_type, "factor": 4.0, "rope_theta": 1e4})
   with pytest.raises(ConfigError, match=f"'{rope_type}'.*allowed.*'llama3'"):
+    load_hf(saved_llama)
+
+
+def test_a_config_json_that_names_a_key_twice_is_refused_naming_the_file_and_key(saved_llama):
+  file = saved_llama / "config.json"
+  text = file.read_text()
+  file.write_text(text.replace('"num_hidden_layers":', '"num_hidden_layers": 9, '
+                                                       '"num_hidden_layers":', 1))
+  with pytest.raises(CheckpointError, match=re.escape(f"{file}: an object names the key "
+                                                      "'num_hidden_layers' twice")):
     load_hf(saved_llama)
 
 

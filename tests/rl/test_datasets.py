@@ -131,6 +131,8 @@ def test_every_file_format_reads_the_same_rows(tmp_path, suffix):
     ('{"prompt": "1+1="}\nnot json\n', "line 2 is not JSON"),
     ('[1, 2]\n', "line 1 is a JSON list"),
     ("", "holds no rows"),
+    ('{"prompt": "1+1="}\n{"prompt": "2+2=", "answer": "4", "answer": "zzz"}\n',
+     "line 2 names the key 'answer' twice"),
     (b'{"prompt": "\xff"}\n', "not UTF-8 text"),
 ])
 def test_malformed_files_are_located(tmp_path, content, message):

@@ -285,6 +285,8 @@ def test_read_gsm8k_jsonl_parses_answers_and_skips_blank_lines(tmp_path):
 @pytest.mark.parametrize("bad,message", [
     ('{"question": "q", "answer": "#### 1"', r"not valid JSON"),
     ('["q", "a"]', r"expected a JSON object"),
+    ('{"question": "q", "answer": "#### 1", "answer": "#### 2"}',
+     r"names the key 'answer' twice"),
     ('{"question": "q"}', r"field 'answer' is missing or not a string"),
     ('{"question": 3, "answer": "#### 1"}', r"field 'question' is missing or not a string"),
     ('{"question": "q", "answer": "it is 4"}', r"'answer' has no '#### <number>'"),
