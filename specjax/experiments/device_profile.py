@@ -65,7 +65,8 @@ def _interleaved_medians(fns: Sequence[Callable], repeats: int) -> list[float]:
   return [float(np.median(s)) for s in seconds]
 
 
-def _memory_capacity(device) -> float:
+def memory_capacity(device) -> float:
+  """Bytes of memory `device` offers: its allocator's limit, or a CPU's physical memory."""
   stats = getattr(device, "memory_stats", lambda: None)() or {}
   if stats.get("bytes_limit"):
     return float(stats["bytes_limit"])
@@ -212,7 +213,7 @@ def calibrate_profile(*, dtype: str | None = None, matmul_dim: int = 1024,
   best = max(v for _, v in curve.knots)
   profile = DeviceProfile(
       name=name or f"measured: {device.device_kind} ({dtype})", peak_flops=peak,
-      hbm_bw=bandwidth, hbm_bytes=_memory_capacity(device), link_bw=bandwidth,
+      hbm_bw=bandwidth, hbm_bytes=memory_capacity(device), link_bw=bandwidth,
       scaleout_bw=bandwidth, domain=1, matmul_eff=curve, mem_eff=1.0,
       kv_eff=Curve.constant(1.0), attn_flops_eff=0.5 * best, layer_overhead_s=1e-5,
       round_overhead_s=0.0, spec_round_overhead_s=0.0, train_mfu=0.5 * best,

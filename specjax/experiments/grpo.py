@@ -43,7 +43,9 @@ import tqdm
 
 from specjax.checkpoint import Checkpointer
 from specjax.decoding import CostTable, Eagle3Weights, SamplingConfig
+from specjax.decoding.drafters.history import history_drafter
 from specjax.errors import ConfigError, StorageError
+from specjax.experiments.device_profile import memory_capacity
 from specjax.experiments.grpo_config import LEGACY_NAMES, RESUMABLE_FIELDS, ExperimentConfig
 from specjax.experiments.measure import (acceptance_arms, arm_acceptance, evaluate,
                                          probe_acceptance, probe_room, rollout_arm_seconds,
@@ -365,6 +367,23 @@ def run(config: ExperimentConfig, log=print) -> dict:
     return _run(config, log)
 
 
+def _check_bank_fits(config: ExperimentConfig, tc: TrainConfig) -> None:
+  """Refuse a history bank over half of a device's memory: every device holds all of it,
+  beside the policy, its optimizer state and the rollout's cache."""
+  drafter = history_drafter(tc.rollout.drafter)
+  if drafter is None:
+    return
+  need = drafter.bank_bytes(config.rollout.max_new_tokens)
+  have = memory_capacity(jax.local_devices()[0])
+  if need > have / 2:
+    raise ConfigError(
+        f"drafter.history_slots={drafter.slots} x history_per_prompt={drafter.per_prompt} "
+        f"answers of rollout.max_new_tokens={config.rollout.max_new_tokens} tokens make a "
+        f"history bank of {need / 2**30:.1f} GiB on every device, more than half of this "
+        f"device's {have / 2**30:.1f} GiB; allowed: a bank of at most {have / 2**31:.1f} GiB "
+        "(4 bytes a token): lower drafter.history_slots or drafter.history_per_prompt")
+
+
 def _run(config: ExperimentConfig, log) -> dict:
   lead = jax.process_index() == 0
   mesh, rollout_mesh = _meshes(config)
@@ -403,6 +422,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   batch_shardings = prompt_batch_shardings(reader.batch_at(0), mesh)
   feed = lambda position: global_batch(mine(position), batch_shardings, prompts)
   ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=config.checkpoint.keep)
+  _check_bank_fits(config, tc)
   abstract = abstract_state(config, tc, optimizer, reader.batch_at(0))
   shardings = train_state_shardings(abstract, mesh, tc)
   restored = ckpt.restore(with_shardings(abstract, shardings))
@@ -492,7 +512,9 @@ def _run(config: ExperimentConfig, log) -> dict:
     log("compiling the GRPO step (the first step's time includes it)")
   # One set of rollout arms for the timings along training and the final measurement.
   arms = rollout_arms(config, reader.batch_at(0), costs)
-  time_arms = _arm_timer(config, arms, reader.batch_at(0))
+  unseen = (PromptReader(test_records, batch_size=prompts, pad_id=tok.pad_id).batch_at(0)
+            if len(test_records) >= prompts else None)
+  time_arms = _arm_timer(config, arms, reader.batch_at(0), unseen)
   position, last_checkpoint = meta["position"], meta["step"]
   try:
     with contextlib.ExitStack() as files:
@@ -603,15 +625,22 @@ def _run(config: ExperimentConfig, log) -> dict:
   return summary
 
 
-def _arm_timer(config: ExperimentConfig, arms: dict[str, Any], batch):
+def _arm_timer(config: ExperimentConfig, arms: dict[str, Any], batch, unseen=None):
   """With `eval.arms_every`, a `(state, step) -> {rollout_s_<arm>: seconds, ...}` that times
   one call of each of `arms` (`rollout_arms`) on the state's policy (every process calls it:
   the policy is gathered), the first call compiling the arms untimed, and measures the
-  acceptance of each of `eval.arm_drafters` on `batch` (`arm_acceptance`). None without."""
+  acceptance of each of `eval.arm_drafters` on `batch` (`arm_acceptance`). The history arms
+  are measured on `unseen` too (held-out prompts, a batch of them, or None): prompts the bank
+  has never seen, so they draft from other prompts' answers (`arm_acceptance_<name>_unseen`).
+  None without `eval.arms_every`."""
   if not config.eval.arms_every:
     return None
   compiled = []
   probes = acceptance_arms(config, batch) if config.eval.arm_drafters else {}
+  first_seen = tuple(n for n in config.eval.arm_drafters if n.startswith("history"))
+  unseen_probes = ({} if unseen is None or not first_seen else acceptance_arms(
+      dataclasses.replace(config, eval=dataclasses.replace(config.eval,
+                                                           arm_drafters=first_seen)), unseen))
 
   def time_arms(state: TrainState, step: int) -> dict[str, float]:
     local = local_copy({"params": _policy(state), "drafter": state.rollout_drafter_params,
@@ -619,6 +648,9 @@ def _arm_timer(config: ExperimentConfig, arms: dict[str, Any], batch):
     args = (arms, local["params"], local["drafter"], jax.random.key(step), local["acceptance"])
     if not compiled:
       compiled.append(rollout_arm_seconds(*args))
-    return rollout_arm_seconds(*args) | arm_acceptance(
-        probes, local["params"], local["history"], jax.random.fold_in(jax.random.key(step), 1))
+    key = jax.random.fold_in(jax.random.key(step), 1)
+    held_out = arm_acceptance(unseen_probes, local["params"], local["history"], key)
+    return (rollout_arm_seconds(*args)
+            | arm_acceptance(probes, local["params"], local["history"], key)
+            | {f"{name}_unseen": value for name, value in held_out.items()})
   return time_arms

@@ -72,5 +72,25 @@ def test_a_resumed_history_run_keeps_its_bank_and_logs_every_drafters_acceptance
     assert 1.0 <= measured[f"arm_tail_acceptance_{name}"] <= 2.0
     assert f"arm_acceptance_{name}" not in lines["whole"][0]  # step 1: not measured
     assert whole[f"arm_acceptance_{name}_last"] == measured[f"arm_acceptance_{name}"]
+  # The history arms also draft for held-out prompts, which no bank slot holds.
+  for name in ("history", "history+mtp"):
+    assert 1.0 <= measured[f"arm_acceptance_{name}_unseen"] <= 2.0
+    assert whole[f"arm_acceptance_{name}_unseen_last"] == measured[
+        f"arm_acceptance_{name}_unseen"]
+  assert "arm_acceptance_mtp_unseen" not in measured
   assert "arm/acceptance_history" in tensorboard_scalars(measured)
   assert "arm/tail_acceptance_history+mtp" in tensorboard_scalars(measured)
+
+
+def test_a_bank_larger_than_half_the_device_is_refused_before_anything_is_allocated(tmp_path):
+  from specjax.decoding import HistoryDrafter
+  drafter = HistoryDrafter(slots=3, per_prompt=2, recent=5)
+  assert drafter.bank_bytes(7) == drafter.new_bank(7).nbytes()  # counted without building it
+  config = tiny_experiment(tmp_path, {"drafter.name": "history",
+                                      "drafter.history_slots": 2**40})
+  with pytest.raises(ConfigError, match=r"drafter.history_slots=1099511627776 x "
+                                        r"history_per_prompt=8 answers of rollout.max_new_tokens="
+                                        r"\d+ tokens make a history bank of [\d.]+ GiB on every "
+                                        r"device, more than half of this device's"):
+    run(config)
+  assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
