@@ -284,6 +284,7 @@ def train_command(argv: list[str]) -> dict:
   except ConfigError as err:
     raise SystemExit(f"specjax train: {err}") from None
   from specjax.experiments.grpo import ExperimentConfig, run
+  from specjax.experiments.measure import speedup_text
   from specjax.experiments.run_record import config_record
   default = load_experiment(known.config)
   if not isinstance(default, ExperimentConfig):
@@ -309,22 +310,24 @@ def train_command(argv: list[str]) -> dict:
   print(f"drafter acceptance length on a fixed 16-token probe: "
         f"{summary['probe_acceptance_before']:.2f} before RL -> "
         f"{summary['probe_acceptance_after']:.2f} after (online drafter training)")
+  acceptance = (f"acceptance length {summary['acceptance_length']:.2f}"
+                if summary["acceptance_length"] > 0 else "no tokens generated")
   line = (f"rollout speedup, speculative / plain in the same engine and run"
           f"{' (both compacted)' if 'compaction_speedup' in summary else ''}: "
-          f"{summary['speedup']:.2f}x at acceptance length {summary['acceptance_length']:.2f}")
+          f"{speedup_text(summary)} at {acceptance}")
   if summary.get("plain_share", 0.0) == 1.0:
     line += (" (the speculation policy ran plain decoding in every round: at this batch size "
              "no draft tree's measured cost is paid back by its expected tokens)")
   elif "plain_share" in summary:
     line += f" (plain decoding in {100 * summary['plain_share']:.0f}% of rounds)"
   print(line)
-  if "compaction_speedup" in summary:
+  if "compaction_speedup" in summary and summary.get("speedup_measured", True):
     print(f"rollout arms from the same run: plain without compaction "
           f"{summary['uncompacted_tokens_per_s']:.0f} tokens/s, plain with compaction "
-          f"{summary['plain_tokens_per_s']:.0f} ({summary['compaction_speedup']:.2f}x), "
+          f"{summary['plain_tokens_per_s']:.0f} ({speedup_text(summary, 'compaction_speedup')}), "
           f"speculative with compaction {summary['spec_tokens_per_s']:.0f} "
-          f"({summary['total_speedup']:.2f}x); {100 * summary['tail_share']:.0f}% of plain "
-          "decoding's rounds ran with at most a quarter of the rows live")
+          f"({speedup_text(summary, 'total_speedup')}); {100 * summary['tail_share']:.0f}% of "
+          "plain decoding's rounds ran with at most a quarter of the rows live")
   if "simulated_generation_speedup" in summary:
     print(f"simulated on one {summary['simulated_device']} (specjax.sim, a prediction, not a "
           f"measurement): speculative / plain rollout "

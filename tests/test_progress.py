@@ -70,6 +70,9 @@ def test_a_short_train_run_announces_every_long_phase(tmp_path):
   for phase in ("warm start", "measuring what a round", "evaluating the warm-started policy",
                 "compiling the GRPO step", "evaluating the trained policy"):
     assert phase in said, phase
+  # One repeat of each rollout arm: the run says so rather than print a ratio as a speedup.
+  speedup = next(line for line in said.splitlines() if line.startswith("rollout speedup"))
+  assert "too short to measure (1 repeat(s)" in speedup, speedup
 
 
 @pytest.mark.slow

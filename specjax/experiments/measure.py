@@ -324,16 +324,22 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   tokens = [np.array([np.asarray(call[1]).sum() for call in calls]) for calls in runs]
   rates = dict(zip(names, (n / s for n, s in zip(tokens, seconds))))
   last = [calls[-1][0] for calls in runs]  # each arm's last call's statistics
-  ratio = lambda a, b: float(np.median(rates[a] / rates[b]))
   stats = last[1]  # the speculative arm's
   summary = {"plain_tokens_per_s": float(np.median(rates["plain"])),
              "spec_tokens_per_s": float(np.median(rates["spec"])),
-             "speedup": ratio("spec", "plain"),
-             "acceptance_length": float(stats.tokens_per_round)}
+             **_ratio("speedup", rates["spec"], rates["plain"]),
+             "acceptance_length": float(stats.tokens_per_round),
+             "speedup_repeats": len(seconds[0]),
+             "arm_call_s": float(min(np.median(s) for s in seconds))}
+  # A ratio of a few millisecond calls on a shared machine is noise: too few repeats, or too
+  # little time in an arm, and the run says so instead of printing it as a speedup.
+  summary["speedup_measured"] = bool(
+      summary["speedup_repeats"] >= MIN_SPEEDUP_REPEATS
+      and min(float(np.sum(s)) for s in seconds) >= MIN_ARM_SECONDS)
   if compaction:
     summary |= {"uncompacted_tokens_per_s": float(np.median(rates["uncompacted"])),
-                "compaction_speedup": ratio("plain", "uncompacted"),
-                "total_speedup": ratio("spec", "uncompacted"),
+                **_ratio("compaction_speedup", rates["plain"], rates["uncompacted"]),
+                **_ratio("total_speedup", rates["spec"], rates["uncompacted"]),
                 "tail_share": tail_round_share(last[2].row_rounds)}
   rounds = np.asarray(stats.tree_rounds, np.float64)
   if len(rounds) > 1:
@@ -341,6 +347,36 @@ def rollout_speedup(params, config: ExperimentConfig, batch,
   summary["response_lengths"] = [int(n) for n in np.asarray(runs[0][-1][1])]  # plain's last
   summary["prompt_length"] = float(np.mean(np.asarray(batch.lengths)))
   return summary
+
+
+# What a rollout speedup needs before it is reported as one (`rollout_speedup`).
+MIN_SPEEDUP_REPEATS = 3
+MIN_ARM_SECONDS = 0.2
+
+
+def _ratio(name: str, a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+  """`name`: the median over repeats of a / b (rates of two arms, repeat by repeat), with
+  `name_low` and `name_high`, the smallest and largest repeat's: its spread."""
+  per_repeat = a / b
+  return {name: float(np.median(per_repeat)), f"{name}_low": float(per_repeat.min()),
+          f"{name}_high": float(per_repeat.max())}
+
+
+def speedup_text(summary: dict[str, Any], name: str = "speedup") -> str:
+  """How a run states `rollout_speedup`'s ratio `name`: with its spread over the repeats, as
+  1.0 within that spread when speculation never drafted or the spread holds 1, and as too
+  short to measure when the arms ran too few repeats or too little time."""
+  if not summary.get("speedup_measured", True):
+    return (f"too short to measure ({summary['speedup_repeats']} repeat(s), "
+            f"{1e3 * summary['arm_call_s']:.1f} ms a call; a ratio needs >= "
+            f"{MIN_SPEEDUP_REPEATS} repeats and >= {MIN_ARM_SECONDS:g} s in each arm: raise "
+            f"eval.speedup_repeats or eval.speedup_seconds)")
+  value, low, high = (summary[name], summary.get(f"{name}_low", summary[name]),
+                      summary.get(f"{name}_high", summary[name]))
+  text = f"{value:.2f}x (repeats {low:.2f}-{high:.2f})"
+  if low <= 1.0 <= high:
+    text += ", 1.0 within its spread"
+  return text
 
 
 def simulated_speedup(config: ExperimentConfig, prompt_length: float,

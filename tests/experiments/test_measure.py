@@ -81,6 +81,21 @@ def test_rollout_speedup_times_the_arms_it_is_given():
   summary = rollout_speedup(init_params(MODEL, jax.random.key(0)), config, batch, arms=arms)
   assert calls == {"plain": 2, "spec": 2}  # compile, then one repeat each
   assert summary["speedup"] > 0
+  # One repeat of a few milliseconds: recorded, and stated as too short to measure.
+  assert summary["speedup_repeats"] == 1 and summary["speedup_measured"] is False
+  assert measure.speedup_text(summary).startswith("too short to measure (1 repeat(s), ")
+
+
+def test_a_speedup_is_stated_with_its_spread_and_as_one_when_the_spread_holds_it():
+  measured = {"speedup_measured": True, "speedup": 1.02, "speedup_low": 0.91,
+              "speedup_high": 1.2, "speedup_repeats": 5, "arm_call_s": 0.3}
+  assert measure.speedup_text(measured) == "1.02x (repeats 0.91-1.20), 1.0 within its spread"
+  measured |= {"speedup": 1.5, "speedup_low": 1.31, "speedup_high": 1.7}
+  assert measure.speedup_text(measured) == "1.50x (repeats 1.31-1.70)"
+  few = measured | {"speedup_measured": False, "speedup_repeats": 2, "arm_call_s": 0.004}
+  assert measure.speedup_text(few) == (
+      "too short to measure (2 repeat(s), 4.0 ms a call; a ratio needs >= 3 repeats and >= "
+      "0.2 s in each arm: raise eval.speedup_repeats or eval.speedup_seconds)")
 
 
 def test_nothing_compiles_inside_the_timed_calls(monkeypatch):
