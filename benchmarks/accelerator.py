@@ -785,7 +785,7 @@ def section_rl_spec(ctx: Context) -> dict:
     out.setdefault("compile_s", {})[str(rows)] = compile_s
     ctx.log(f"  rl_spec {rows} rows: plain step {1e3 * medians['plain', 'step'][0]:.1f} ms "
             f"({compile_s:.0f}s compile, {time.perf_counter() - t0:.0f}s in all)")
-    del holder
+    holder.clear()  # the arms' state and bank, before the next size allocates its own
   return out
 
 

@@ -11,7 +11,6 @@ Shape letters: see `specjax` (B rows, L sequence buffer, W draft vocab).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +23,7 @@ from specjax.errors import ConfigError
 from specjax.experiments.drafter_config import DrafterTrainConfig
 from specjax.experiments.export import load_policy
 from specjax.experiments.warm_start import warm_start_policy
+from specjax.files import read_object
 from specjax.models import ModelConfig, init_params
 from specjax.models.params import Params
 from specjax.rl.gsm8k import GSM8KTask
@@ -64,7 +64,9 @@ def target_spec(config: DrafterTrainConfig) -> tuple[Tokenizer, ModelConfig]:
     raise ConfigError(f"target_dir={config.target_dir!r} is invalid: no config.json there "
                       "(expected an HF checkpoint directory)")
   tokenizer = HFTokenizer.from_dir(path)
-  model = config_from_hf(json.loads((path / "config.json").read_text()))
+  record = read_object(path / "config.json", ConfigError,
+                       f"target_dir={config.target_dir!r} needs an HF checkpoint's config.json")
+  model = config_from_hf(record)
   check_vocab_fits(tokenizer, model.vocab_size)
   return tokenizer, model
 

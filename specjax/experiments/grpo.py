@@ -82,9 +82,15 @@ def task_records(task: Task, split: str) -> list[dict]:
   """The prompt records of `task`'s `split` (`PromptReader`'s source); a task rewarded in
   Python keeps each record's `Example` under "example", which its rewards read."""
   keep = not task.reward_in_jax
-  return [{"prompt": task_prompt_ids(task, e.prompt), "reference": e.reference,
-           "answer": e.answer, **({"example": e} if keep else {})}
-          for e in task.examples(split)]
+  records = [{"prompt": task_prompt_ids(task, e.prompt), "reference": e.reference,
+              "answer": e.answer, **({"example": e} if keep else {})}
+             for e in task.examples(split)]
+  if not records:
+    raise ConfigError(f"task {task.name!r} has no {split} prompts (its {split} split is "
+                      "empty): a run trains on the train split and evaluates on the test split "
+                      "before and after RL; give it both (GSM8K: a test_file or test_fraction "
+                      "> 0; a dataset: test_fraction > 0 or a test source)")
+  return records
 
 
 def initial_policy(config: ExperimentConfig, log=print):

@@ -12,7 +12,6 @@ warm start or compilation. `specjax.experiments.grpo.run` executes it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -28,6 +27,7 @@ from specjax.decoding.drafters.history import history_drafter, with_bank_sizes
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
 from specjax.experiments.metrics_log import Logging
+from specjax.files import read_object
 from specjax.hub import local_checkpoint
 from specjax.models.config import RUNTIME_FIELDS, ModelConfig
 from specjax.models.eagle3 import Eagle3Config
@@ -467,10 +467,8 @@ class ExperimentConfig:
     require_field(self, "policy_dir", path.is_file(),
                   "no config.json there (expected an HF checkpoint directory: config.json and "
                   "safetensors)")
-    try:
-      record = json.loads(path.read_text())
-    except ValueError as err:
-      raise ConfigError(f"policy_dir={self.policy_dir!r}: {path} is not JSON ({err})") from None
+    record = read_object(path, ConfigError, f"policy_dir={self.policy_dir!r} needs an HF "
+                         "checkpoint's config.json")
     require_field(self, "policy_dtype", self.policy_dtype in ("float32", "bfloat16", "auto"),
                   "allowed 'float32', 'bfloat16' or 'auto' (the checkpoint's)")
     model = config_from_hf(record, param_dtype=self.policy_dtype)
@@ -492,8 +490,10 @@ class ExperimentConfig:
     path = Path(self.drafter.checkpoint) / "config.json"
     require_field(self.drafter, "checkpoint", path.is_file(), "no config.json there (expected "
                   "the draft model's HF checkpoint directory)", "drafter.")
+    record = read_object(path, ConfigError, f"drafter.checkpoint={self.drafter.checkpoint!r} "
+                         "needs the draft model's HF config.json")
     try:
-      return config_from_hf(json.loads(path.read_text()))
+      return config_from_hf(record)
     except ValueError as err:
       raise ConfigError(f"drafter.checkpoint={self.drafter.checkpoint!r}: {path} is not a "
                         f"usable config ({err})") from None
@@ -535,7 +535,13 @@ class ExperimentConfig:
       path = Path(self.drafter.eagle3_dir) / "config.json"
       require_field(self.drafter, "eagle3_dir", path.is_file(), "no config.json there "
                     "(expected an EAGLE-3 head saved by save_eagle3 / train-drafter)", "drafter.")
-      return eagle3_config_from_hf(json.loads(path.read_text()), self.model)
+      record = read_object(path, ConfigError, f"drafter.eagle3_dir={self.drafter.eagle3_dir!r} "
+                           "needs the head's config.json (save_eagle3, train-drafter)")
+      try:
+        return eagle3_config_from_hf(record, self.model)
+      except ConfigError as err:
+        raise ConfigError(f"drafter.eagle3_dir={self.drafter.eagle3_dir!r}: {path}: "
+                          f"{err}") from None
     return Eagle3Config.for_target(self.model, draft_vocab_size=self.drafter.draft_vocab_size)
 
   @property

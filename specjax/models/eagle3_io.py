@@ -36,14 +36,13 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from specjax.errors import CheckpointError, ConfigError
-from specjax.files import existing, replace_directory
+from specjax.files import existing, read_object, replace_directory
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.eagle3 import Eagle3Config, check_d2t, default_aux_layers
-from specjax.models.hf import FLOAT_DTYPES, check_finite
+from specjax.models.hf import FLOAT_DTYPES, check_finite, open_safetensors
 from specjax.models.hf_config import (_float_field, _int_field, _param_dtype, _rope_from_hf,
                                       _rope_to_hf)
 from specjax.models.params import Params
@@ -320,13 +319,14 @@ def load_eagle3(directory: str | os.PathLike, target: ModelConfig | None = None,
       raise CheckpointError(f"{path}: has pytorch_model.bin but no {WEIGHTS_FILE}; only "
                             f"safetensors are read (pickles can run code); {_CONVERT_HINT}")
     raise CheckpointError(f"{path}: missing {WEIGHTS_FILE}")
-  config = eagle3_config_from_hf(json.loads(config_file.read_text()), target,
-                                 param_dtype=param_dtype, dtype=dtype)
+  record = read_object(config_file, CheckpointError,
+                       "re-save the head (save_eagle3, specjax train-drafter)")
+  config = eagle3_config_from_hf(record, target, param_dtype=param_dtype, dtype=dtype)
   layout = _layout(config)
   known = {entry[0] for entry in layout} | {"d2t", "t2d"} | set(_IGNORED)
   weight_dtype = np.dtype(config.weight_dtype)
   params: Params = {"layer": {}}
-  with safe_open(weights, framework="np") as handle:
+  with open_safetensors(weights) as handle:
     names = set(handle.keys())
     unexpected = sorted(names - known)
     if unexpected:

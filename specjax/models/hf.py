@@ -201,7 +201,7 @@ def _corrupt(file: Path, err: Exception) -> CheckpointError:
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: Path) -> Iterator[Any]:
+def open_safetensors(file: Path) -> Iterator[Any]:
   """`safe_open(file)`, turning safetensors' parse errors into a `CheckpointError`."""
   try:
     handle = safe_open(file, framework="np")
@@ -238,7 +238,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     return {name: _shard_file(path, index, name, file) for name, file in weight_map.items()}
   single = path / WEIGHTS_FILE
   if single.is_file():
-    with _open_safetensors(single) as f:
+    with open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise CheckpointError(f"{path}: no {WEIGHTS_FILE} or {INDEX_FILE} (a sharded checkpoint); "
                         "only safetensors checkpoints are supported")
@@ -256,7 +256,7 @@ def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
       if file not in handles:
         if not file.is_file():
           raise CheckpointError(f"{file}: file listed in the index for {t.name!r} is missing")
-        handles[file] = stack.enter_context(_open_safetensors(file))
+        handles[file] = stack.enter_context(open_safetensors(file))
       handle = handles[file]
       try:
         tensor_slice = handle.get_slice(t.name)
@@ -286,7 +286,7 @@ def check_finite(array: np.ndarray, what: str, remedy: str) -> None:
 
 
 def _get_tensor(files: dict[str, Path], name: str) -> np.ndarray:
-  with _open_safetensors(files[name]) as f:
+  with open_safetensors(files[name]) as f:
     return f.get_tensor(name)
 
 

@@ -408,3 +408,20 @@ def test_a_combined_drafters_parts_are_logged_along_training_and_summarised():
                          "plain_tokens_per_s": 100.0, "spec_tokens_per_s": 150.0})
   assert "in rounds group drafted" in table and "4.200" in table
   assert "in rounds mtp drafted" in table
+
+
+def test_a_task_without_held_out_prompts_is_refused_naming_it(tmp_path):
+  """GSM8K from a training file alone with test_fraction 0: nothing to evaluate on."""
+  from specjax.rl.gsm8k import GSM8KTask
+  from specjax.tokenizer import CharTokenizer
+  rows = [{"question": f"What is {i} + 1?", "answer": f"It is {i + 1}.\n#### {i + 1}"}
+          for i in range(8)]
+  train = tmp_path / "train.jsonl"
+  train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  text = "".join(r["question"] + r["answer"] for r in rows) + "Question: \nAnswer:"
+  task = GSM8KTask(train, CharTokenizer("".join(sorted(set(text)))), test_fraction=0.0)
+  config = tiny_experiment(tmp_path / "run", {"task": task,
+                                              "model.vocab_size": task.tokenizer.vocab_size})
+  with pytest.raises(ConfigError, match=r"task 'gsm8k' has no test prompts \(its test split "
+                                        r"is empty\).*a test_file or test_fraction > 0"):
+    run(config)

@@ -4,6 +4,7 @@ run, the draft vocabulary, and checkpoint I/O in the vLLM / SGLang layout."""
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -542,6 +543,27 @@ def _bad_d2t_offsets(kind):
 def test_bad_checkpoints_raise_clear_errors(tmp_path, kwargs, error, message):
   _hand_checkpoint(tmp_path, _config(), 0, **kwargs)
   with pytest.raises(error, match=message):
+    load_eagle3(tmp_path, TARGET)
+
+
+@pytest.mark.parametrize("config_text, message", [
+    ("", r"malformed JSON at line 1 column 1"),
+    ("[1, 2]", r"holds a JSON list, expected an object"),
+    ('{"hidden_size": 32,', r"malformed JSON"),
+])
+def test_a_malformed_config_json_is_named(tmp_path, config_text, message):
+  _hand_checkpoint(tmp_path, _config(), 0)
+  (tmp_path / "config.json").write_text(config_text)
+  with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "config.json")) + ": "
+                     + message):
+    load_eagle3(tmp_path, TARGET)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+  _hand_checkpoint(tmp_path, _config(), 0)
+  weights = tmp_path / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:100])
+  with pytest.raises(CheckpointError, match=re.escape(str(weights))):
     load_eagle3(tmp_path, TARGET)
 
 
