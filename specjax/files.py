@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specjax.errors import CheckpointError, RunDirectoryInUse, StorageError
+from specjax.errors import CheckpointError, RunDirectoryInUse, SpecjaxError, StorageError
 
 
 def backup_dirs(path: Path) -> list[Path]:
@@ -214,8 +214,9 @@ def swap_into_place(new: Path, path: Path) -> None:
   shutil.rmtree(backup, ignore_errors=True)
 
 
-class DuplicateKey(ValueError):
-  """A JSON object that names one key twice (`strict_json`); `key` is the key."""
+class DuplicateKey(SpecjaxError, ValueError):
+  """A JSON object that names one key twice (`strict_json`); `key` is the key. Its readers
+  turn it into their own error, naming the file and the row."""
 
   def __init__(self, key: str):
     super().__init__(key)

@@ -54,6 +54,7 @@ from specjax.experiments.measure import (acceptance_arms, arm_acceptance, evalua
 from specjax.experiments.metrics_log import MetricsLog
 from specjax.experiments.run_metrics import (arm_summary, jsonable, part_acceptance,
                                              plot_curves, tensorboard_scalars)
+from specjax.experiments.run_inputs import check_inputs
 from specjax.experiments.run_record import check_resume, config_record, kept_metrics, record_config
 from specjax.experiments.warm_start import warm_start_policy
 from specjax.files import DirectoryLock, storage
@@ -400,6 +401,8 @@ def _run(config: ExperimentConfig, log) -> dict:
                defines="the policy, its task and its training", log=log,
                renamed=LEGACY_NAMES)
   _check_not_past(run_dir, config.steps)
+  check_inputs(run_dir, config.task, started=any((run_dir / "checkpoints").glob("[0-9]*")),
+               accept=config.accept_changed_inputs, write=lead, log=log)
   if lead:
     record_config(run_dir, config)
   # The state's structure does not depend on how each round's tree is chosen (but for the

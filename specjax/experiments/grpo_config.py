@@ -55,7 +55,8 @@ DEFAULT_ACCEPTANCE_CARRY = 0.5
 # long it runs, how often it checkpoints, how long it measures, and the mesh (checkpoints
 # restore onto any mesh). Every other field defines the policy, its task or its training, and a
 # change would silently alter the run.
-RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint", "eval.speedup_repeats",
+RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint", "accept_changed_inputs",
+                              "eval.speedup_repeats",
                               "eval.speedup_seconds", "mesh", "log"})
 
 
@@ -342,6 +343,9 @@ class ExperimentConfig:
       trained with the trunk frozen, which is also the KL reference: a few per cent of the
       optimizer memory of full-parameter training. Rank 0 (the default) trains every
       parameter. Rollouts, evaluations and exports use the merged policy.
+    accept_changed_inputs: resume although the task's data or rewards changed since the run
+      started (`run_inputs`: refused by default, naming the change); the new ones are then
+      recorded.
   """
 
   run_dir: str = "runs/arithmetic"
@@ -365,6 +369,7 @@ class ExperimentConfig:
   checkpoint: Checkpointing = Checkpointing()
   log: Logging = Logging()
   lora: LoraConfig = LoraConfig()
+  accept_changed_inputs: bool = False
 
   def __post_init__(self):
     for name, kind in _GROUPS.items():
@@ -372,6 +377,8 @@ class ExperimentConfig:
                     f"must be a {kind.__name__}(...)")
     require_ints(self, ("steps",), 1)
     require_ints(self, ("seed",), 0)
+    require_field(self, "accept_changed_inputs", isinstance(self.accept_changed_inputs, bool),
+                  "must be True or False")
     rows = self.rollout.prompts_per_step * self.grpo.group_size
     require_field(self.grpo, "num_minibatches", rows % self.grpo.num_minibatches == 0,
                   f"must divide a step's rollout rows, rollout.prompts_per_step x "
