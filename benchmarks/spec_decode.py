@@ -440,6 +440,18 @@ def _tree_share(v: Variant, tree_rounds: list[np.ndarray]) -> str:
                   if n)
 
 
+MIN_REPEATS = 3  # a ratio from fewer repeats is printed as too short to measure
+
+
+def ratio_text(r: Row) -> str:
+  """A row's ratio to plain decoding as the tables state it: with its repeats' range, or
+  marked too short to measure when it rests on fewer than `MIN_REPEATS` repeats."""
+  if len(r.per_repeat) < MIN_REPEATS:
+    return f"{r.ratio:.2f} (too short to measure: {len(r.per_repeat)} repeat(s))"
+  low, high = min(r.per_repeat), max(r.per_repeat)
+  return f"{r.ratio:.2f} (repeats {low:.2f}-{high:.2f}{', 1.0 within' if low <= 1 <= high else ''})"
+
+
 def print_table(rows: list[Row]) -> None:
   head = (f"{'drafter':12s} {'tree':12s} {'batch':>5s} {'plain tok/s':>11s} "
           f"{'spec tok/s':>10s} {'ratio':>6s} {'spread':>6s} {'acc len':>7s} {'drafts':>6s} "
@@ -451,13 +463,17 @@ def print_table(rows: list[Row]) -> None:
   for r in rows:
     if r.drafter == "plain":
       continue
+    short = "*" if len(r.per_repeat) < MIN_REPEATS else " "
     print(f"{r.drafter:12s} {r.tree:12s} {r.batch:5d} {r.plain_tps:11.1f} {r.spec_tps:10.1f} "
-          f"{r.ratio:6.2f} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.drafts:6.2f} {r.eff:5.2f} "
+          f"{r.ratio:5.2f}{short} {100 * r.spread:5.0f}% {r.acc_len:7.2f} {r.drafts:6.2f} {r.eff:5.2f} "
           f"{r.rounds:6.1f} "
           f"{r.tail:5.2f} {r.cost:5.2f} {r.verify:6.2f} {r.draft:5.2f} {r.ideal:5.2f} "
           f"{r.engine_eff:7.2f}  "
           + " ".join(f"{a:.2f}" for a in r.acc_depth)
           + (f"  [{r.tree_share}]" if r.tree_share else ""))
+  if any(len(r.per_repeat) < MIN_REPEATS for r in rows):
+    print(f"* fewer than {MIN_REPEATS} repeats: too short to measure; the ratio is shown, it "
+          "is not a speedup (--repeats)")
 
 
 def main(argv=None) -> int:
@@ -561,7 +577,7 @@ def main(argv=None) -> int:
       by_batch[r.batch] = r
   print()
   for b, r in by_batch.items():
-    print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {r.ratio:.2f}, acc len "
+    print(f"best at batch {b}: {r.drafter} {r.tree}: ratio {ratio_text(r)}, acc len "
           f"{r.acc_len:.2f}, eff {r.eff:.2f}, ideal {r.ideal:.2f}, engine eff "
           f"{r.engine_eff:.2f}")
   for r in rows:  # adaptive rows against plain, their drafter's best fixed tree, any row's
