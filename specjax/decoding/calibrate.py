@@ -38,7 +38,7 @@ import pathlib
 import statistics
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +106,16 @@ def _warn_unwritable(directory: pathlib.Path, err: OSError) -> None:
                   "writable directory, or pass cache_dir=None)", stacklevel=3)
 
 
-def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
-  """Store `table` at `path` unless a table is there already, and return the stored one.
+def _keep_first(path: pathlib.Path, table: CostTable,
+                fits: Callable[[CostTable], bool]) -> CostTable:
+  """Store `table` at `path` unless a table that `fits` this calibration is there already,
+  and return the stored one.
 
   Processes that calibrate the same configuration at the same time (the runs of one sweep,
   a run and its restart) then all decode with the table of whichever finished first, so
-  their tree choices, and with them their samples, agree.
+  their tree choices, and with them their samples, agree. A damaged or stale file (another
+  menu or batch sizes, an older format) is replaced by `table`: kept, it would be measured
+  again on every call and still returned.
   """
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -120,9 +124,12 @@ def _keep_first(path: pathlib.Path, table: CostTable) -> CostTable:
     os.link(tmp, path)  # atomic, and fails if the file exists
   except FileExistsError:
     try:
-      return CostTable(**json.loads(path.read_text()))
+      kept = CostTable(**json.loads(path.read_text()))
     except (ValueError, TypeError, ConfigError):
-      tmp.replace(path)  # a damaged table: ours replaces it
+      kept = None
+    if kept is not None and fits(kept):
+      return kept
+    tmp.replace(path)  # a damaged or stale table: ours replaces it
   finally:
     tmp.unlink(missing_ok=True)
   return table
@@ -310,6 +317,8 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     raise ConfigError(f"cache_dir={cache_dir!r} is invalid: must be a directory path, or None "
                       "for no disk cache")
   n1, n2 = 2, 2 + rounds
+  fits = lambda table: (len(table.seconds) == len(menu) and table.batches == batches
+                        and table.alone is not None and table.switch is not None)
   path = None
   if cache_dir is not None:
     root = default_cache_dir() if cache_dir == DEFAULT else pathlib.Path(cache_dir)
@@ -317,8 +326,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
     if path.exists():
       try:
         table = CostTable(**json.loads(path.read_text()))
-        if (len(table.seconds) == len(menu) and table.batches == batches
-            and table.alone is not None and table.switch is not None):
+        if fits(table):
           if verbose:
             print(f"calibration read from {path}\n{table.format(menu)}")
           return table
@@ -377,7 +385,7 @@ def calibrate(params: Params, config: ModelConfig, drafter: Drafter,
                     alone=tuple(seconds[-1]), setup=tuple(setup), switch=tuple(switch))
   if path is not None:
     try:
-      table = _keep_first(path, table)
+      table = _keep_first(path, table, fits)
     except OSError as err:  # a read-only or full home (clusters, containers): measure anyway
       _warn_unwritable(path.parent, err)
   if verbose:

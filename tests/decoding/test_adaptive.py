@@ -572,3 +572,21 @@ def test_round_parts_split_a_round_into_drafting_verify_and_the_engines_rest():
   with pytest.raises(ConfigError, match="at least one drafting tree"):
     round_parts(params, MODEL, _Echo(), (DraftTree.empty(),), batch_sizes=(2,), prompt_len=4,
                 max_new_tokens=6)
+
+
+def test_a_stale_calibration_file_is_replaced_not_returned(tmp_path):
+  """A table kept for another menu (a stale entry) used to be measured again on every call,
+  and the stale one still returned; the fresh table now replaces it."""
+  import json
+
+  from specjax.decoding.calibrate import _keep_first
+  path = tmp_path / "table.json"
+  stale = CostTable(batches=(2,), seconds=((1.0,),), alone=(1.0,), setup=(0.0,), switch=(0.0,))
+  fresh = CostTable(batches=(2,), seconds=((1.0,), (2.0,)), alone=(1.0,), setup=(0.0,),
+                    switch=(0.0,))
+  fits = lambda table: len(table.seconds) == 2
+  path.write_text(json.dumps(dataclasses.asdict(stale)))
+  assert _keep_first(path, fresh, fits) == fresh
+  assert CostTable(**json.loads(path.read_text())) == fresh
+  other = dataclasses.replace(fresh, seconds=((1.5,), (2.5,)))
+  assert _keep_first(path, other, fits) == fresh  # a fitting table is kept: the first wins
