@@ -129,6 +129,8 @@ def generate_command(
     # Chat checkpoints end a turn on one id and a document on another (Llama 3: <|eot_id|>,
     # <|end_of_text|>); stopping on the tokenizer's EOS alone runs past the turn's end.
     eos_id = tuple(dict.fromkeys(tokenizer.eos_ids + eos_token_ids(checkpoint)))
+    for guess in tokenizer.guesses:  # what the checkpoint's files did not say
+      print(f"tokenizer: {guess}")
 
   if drafter is None:
     drafter = default_drafter(config)

@@ -234,6 +234,9 @@ class HFTokenizer:
       empty template, named templates without a "default"): `render_chat`'s error says it.
     chat_bos_id: the BOS token the directory names (`tokenizer_config.json`'s `bos_token`,
       ...), which a chat template renders as `bos_token`; None: `bos_id`.
+    guesses: what was inferred rather than read from the files, one sentence each (an EOS
+      or pad id guessed from the vocabulary, a chat template's turn end added to `eos_ids`):
+      a run logs them once.
   """
 
   tokenizer: tokenizers.Tokenizer = dataclasses.field(repr=False, metadata={"record": False})
@@ -248,6 +251,8 @@ class HFTokenizer:
                                                      metadata={"record": False})
   chat_bos_id: int | None = dataclasses.field(default=None, repr=False,
                                               metadata={"record": False})
+  guesses: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False,
+                                               metadata={"record": False})
 
   def __post_init__(self):
     if not self.eos_ids:
@@ -337,8 +342,9 @@ class HFTokenizer:
                      _read_json(path / "generation_config.json"), eos_token, pad_token,
                      bos_token)
     template, note = _chat_template(path, tok_config)
-    return dataclasses.replace(out, chat_template=template, chat_template_note=note,
-                               source=str(path))
+    out = dataclasses.replace(out, chat_template=template, chat_template_note=note,
+                              source=str(path))
+    return _with_turn_end(out)
 
   @classmethod
   def _build(cls, file: Path, tok_config: Mapping[str, Any], gen_config: Mapping[str, Any],
@@ -372,6 +378,7 @@ class HFTokenizer:
       return next((tok.token_to_id(c) for c in candidates if tok.token_to_id(c) is not None),
                   None)
 
+    guesses: list[str] = []
     gen_file = file.parent / "generation_config.json"
     gen_id = lambda field: _config_ids(gen_file, field, gen_config[field])[0]
     gen_eos = gen_config.get("eos_token_id")
@@ -388,6 +395,9 @@ class HFTokenizer:
         raise TokenizerError(f"{file}: no EOS token: none given, none in tokenizer_config.json "
                              f"or generation_config.json, and none of {EOS_CANDIDATES} in the "
                              "vocabulary; pass eos_token")
+      guesses.append(f"EOS guessed: {tok.id_to_token(eos_id)!r} (id {eos_id}), the first of "
+                     f"{EOS_CANDIDATES} in the vocabulary (no eos_token given or named in "
+                     "tokenizer_config.json / generation_config.json)")
 
     if bos_token is not None:
       bos_id = token_id(bos_token, "bos_token")
@@ -415,11 +425,46 @@ class HFTokenizer:
     else:
       # Padding is always masked, so any id works; EOS is the usual choice when none exists.
       pad_id = guess(PAD_CANDIDATES)
+      guesses.append(f"pad guessed: {tok.id_to_token(pad_id)!r} (id {pad_id}) from the "
+                     "vocabulary" if pad_id is not None else
+                     f"pad = the EOS id {eos_id} (no pad token named; padding is masked)")
       pad_id = eos_id if pad_id is None else pad_id
 
     eos_ids = (eos_id,) + tuple(dict.fromkeys(int(i) for i in gen_eos if i != eos_id))
     return cls(tokenizer=tok, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, eos_ids=eos_ids,
-               source=str(file), chat_bos_id=chat_bos_id)
+               source=str(file), chat_bos_id=chat_bos_id, guesses=tuple(guesses))
+
+
+_TURN_MARK = "SPECJAX_TURN_MARK"
+
+
+def _with_turn_end(tok: HFTokenizer) -> HFTokenizer:
+  """`tok` stopping on its chat template's turn end too. A chat model ends its answer with
+  the token its template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`); where the
+  files name another EOS (or none, and `<|endoftext|>` was guessed), rollouts would run to
+  the token limit. The rule: the special token that follows an assistant message in the
+  rendered template joins `eos_ids`, and `guesses` says so. A template that does not render
+  a plain exchange is left alone."""
+  if tok.chat_template is None:
+    return tok
+  try:
+    text = tok.render_chat([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": _TURN_MARK}],
+                           add_generation_prompt=False)
+  except TokenizerError:
+    return tok
+  after = text.partition(_TURN_MARK)[2]
+  if not after:
+    return tok
+  ids = tok.tokenizer.encode(after, add_special_tokens=False).ids
+  special = {i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special}
+  end = ids[0] if ids and ids[0] in special else None
+  if end is None or end in tok.eos_ids:
+    return tok
+  note = (f"turn end added to eos_ids: the chat template ends an assistant turn with "
+          f"{tok.tokenizer.id_to_token(end)!r} (id {end}), which the EOS ids {tok.eos_ids} "
+          "lack; responses end on either")
+  return dataclasses.replace(tok, eos_ids=tok.eos_ids + (end,), guesses=tok.guesses + (note,))
 
 
 def _front_special(tok: Any, eos_id: int) -> int | None:

@@ -115,6 +115,27 @@ def test_hf_tokenizer_from_file_guesses_documented_specials(model_dir):
   assert explicit.eos_id == 3
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_guessed_eos_is_said_and_the_chat_templates_turn_end_also_ends_a_response(model_dir):
+  """No EOS named anywhere: "</s>" is guessed; the template ends each turn with <|im_end|>,
+  which then also ends a response (the stated rule), and both are said."""
+  _write(model_dir, "tokenizer_config.json", {"chat_template": CHATML.replace(
+      "<|im_start|>", "<s>")})
+  tok = HFTokenizer.from_dir(model_dir)
+  assert tok.eos_id == 2 and tok.eos_ids == (2, 3)
+  assert any(g.startswith("EOS guessed: '</s>' (id 2)") for g in tok.guesses), tok.guesses
+  assert any("turn end added to eos_ids: the chat template ends an assistant turn with "
+             "'<|im_end|>' (id 3)" in g for g in tok.guesses), tok.guesses
+  # Named as the EOS already: nothing is added and nothing guessed.
+  _write(model_dir, "tokenizer_config.json", {"chat_template": CHATML.replace(
+      "<|im_start|>", "<s>"), "eos_token": "<|im_end|>", "pad_token": "<pad>"})
+  named = HFTokenizer.from_dir(model_dir)
+  assert named.eos_ids == (3,) and named.guesses == ()
+
+
 def test_hf_tokenizer_pad_falls_back_to_eos(tmp_path):
   tok = RawTokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2}, unk_token=None))
   tok.save(str(tmp_path / "tokenizer.json"))

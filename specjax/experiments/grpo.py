@@ -105,7 +105,9 @@ def initial_policy(config: ExperimentConfig, log=print):
       raise ConfigError(f"policy_dir={config.policy_dir!r} loads as {model}, which differs from "
                         f"the run's model {config.model} (config.json changed since the run "
                         "was configured?)")
-    log(f"policy from {config.policy_dir}")
+    log(f"policy from {config.policy_dir} ({model.param_dtype}"
+        + (", the checkpoint's dtype: policy_dtype auto)" if config.policy_dtype == "auto"
+           else ")"))
   return warm_start_policy(config.task, config.model, config.warm_start, config.seed, log,
                            progress=jax.process_index() == 0, params=params)
 
@@ -412,6 +414,8 @@ def _run(config: ExperimentConfig, log) -> dict:
   optimizer = config.optimizer()
   optimizer_schedule = config.optim.schedule(config.steps)  # what the optimizer steps with
   tok = config.task.tokenizer
+  for guess in getattr(tok, "guesses", ()):  # what the tokenizer's files did not say
+    log(f"tokenizer {tok.source}: {guess}")
   train_records = task_records(config.task, "train")
   in_jax = config.task.reward_in_jax
   if not in_jax and jax.process_count() > 1:
