@@ -71,7 +71,7 @@ from specjax.rl.distributed import (broadcast_json, distribute, global_batch, lo
                                     sharded_train_step, train_state_shardings)
 from specjax.rl.state import TrainConfig, TrainState, init_train_state
 from specjax.rl.tasks import Task, decode_completions, task_prompt_ids
-from specjax.rl.trainer import make_prime_fn, make_split_step
+from specjax.rl.trainer import make_prime_fn, make_split_prime, make_split_step
 from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
@@ -232,7 +232,11 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
   # The pending rollout's shapes do not depend on how trees are chosen, so `tc` may be the
   # fixed-tree step; that step has no policy to update the adaptive counts, so it primes a
   # state without them and they are put back.
-  prime = make_prime_fn(tc, config.task.reward, pad_id=config.task.tokenizer.pad_id)
+  # A task rewarded in Python scores on the host: its pending rollout is shaped as by a JAX
+  # reward of one value a row (`make_split_prime`).
+  reward = (config.task.reward if config.task.reward_in_jax else
+            lambda responses, lengths, answers: jnp.zeros(responses.shape[:1], jnp.float32))
+  prime = make_prime_fn(tc, reward, pad_id=config.task.tokenizer.pad_id)
   primed = jax.eval_shape(prime, abstract.replace(acceptance=None), batch)
   return primed.replace(acceptance=abstract.acceptance)
 
@@ -474,7 +478,9 @@ def _run(config: ExperimentConfig, log) -> dict:
       position = reader.next_position(position)
     elif config.pipeline.async_mode:
       state = distribute(state, shardings.replace(pending=None))
-      prime = sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
+      prime = (sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
+               if in_jax else make_split_prime(tc, reward, pad_id=tok.pad_id,
+                                               state_sharding=shardings))
       state = prime(state, feed(position))
       position = reader.next_position(position)
     else:

@@ -312,8 +312,9 @@ class ExperimentConfig:
     seed: seeds initialisation, data order and sampling.
     task: prompts, held-out split and reward: the built-in `ArithmeticTask` (its reward in JAX,
       inside the fused step), or a task rewarded in Python — `DatasetTask` (the user's data
-      and reward functions), `GSM8KTask`, `CustomTask` —, whose step runs as two programs with
-      the rewards between (sync, one process).
+      and reward functions), `GSM8KTask`, `CustomTask` —, whose step runs the rollout and
+      the update as programs with the rewards on the host (one process; in async mode the
+      host scores a rollout while the device runs the update; not disaggregated).
     model: the policy's architecture (vocab_size at least the task tokenizer's); with
       `policy_dir`, read from the checkpoint (leave it at its default).
     policy_dir: an HF checkpoint directory (Llama 3 / Qwen2 / Qwen3 `config.json` and
@@ -393,10 +394,11 @@ class ExperimentConfig:
       local = str(local_checkpoint(self.drafter.checkpoint, "drafter.checkpoint"))
       object.__setattr__(self, "drafter", dataclasses.replace(self.drafter, checkpoint=local))
     if not self.task.reward_in_jax:
-      require_field(self.pipeline, "async_mode", not self.pipeline.async_mode,
-                    f"a task rewarded in Python ({type(self.task).__name__}) trains on-policy: "
-                    "its step runs the rollout, the rewards on the host, then the update "
-                    "(allowed: False)", "pipeline.")
+      require_field(self.pipeline, "rollout_devices", not self.pipeline.rollout_devices,
+                    f"a task rewarded in Python ({type(self.task).__name__}) runs its rewards "
+                    "on the host between a rollout and its update, which the disaggregated "
+                    "pipeline does not do yet (allowed: 0; pipeline.async_mode alone hides the "
+                    "rewards behind the update)", "pipeline.")
     if isinstance(self.task, DatasetTask) and self.task.reference_column is None:
       require_field(self.warm_start, "steps", self.warm_start.steps == 0,
                     f"the supervised warm start learns references, and task {self.task.name!r} "

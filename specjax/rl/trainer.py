@@ -24,6 +24,7 @@ T max new tokens, L = P + T sequence buffer, D tree depth, V vocab).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -125,26 +126,28 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
                     optimizer: optax.GradientTransformation, *, pad_id: int = 0,
                     state_sharding: Any = None):
-  """Split mode for host-side (Python) rewards: two compiled programs, the reward between.
+  """Split mode for host-side (Python) rewards: the rollout and the update are compiled
+  programs, the reward runs on the host.
 
   Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [B, T] numpy,
   lengths [B] numpy, batch) -> [B]` runs on the host (e.g. decode the responses and call a
   `PythonReward` with `reader.references(np.repeat(batch.index, G))`); it may also return
   `([B] rewards, {name: float})`, whose named values join the step's metrics (a
-  `DatasetTask`'s per-function means). Sync mode only.
+  `DatasetTask`'s per-function means).
+
+  Sync mode: rollout, reward, update, in turn. Async mode (`make_split_prime` first): the
+  rollout of this batch and the update on the pending one (the last step's rollout, scored)
+  are dispatched in that order, and the host scores this rollout while the device runs the
+  update; the scored rollout becomes the pending one. The same semantics, keys and samples as
+  the fused async step with a JAX reward; the reward is hidden behind the update.
 
   With `state_sharding` (`train_state_shardings`, one process) the state stays on its mesh:
-  both programs run with the mesh set, so the model's layout hints hold, and the update's
-  state comes back on `state_sharding`.
+  every program runs with the mesh set, so the model's layout hints hold, and the state comes
+  back on `state_sharding`.
   """
-  if config.async_mode:
-    raise ConfigError("split mode (host-side reward) supports async_mode=False only")
   mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
-
-  @jax.jit
-  def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance):
-    return rollout(merged_policy(params, adapters), config, tokens, lengths, key, pad_id,
-                   drafter_params, acceptance, check_values=False)
+  rollout_fn = _split_rollout(config, pad_id)
+  finish_fn = _split_finish(config, state_sharding)
 
   def update_step(state, roll, rewards, key, next_key, prompts, prompt_lengths):
     roll = score(config, roll, rewards)
@@ -153,24 +156,101 @@ def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
     state, metrics = update(state, config, optimizer, roll, key)
     return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
+  def update_pending(state, pending, key, next_key):
+    state, metrics = update(state, config, optimizer, pending, key)
+    return state.replace(key=next_key), metrics | rollout_metrics(config, pending)
+
   # The state is donated: parameters and optimizer moments are replaced by the update.
-  out_shardings = None if mesh is None else (state_sharding, NamedSharding(mesh, P()))
-  update_fn = jax.jit(update_step, donate_argnums=0, out_shardings=out_shardings)
+  def compiled(fn, state_out):
+    out_shardings = None if mesh is None else (state_out, NamedSharding(mesh, P()))
+    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+
+  update_fn = compiled(update_step, state_sharding)
+  pending_fn = compiled(update_pending, None if state_sharding is None
+                        else state_sharding.replace(pending=None))
 
   def step(state: TrainState, batch):
     key, k_roll, k_update = step_keys(state.key)
-    with contextlib.ExitStack() as scope:
-      if mesh is not None:
-        scope.enter_context(jax.sharding.set_mesh(mesh))
+    with _mesh_scope(mesh):
       roll, responses, lengths, acceptance = rollout_fn(
           state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
-          state.rollout_drafter_params,
-          state.acceptance)
-      scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
-      rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
-      state, metrics = update_fn(_with_acceptance(state, acceptance), roll,
-                                 np.asarray(rewards, np.float32), k_update, key,
-                                 batch.tokens, batch.lengths)
+          state.rollout_drafter_params, state.acceptance)
+      if config.async_mode:
+        if state.pending is None:
+          raise ConfigError("an async split step needs a pending rollout: prime the state "
+                            "with make_split_prime first")
+        # Dispatched after the rollout: the device runs it while the host scores below. (The
+        # pending rollout is not donated: nothing of the new state could reuse its buffers.)
+        state, metrics = pending_fn(state.replace(pending=None), state.pending, k_update, key)
+      rewards, extra = _host_scores(reward_fn, responses, lengths, batch)
+      if config.async_mode:
+        # The step's metrics describe the rollout it trained on: the pending one's reward
+        # means (unknown after a resume: left out), not this rollout's, held for the next.
+        trained_extra = _PENDING_EXTRA.pop(reward_fn, {})
+        _PENDING_EXTRA[reward_fn] = extra
+        return finish_fn(state, roll, rewards, acceptance, batch.tokens, batch.lengths), {
+            **metrics, **trained_extra}
+      state, metrics = update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update,
+                                 key, batch.tokens, batch.lengths)
     return state, {**metrics, **extra}
 
   return step
+
+
+def make_split_prime(config: TrainConfig, reward_fn: Callable[..., Any], *, pad_id: int = 0,
+                     state_sharding: Any = None):
+  """Async split mode: `(state, batch) -> state` with the first pending rollout generated and
+  scored on the host (`make_prime_fn`'s keys), as `make_split_step` then expects."""
+  mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
+  rollout_fn = _split_rollout(config, pad_id)
+  finish_fn = _split_finish(config, state_sharding)
+
+  def prime(state: TrainState, batch) -> TrainState:
+    key, k_roll = prime_keys(state.key)
+    with _mesh_scope(mesh):
+      roll, responses, lengths, acceptance = rollout_fn(
+          state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
+          state.rollout_drafter_params, state.acceptance)
+      rewards, _PENDING_EXTRA[reward_fn] = _host_scores(reward_fn, responses, lengths, batch)
+      return finish_fn(state.replace(key=key), roll, rewards, acceptance, batch.tokens,
+                       batch.lengths)
+
+  return prime
+
+
+def _split_rollout(config: TrainConfig, pad_id: int):
+  @jax.jit
+  def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance):
+    return rollout(merged_policy(params, adapters), config, tokens, lengths, key, pad_id,
+                   drafter_params, acceptance, check_values=False)
+  return rollout_fn
+
+
+def _split_finish(config: TrainConfig, state_sharding: Any):
+  """Async split mode: `(state, rollout, rewards [B], counts, prompts, prompt lengths) ->
+  state` holding the scored rollout as its pending one, with its counts and, with a history
+  drafter, its bank with the rollout recorded (what the fused step's rollout half does)."""
+
+  def finish(state, roll, rewards, acceptance, prompts, prompt_lengths):
+    roll = score(config, roll, rewards)
+    history = recorded(state.history, config, prompts, prompt_lengths, roll)
+    return _with_acceptance(state, acceptance).replace(history=history, pending=roll)
+
+  return jax.jit(finish, donate_argnums=0,
+                 out_shardings=None if state_sharding is None else state_sharding)
+
+
+# Async split mode: each reward function's metrics (per-function means) of the pending rollout,
+# reported by the step that trains on it.
+_PENDING_EXTRA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _host_scores(reward_fn: Callable[..., Any], responses, lengths, batch):
+  """`reward_fn` on the host: `([B] float32 rewards, {name: value} metrics)`."""
+  scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
+  rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
+  return np.asarray(rewards, np.float32), extra
+
+
+def _mesh_scope(mesh):
+  return contextlib.nullcontext() if mesh is None else jax.sharding.set_mesh(mesh)

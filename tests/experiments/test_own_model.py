@@ -180,7 +180,9 @@ def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_
 @pytest.mark.parametrize("change, message", [
     (dict(policy_dir="/nowhere"), "policy_dir='/nowhere' is invalid: no config.json"),
     (dict(drafter=Drafting(name="mtp")), "drafter.name='mtp' is invalid with policy_dir"),
-    (dict(pipeline=Pipeline(async_mode=True)), "rewarded in Python .* trains on-policy"),
+    (dict(pipeline=Pipeline(async_mode=True, rollout_devices=1)),
+     r"pipeline.rollout_devices=1 is invalid: a task rewarded in Python \(DatasetTask\) runs "
+     r"its rewards on the host"),
     (dict(warm_start=WarmStart(steps=10)), "warm_start.steps=10 is invalid: .* has none"),
 ])
 def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message):
@@ -245,8 +247,10 @@ def zero(prompts, completions, **_):
 
 @pytest.mark.parametrize("mixed, async_mode", [pytest.param(False, False, marks=pytest.mark.slow),
                                                pytest.param(False, True, marks=pytest.mark.slow),
-                                               pytest.param(True, False, marks=pytest.mark.slow)],
-                         ids=["jax-fused", "jax-async", "python-and-jax"])
+                                               pytest.param(True, False, marks=pytest.mark.slow),
+                                               pytest.param(True, True, marks=pytest.mark.slow)],
+                         ids=["jax-fused", "jax-async", "python-and-jax",
+                              "python-and-jax-async"])
 def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
   rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])
   task = DatasetTask(SUM_ROWS, SUMS, rewards, reference_column="text", answer_column="sum",

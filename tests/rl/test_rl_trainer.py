@@ -27,7 +27,8 @@ from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, 
 from specjax.rl.distributed import rollout_shardings, train_state_shardings
 from specjax.rl.rollouts import rollout, rollout_metrics
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
-from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
+from specjax.rl.trainer import (make_prime_fn, make_split_prime, make_split_step,
+                                make_train_step)
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -395,6 +396,41 @@ def test_split_mode_with_a_python_reward_matches_the_fused_step(fused_run):
       np.testing.assert_allclose(f[key], s[key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b in zip(jax.tree.leaves(fused_params), jax.tree.leaves(split_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # beside its sync sibling: keeps the README's tests under 10 minutes
+def test_async_split_mode_with_a_python_reward_matches_the_fused_async_step():
+  """A Python reward in async mode: the host scores rollout t while the device runs the
+  update on rollout t - 1; the same keys, samples, losses and parameters as the fused async
+  step with the JAX reward that computes the same thing."""
+  config = _config(async_mode=True)
+  optimizer = optax.adam(1e-3)
+  reader = _reader()
+
+  def python_reward(responses, lengths, batch):  # _ended_reward on the host
+    return [float(n > 0 and int(responses[i, n - 1]) == TOK.eos_id)
+            for i, n in enumerate(lengths)]
+
+  runs = {}
+  for name, prime, step in (
+      ("fused", make_prime_fn(config, _ended_reward, pad_id=TOK.pad_id),
+       make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id)),
+      ("split", make_split_prime(config, python_reward, pad_id=TOK.pad_id),
+       make_split_step(config, python_reward, optimizer, pad_id=TOK.pad_id))):
+    state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
+    state = prime(state, reader.batch_at(0))
+    history = []
+    for i in range(3):
+      state, metrics = step(state, reader.batch_at(4 * (i + 1)))
+      history.append(jax.tree.map(np.asarray, metrics))
+    runs[name] = state, history
+  for f, s in zip(runs["fused"][1], runs["split"][1]):
+    for key in ("reward_mean", "loss", "kl", "mtp_ce", "response_length_mean"):
+      np.testing.assert_allclose(f[key], s[key], rtol=1e-6, atol=1e-6, err_msg=key)
+  fused, split = runs["fused"][0], runs["split"][0]
+  for a, b in zip(jax.tree.leaves((fused.params, fused.pending)),
+                  jax.tree.leaves((split.params, split.pending))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def _on_mesh(config, steps):
