@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
@@ -314,3 +315,63 @@ def math_answer_reward(column: str = "answer", weight: float = 1.0,
       [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY)
        for n in (*TEXT_ARGUMENTS, column)])
   return RewardFunction(math_answer, weight=weight, name=name)
+
+
+def format_reward(pattern: str, *, weight: float = 1.0, name: str = "format",
+                  full: bool = False) -> RewardFunction:
+  """1 for a completion that matches the regular expression `pattern` (`re.search`, or the
+  whole completion with `full`), else 0: a format check such as
+  `format_reward(r"<think>.*</think>\\s*<answer>.*</answer>", full=True)` (DOTALL: `.`
+  crosses lines).
+
+  Raises:
+    ConfigError: `pattern` is not a string or not a valid regular expression.
+  """
+  compiled = _regex(pattern, "format_reward")
+  match = compiled.fullmatch if full else compiled.search
+
+  def format_check(prompts, completions):
+    return [float(match(text.strip() if full else text) is not None) for text in completions]
+
+  return RewardFunction(format_check, weight=weight, name=name)
+
+
+def answer_tag_reward(column: str = "answer", *, tag: str = "answer", weight: float = 1.0,
+                      name: str = "answer_tag") -> RewardFunction:
+  """1 for a completion whose last `<tag>...</tag>` holds the row's `column` (both stripped of
+  surrounding whitespace, compared as text), 0 for another answer or none: the exact-match
+  reward of recipes that ask for the answer in tags (DeepSeek-R1's `<answer>`). Use
+  `math_answer_reward` to compare numbers by value.
+
+  Raises:
+    ConfigError: `tag` is not a plain tag name (letters, digits, `_`, `-`).
+  """
+  if not (isinstance(tag, str) and re.fullmatch(r"[A-Za-z_][\w-]*", tag)):
+    raise ConfigError(f"tag={tag!r} is invalid: allowed a tag name of letters, digits, '_' "
+                      "and '-' (e.g. 'answer')")
+  find = re.compile(rf"<{tag}>(.*?)</{tag}>", re.DOTALL).findall
+
+  def answer_tag(prompts, completions, **columns):
+    references = columns[column]
+    out = []
+    for text, ref in zip(completions, references):
+      found = find(text)
+      out.append(float(bool(found) and found[-1].strip() == str(ref).strip()))
+    return out
+
+  # The column it reads, as a named parameter: `check_columns` names it when a dataset lacks it.
+  answer_tag.__signature__ = inspect.Signature(
+      [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY)
+       for n in (*TEXT_ARGUMENTS, column)])
+  return RewardFunction(answer_tag, weight=weight, name=name)
+
+
+def _regex(pattern: Any, where: str) -> re.Pattern:
+  if not isinstance(pattern, str):
+    raise ConfigError(f"{where}: pattern={pattern!r} is invalid: allowed a regular expression "
+                      "string")
+  try:
+    return re.compile(pattern, re.DOTALL)
+  except re.error as err:
+    raise ConfigError(f"{where}: pattern={pattern!r} is not a valid regular expression "
+                      f"({err})") from None

@@ -12,7 +12,8 @@ from support import NoBosTokenizer
 from specjax.errors import ConfigError, RewardError, TaskError, TokenizerError
 from specjax.rl.datasets import DatasetTask, read_rows
 from specjax.rl.gsm8k import gsm8k_dataset
-from specjax.rl.rewards import JaxReward, RewardFunction, math_answer_reward, score
+from specjax.rl.rewards import (JaxReward, RewardFunction, answer_tag_reward, format_reward,
+                                math_answer_reward, score)
 from specjax.tokenizer import CharTokenizer, HFTokenizer
 
 TOK = CharTokenizer("abcdefghij +=0123456789")
@@ -465,3 +466,22 @@ def test_answers_are_finite_float32_numbers_numpy_ones_included(answer, ok):
 
 def test_a_numpy_weight_is_a_number():
   assert RewardFunction(exact, weight=np.float32(0.5)).weight == 0.5
+
+
+def test_format_and_answer_tag_rewards_score_the_recipe_layout():
+  r1 = "<think>2 and 2\nmake 4</think> <answer> 4 </answer>"
+  completions = [r1, "<answer>5</answer>", "4", "<answer>3</answer> or <answer>4</answer>"]
+  layout = format_reward(r"<think>.*</think>\s*<answer>.*</answer>", full=True)
+  assert layout.fn(["q"] * 4, completions) == [1.0, 0.0, 0.0, 0.0]
+  assert format_reward(r"<answer>").fn(["q"] * 4, completions) == [1.0, 1.0, 0.0, 1.0]
+  tag = answer_tag_reward("answer")
+  assert tag.name == "answer_tag"
+  # The last tag counts; no tag scores 0; whitespace inside the tag does not matter.
+  assert tag.fn(["q"] * 4, completions, answer=["4"] * 4) == [1.0, 0.0, 0.0, 1.0]
+  rows = [{"prompt": f"{i}+1=", "sum": str(i + 1)} for i in range(10)]
+  with pytest.raises(ConfigError, match=r"reward function 'answer_tag' needs column\(s\) answer"):
+    DatasetTask(rows, TOK, [tag], test_fraction=0.5)  # the rows lack its column
+  with pytest.raises(ConfigError, match=r"pattern='\(' is not a valid regular expression"):
+    format_reward("(")
+  with pytest.raises(ConfigError, match=r"tag='a b' is invalid"):
+    answer_tag_reward(tag="a b")
