@@ -11,7 +11,8 @@ rollout ends when the longest row is done:
 
 Stragglers: a speculative row's tokens per round vary (`MenuEntry.token_variance`), so rows of
 one length finish in different rounds and the batch waits for its last row. The fluid
-schedule's entries (the last one repeated for the tail) are priced accordingly: after rounds
+schedule's entries, then the tail's (the fixed entry; for the adaptive policy the entry with
+the most tokens per second for one live row), are priced accordingly: after rounds
 of mean tokens m_r and variance v_r in all (sums over the rounds so far), a row of length L
 has emitted S_r ~ Normal(m_r, v_r) tokens, so it is still live with probability
 p_r(L) = Phi((L - 1/2 - m_r) / sqrt(v_r)); the batch is still running with probability
@@ -46,7 +47,7 @@ import dataclasses
 
 import numpy as np
 
-from specjax.stragglers import straggler_factor
+from specjax.stragglers import expected_normal_max, straggler_factor
 from specjax.errors import ConfigError
 from specjax.sim.cost import prefill_seconds, round_time
 from specjax.sim.model import ModelSpec
@@ -137,18 +138,22 @@ def _normal_cdf(z: np.ndarray) -> np.ndarray:
   return np.where(z >= 0, 1.0 - tail, tail)
 
 
-def _straggler_rounds(lengths: np.ndarray, entries: tuple[MenuEntry, ...], choice: np.ndarray
+def _straggler_rounds(lengths: np.ndarray, entries: tuple[MenuEntry, ...], choice: np.ndarray,
+                      tail_entry: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """(live rows given that the round runs, probability that it runs, mean progress, entry),
-  `[R]` each, of rounds running `choice` (the fluid schedule's entries, the last repeated
-  for the tail) over rows of `lengths` whose tokens per round vary (see the module
-  docstring). Rounds run until the batch is done with probability 1 - 1e-9."""
-  mean = np.array([e.expected_tokens for e in entries])[choice]
-  var = np.array([e.token_variance for e in entries])[choice]
-  tail = int(np.ceil(9.0 * np.sqrt(var.sum()) / mean[-1])) + 2
-  choice = np.concatenate([choice, np.full(tail, choice[-1])])
-  mean = np.concatenate([mean, np.full(tail, mean[-1])])
-  var = np.concatenate([var, np.full(tail, var[-1])])
+  `[R]` each, of rounds running `choice` (the fluid schedule's entries), then `tail_entry`
+  (default: the last of them) for the straggler tail, over rows of `lengths` whose tokens
+  per round vary (see the module docstring). Rounds run until the batch is done with
+  probability 1 - 1e-9."""
+  expected = np.array([e.expected_tokens for e in entries])
+  variance = np.array([e.token_variance for e in entries])
+  last = int(choice[-1] if tail_entry is None else tail_entry)
+  mean, var = expected[choice], variance[choice]
+  tail = int(np.ceil(9.0 * np.sqrt(var.sum()) / expected[last])) + 2
+  choice = np.concatenate([choice, np.full(tail, last)])
+  mean = np.concatenate([mean, np.full(tail, expected[last])])
+  var = np.concatenate([var, np.full(tail, variance[last])])
   before = lambda x: np.concatenate([[0.0], np.cumsum(x)[:-1]])  # sums over earlier rounds
   progress, spread = before(mean), np.sqrt(np.maximum(before(var), 1e-30))
   live_each = _normal_cdf((lengths[None, :] - 0.5 - progress[:, None]) / spread[:, None])
@@ -203,7 +208,17 @@ def _simulate(model: ModelSpec, cluster: Cluster, workload: Workload,
   if any(entries[i].token_variance > 0 for i in np.unique(choice)):
     # The same schedule of entries, priced with stragglers: more rounds, each over the live
     # rows expected when it runs.
-    live, running, progress, choice = _straggler_rounds(mine, entries, choice)
+    # The straggler tail: the rows the mean has left behind are few, and the adaptive policy
+    # re-decides every round on the rows still live, so the tail runs the entry with the
+    # most tokens per second for one live row, not the fluid schedule's last pick.
+    tail_entry = None
+    if len(entries) > 1:
+      one = [round_time(model, profile, e, np.array([1]),
+                        np.array([workload.prompt_len + int(mine[0])]),
+                        drafter if e.depth else None, replica, workload.greedy).total[0]
+             for e in entries]
+      tail_entry = int(np.argmax([e.expected_tokens / t for e, t in zip(entries, one)]))
+    live, running, progress, choice = _straggler_rounds(mine, entries, choice, tail_entry)
     round_seconds, totals = np.zeros(live.size), [0.0] * 4
     for i in np.unique(choice):
       at = choice == i
@@ -246,18 +261,23 @@ def _fluid_rounds(model: ModelSpec, profile, workload: Workload, entries: tuple[
   else:
     # As `specjax.decoding.Adaptive` chooses: tokens per second of the batch's slowest row
     # (its stragglers), given the live rows and the most tokens one of them still needs.
+    # That row is behind the mean by the spread of the rounds so far (z sigma for the live
+    # rows; the engine reads its budget left, `DecodeLoop._progress`), so near the mean row's
+    # end the slowest one still needs more than the mean does.
     variance = np.array([e.token_variance for e in entries])
-    remaining = longest - progress_grid
-    pace = straggler_factor(expected[:, None], variance[:, None], live_grid, remaining, rows,
-                            np)
-    best = np.argmax(expected[:, None] * pace / cost, axis=0)  # [longest]
+    z = expected_normal_max(rows)
     picks, marks = [], []
-    g = 0.0
+    g, spread2 = 0.0, 0.0
     while g < longest - _EPS:
-      i = int(best[int(g + _EPS)])
+      k = int(g + _EPS)
+      live = int(live_grid[k])
+      remaining = min(float(longest), longest - g + float(z[live]) * np.sqrt(spread2))
+      pace = straggler_factor(expected, variance, live, remaining, rows, np)
+      i = int(np.argmax(expected * pace / cost[:, k]))
       picks.append(i)
       marks.append(g)
       g += expected[i]
+      spread2 += variance[i]
     choice, progress = np.array(picks, np.int64), np.array(marks)
   index = np.floor(progress + _EPS).astype(np.int64)
   totals = [float(np.stack([np.broadcast_to(getattr(t, part), (longest,)) for t in times])
