@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
   a("--draft-length", type=int, help="draft tokens per round, k (default 3)")
   a("--acceptance", type=float, help="mean acceptance length (tokens per round, <= k + 1)")
   a("--acceptance-per-depth", type=float, nargs="+", help="acceptance probability per depth")
+  a("--acceptance-from", metavar="SUMMARY[:ARM]",
+    help="the mean acceptance a `specjax train` run measured: its summary.json's acceptance "
+         "arm ARM (arm_acceptance_ARM_mean, e.g. history, history_unseen, group), else the "
+         "acceptance its own simulation used; history and group drafting draft as --drafter "
+         "ngram does (no model)")
   a("--tree", action="append", default=[],
     help="a tree for the adaptive menu, WIDTHS:E (children per node per depth, tokens/round), "
          "e.g. 3,1,1:3.6")
@@ -139,6 +144,26 @@ def _lengths(path: str) -> tuple[int, ...]:
     raise ConfigError(f"--response-lengths {path}: must hold response lengths, whole numbers "
                       f">= 1, got {str(values)[:60]}")
   return lengths
+
+
+def _acceptance_from(text: str) -> float:
+  """`--acceptance-from SUMMARY[:ARM]`: a run's measured mean acceptance length."""
+  path, _, arm = text.partition(":") if not pathlib.Path(text).is_file() else (text, "", "")
+  try:
+    summary = json.loads(pathlib.Path(path).read_text())
+  except (OSError, ValueError) as error:
+    raise ConfigError(f"--acceptance-from {text}: cannot read {path} ({error})") from None
+  if not isinstance(summary, dict):
+    raise ConfigError(f"--acceptance-from {text}: {path} is not a run's summary.json (an "
+                      "object)")
+  arms = sorted(k.removeprefix("arm_acceptance_").removesuffix("_mean") for k in summary
+                if k.startswith("arm_acceptance_") and k.endswith("_mean"))
+  key = f"arm_acceptance_{arm}_mean" if arm else "simulated_acceptance"
+  value = summary.get(key)
+  if not (isinstance(value, (int, float)) and value >= 1):
+    raise ConfigError(f"--acceptance-from {text}: {path} has no {key}; allowed arms: "
+                      f"{', '.join(arms) or 'none (the run logged no acceptance arms)'}")
+  return float(value)
 
 
 def _tree(text: str) -> MenuEntry:
@@ -218,6 +243,14 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
   """Parse `argv` (default: sys.argv[1:]), simulate, print; returns the exit status."""
   parser = _parser()
   args = parser.parse_args(argv)
+  if args.acceptance_from is not None:
+    if args.acceptance is not None or args.acceptance_per_depth is not None:
+      parser.error("pass one of --acceptance, --acceptance-per-depth or --acceptance-from")
+    try:
+      args.acceptance = _acceptance_from(args.acceptance_from)
+    except ConfigError as err:
+      parser.error(str(err))
+    print(f"acceptance {args.acceptance:.3f} tokens per round, from {args.acceptance_from}")
   if args.draft_length is not None and args.draft_length < 1:
     parser.error(f"--draft-length {args.draft_length} is invalid: must be an int >= 1 (draft "
                  "tokens per round; plain decoding is always simulated beside it)")

@@ -181,3 +181,27 @@ def test_a_runs_summary_gives_the_simulator_its_response_lengths(tmp_path, capsy
     with pytest.raises(SystemExit):
       simulate_main(args + [str(tmp_path / name)])
     assert message in capsys.readouterr().err
+
+
+def test_simulate_takes_a_runs_measured_acceptance_and_lengths(tmp_path, capsys):
+  """`--acceptance-from summary.json:ARM` reads the run's acceptance arm, `--response-lengths`
+  its lengths: the simulation of the run's own measurements, per drafter."""
+  import json
+  summary = tmp_path / "summary.json"
+  summary.write_text(json.dumps({"response_lengths": [26, 24, 25, 26],
+                                 "arm_acceptance_history_mean": 4.88,
+                                 "arm_acceptance_group_mean": 1.17,
+                                 "simulated_acceptance": 4.88}))
+  args = ["--model", "qwen3-0.6b", "--devices", "1xH200", "--rollout-batch", "2",
+          "--group-size", "2", "--prompt-len", "9", "--drafter", "ngram", "--draft-length",
+          "8", "--response-lengths", str(summary)]
+  assert simulate_main(args + ["--acceptance-from", f"{summary}:history"]) == 0
+  out = capsys.readouterr().out
+  assert f"acceptance 4.880 tokens per round, from {summary}:history" in out
+  assert "spec adaptive" in out
+  with pytest.raises(SystemExit):
+    simulate_main(args + ["--acceptance-from", f"{summary}:mtp"])
+  err = capsys.readouterr().err
+  assert "has no arm_acceptance_mtp_mean; allowed arms: group, history" in err
+  with pytest.raises(SystemExit):
+    simulate_main(args + ["--acceptance-from", str(summary), "--acceptance", "2"])
