@@ -229,16 +229,17 @@ class TrainConfig:
 
   @property
   def eagle3(self) -> Eagle3Drafter | None:
-    """The rollout's EAGLE-3 drafter, whose head lives in `TrainState.drafter`."""
-    drafter = self.rollout.drafter
-    return drafter if isinstance(drafter, Eagle3Drafter) else None
+    """The rollout's EAGLE-3 drafter (itself, or a `FallbackDrafter`'s part: group drafting
+    in front of it), whose head lives in `TrainState.drafter`."""
+    return next((p for p in _parts(self.rollout.drafter) if isinstance(p, Eagle3Drafter)), None)
 
   @property
   def draft_model(self) -> DraftModelDrafter | None:
-    """The rollout's external draft model, whose parameters (frozen, or distilled online:
-    `trains_draft_model`) live in `TrainState.drafter`."""
-    drafter = self.rollout.drafter
-    return drafter if isinstance(drafter, DraftModelDrafter) else None
+    """The rollout's external draft model (itself, or a `FallbackDrafter`'s part), whose
+    parameters (frozen, or distilled online: `trains_draft_model`) live in
+    `TrainState.drafter`."""
+    return next((p for p in _parts(self.rollout.drafter) if isinstance(p, DraftModelDrafter)),
+                None)
 
   def drafter_optimizer(self) -> optax.GradientTransformation:
     return optax.adam(self.drafter_training.learning_rate)

@@ -96,3 +96,54 @@ def test_draft_model_distillation_is_configured_for_a_draft_model_only():
     Drafting(name="mtp", draft_model_learning_rate=1e-3)
   with pytest.raises(ConfigError, match="draft_model_learning_rate=-1 is invalid"):
     DrafterTraining(draft_model_learning_rate=-1)
+
+
+@pytest.mark.slow  # four compiled steps: kept out of the README's test command
+def test_group_drafting_in_front_of_a_draft_model_trains_as_plain_decoding():
+  """`FallbackDrafter(GroupDrafter, DraftModelDrafter)` in the GRPO step: the draft model's
+  weights live in the train state as for a lone draft model (and are distilled online), the
+  group drafts where a sibling wrote ahead, and greedy rollouts are token for token plain
+  decoding's, so the fused and the split steps train exactly as plain rollouts do."""
+  from specjax.decoding import FallbackDrafter, GroupDrafter, SamplingConfig
+  from specjax.rl.trainer import make_split_step
+  greedy = SamplingConfig(0.0)
+
+  def config(drafter):
+    rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                            sampling=greedy, drafter=drafter,
+                            tree=None if drafter is None else DraftTree.chain(2))
+    return TrainConfig(model=MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2),
+                       rollout=rollout,
+                       drafter_training=DrafterTraining(draft_model_learning_rate=3e-3))
+
+  both = config(FallbackDrafter(GroupDrafter(group_size=4), DraftModelDrafter(DRAFT)))
+  assert both.draft_model == DraftModelDrafter(DRAFT) and both.trains_draft_model
+  plain = config(None)
+  optimizer = optax.adam(1e-3)
+
+  def python_reward(responses, lengths, batch):  # TASK.reward's rule needs answers: length
+    return [float(n) / TASK.max_answer_tokens for n in lengths]
+
+  jax_reward = lambda responses, lengths, answers: lengths / TASK.max_answer_tokens
+  runs = {}
+  for name, cfg, make in (
+      ("plain", plain, lambda c: make_train_step(c, jax_reward, optimizer, pad_id=TOK.pad_id)),
+      ("fused", both, lambda c: make_train_step(c, jax_reward, optimizer, pad_id=TOK.pad_id)),
+      ("split", both, lambda c: make_split_step(c, python_reward, optimizer,
+                                                pad_id=TOK.pad_id))):
+    state = (_state(cfg) if cfg.draft_model is not None else
+             init_train_state(cfg, init_params(MODEL, jax.random.key(0)), optimizer, seed=1))
+    step, history = make(cfg), []
+    for i in range(2):
+      state, metrics = step(state, READER.batch_at(4 * i))
+      history.append(jax.tree.map(np.asarray, metrics))
+    runs[name] = state, history
+  for name in ("fused", "split"):
+    for p, s in zip(runs["plain"][1], runs[name][1]):
+      for key in ("reward_mean", "loss", "response_length_mean"):
+        np.testing.assert_allclose(p[key], s[key], rtol=1e-5, atol=1e-6, err_msg=(name, key))
+      assert float(s["plain_share"]) == 0.0  # every round drafted (a fixed chain)
+      assert "draft_model_kl" in s  # the fallback's weights were distilled
+    for a, b in zip(jax.tree.leaves(runs["plain"][0].params),
+                    jax.tree.leaves(runs[name][0].params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
