@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,7 +39,7 @@ from specjax.models.params import Params, init_params, param_axes
 
 __all__ = [
     "DEFAULT_RULES", "MESH_AXES", "MeshConfig", "Rules", "batch_sharding", "init_sharded_params",
-    "kv_cache_shardings", "logical_sharding", "logical_to_mesh", "make_mesh",
+    "kv_cache_shardings", "logical_sharding", "logical_to_mesh", "make_mesh", "on_mesh",
     "opt_state_shardings", "param_shapes", "param_shardings", "replicated", "shard_params",
     "transfer",
 ]
@@ -411,3 +411,28 @@ def _mesh_of(shardings: Params) -> Mesh:
   if not leaves or not all(isinstance(s, NamedSharding) for s in leaves):
     raise ValueError("shardings must be a non-empty tree of NamedSharding")
   return leaves[0].mesh
+
+
+class _OnMesh:
+  """`jitted` traced and called with `mesh` set (`jax.sharding.set_mesh`)."""
+
+  def __init__(self, mesh: Mesh, jitted: Callable):
+    self.mesh, self.jitted = mesh, jitted
+
+  def __call__(self, *args):
+    with jax.sharding.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def _cache_size(self) -> int:
+    return self.jitted._cache_size()
+
+  def lower(self, *args):
+    with jax.sharding.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
+def on_mesh(mesh: Mesh | None, jitted: Callable) -> Callable:
+  """`jitted` (a `jax.jit` function) traced and called with `mesh` set, so the model's layout
+  hints (`specjax.models.layout`) keep activations split by rows; `jitted` itself when `mesh`
+  is None."""
+  return jitted if mesh is None else _OnMesh(mesh, jitted)

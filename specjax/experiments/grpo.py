@@ -65,13 +65,14 @@ from specjax.models.lora import merged_policy
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
+from specjax.rl.reward_workers import RewardPool
 from specjax.rl.disaggregated import DisaggregatedAsync
 from specjax.rl.distributed import (broadcast_json, distribute, global_batch, local_copy,
                                     process_prompts, prompt_batch_shardings, sharded_prime_fn,
                                     sharded_train_step, train_state_shardings)
 from specjax.rl.state import TrainConfig, TrainState, init_train_state
 from specjax.rl.tasks import Task, decode_completions, task_prompt_ids
-from specjax.rl.trainer import make_prime_fn, make_split_prime, make_split_step
+from specjax.rl.trainer import make_prime_fn, make_split_step
 from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
@@ -112,16 +113,16 @@ def initial_policy(config: ExperimentConfig, log=print):
                            progress=jax.process_index() == 0, params=params)
 
 
-def host_reward(config: ExperimentConfig, records: list[dict]):
+def host_reward(config: ExperimentConfig, records: list[dict], pool: RewardPool | None = None):
   """The split step's reward (`make_split_step`) of a task rewarded in Python: the rollout's
   responses decoded, each scored against its prompt's record (`records`, the reader's
-  source), with the per-function means as metrics."""
+  source) over `pool`'s workers, with the per-function means as metrics."""
   tok, group = config.task.tokenizer, config.grpo.group_size
 
   def reward(responses, lengths, batch):
     examples = [records[int(i)]["example"] for i in np.repeat(np.asarray(batch.index), group)]
     completions = decode_completions(tok, responses, lengths)
-    rewards, means = host_scores(config.task, examples, completions, responses, lengths)
+    rewards, means = host_scores(config.task, examples, completions, responses, lengths, pool)
     reward.samples = [(e.prompt, c, float(r)) for e, c, r in
                       zip(examples[:SAMPLES], completions, rewards)]
     return rewards, means
@@ -233,7 +234,7 @@ def abstract_state(config: ExperimentConfig, tc: TrainConfig, optimizer, batch) 
   # fixed-tree step; that step has no policy to update the adaptive counts, so it primes a
   # state without them and they are put back.
   # A task rewarded in Python scores on the host: its pending rollout is shaped as by a JAX
-  # reward of one value a row (`make_split_prime`).
+  # reward of one value a row (`SplitStep.prime`).
   reward = (config.task.reward if config.task.reward_in_jax else
             lambda responses, lengths, answers: jnp.zeros(responses.shape[:1], jnp.float32))
   prime = make_prime_fn(tc, reward, pad_id=config.task.tokenizer.pad_id)
@@ -371,13 +372,14 @@ def run(config: ExperimentConfig, log=print) -> dict:
       the whole run; a killed run's lock is taken over).
   """
   lead = jax.process_index() == 0
-  if not lead:
-    return _run(config, lambda _: None)  # one process reports; the others run silently
-  with DirectoryLock(config.run_dir) as lock:
-    if lock.previous:
-      log(f"{config.run_dir}: taking over the lock of a run that no longer runs "
-          f"({lock.previous})")
-    return _run(config, log)
+  with RewardPool(config.rewards) as pool:  # its workers stop with the run
+    if not lead:
+      return _run(config, lambda _: None, pool)  # one process reports; the others are silent
+    with DirectoryLock(config.run_dir) as lock:
+      if lock.previous:
+        log(f"{config.run_dir}: taking over the lock of a run that no longer runs "
+            f"({lock.previous})")
+      return _run(config, log, pool)
 
 
 def _check_bank_fits(config: ExperimentConfig, tc: TrainConfig) -> None:
@@ -397,7 +399,7 @@ def _check_bank_fits(config: ExperimentConfig, tc: TrainConfig) -> None:
         "(4 bytes a token): lower drafter.history_slots or drafter.history_per_prompt")
 
 
-def _run(config: ExperimentConfig, log) -> dict:
+def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
   lead = jax.process_index() == 0
   mesh, rollout_mesh = _meshes(config)
   run_dir = Path(config.run_dir)
@@ -426,7 +428,7 @@ def _run(config: ExperimentConfig, log) -> dict:
     raise ConfigError(f"task {config.task.name!r} is rewarded in Python, which runs in one "
                       f"process; this run has {jax.process_count()} (use one process with all "
                       "its local devices, or a task rewarded in JAX)")
-  reward = config.task.reward if in_jax else host_reward(config, train_records)
+  reward = config.task.reward if in_jax else host_reward(config, train_records, pool)
   test_records = task_records(config.task, "test")
   test_records = test_records[:config.eval.prompts]
   prompts = config.rollout.prompts_per_step
@@ -444,7 +446,7 @@ def _run(config: ExperimentConfig, log) -> dict:
   shardings = train_state_shardings(abstract, mesh, tc)
   restored = ckpt.restore(with_shardings(abstract, shardings))
   metrics_file = run_dir / "metrics.jsonl"
-  disaggregated = None
+  disaggregated = split = None
   if rollout_mesh is not None:
     log(f"disaggregated async: rollouts on {rollout_mesh.size} device(s), updates on "
         f"{mesh.size}, policy lag {config.pipeline.policy_lag}")
@@ -478,9 +480,12 @@ def _run(config: ExperimentConfig, log) -> dict:
       position = reader.next_position(position)
     elif config.pipeline.async_mode:
       state = distribute(state, shardings.replace(pending=None))
-      prime = (sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
-               if in_jax else make_split_prime(tc, reward, pad_id=tok.pad_id,
-                                               state_sharding=shardings))
+      if in_jax:
+        prime = sharded_prime_fn(tc, reward, shardings, batch_shardings, pad_id=tok.pad_id)
+      else:  # the step that primes holds the pending rollout's reward means for the next
+        split = make_split_step(tc, reward, optimizer, pad_id=tok.pad_id,
+                                state_sharding=shardings)
+        prime = split.prime
       state = prime(state, feed(position))
       position = reader.next_position(position)
     else:
@@ -488,8 +493,9 @@ def _run(config: ExperimentConfig, log) -> dict:
     log(f"evaluating the warm-started policy on {len(test_records)} held-out prompts (greedy "
         "and sampled) and its drafter's acceptance")
     meta = {"step": 0, "position": position,
-            "accuracy_before": evaluate(params, config, test_records),
-            "sampled_accuracy_before": evaluate(params, config, test_records, sampled=True),
+            "accuracy_before": evaluate(params, config, test_records, pool=pool),
+            "sampled_accuracy_before": evaluate(params, config, test_records, sampled=True,
+                                                pool=pool),
             "probe_acceptance_before": probe_acceptance(params, config, test_records,
                                                         drafter_params=head)}
     _check_finite(0, {}, state, config, last_checkpoint=None)
@@ -525,8 +531,8 @@ def _run(config: ExperimentConfig, log) -> dict:
                                     pad_id=tok.pad_id,
                                     samples=SAMPLES if config.log.samples_every else 0)
   elif disaggregated is None:
-    train_step = make_split_step(tc, reward, optimizer, pad_id=tok.pad_id,
-                                 state_sharding=shardings)
+    train_step = split if split is not None else make_split_step(
+        tc, reward, optimizer, pad_id=tok.pad_id, state_sharding=shardings)
   if meta["step"] < config.steps:
     log("compiling the GRPO step (the first step's time includes it)")
   # One set of rollout arms for the timings along training and the final measurement.
@@ -595,9 +601,10 @@ def _run(config: ExperimentConfig, log) -> dict:
                       "acceptance": state.acceptance})
   params, head = final["params"], final["drafter"]
   summary = {"accuracy_before": meta["accuracy_before"],
-             "accuracy_after": evaluate(params, config, test_records),
+             "accuracy_after": evaluate(params, config, test_records, pool=pool),
              "sampled_accuracy_before": meta["sampled_accuracy_before"],
-             "sampled_accuracy_after": evaluate(params, config, test_records, sampled=True),
+             "sampled_accuracy_after": evaluate(params, config, test_records, sampled=True,
+                                               pool=pool),
              "probe_acceptance_before": meta["probe_acceptance_before"],
              "probe_acceptance_after": probe_acceptance(params, config, test_records,
                                                         drafter_params=head)}

@@ -35,9 +35,10 @@ from specjax.models.eagle3_io import eagle3_config_from_hf
 from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.models.lora import LoraConfig
 from specjax.optimizers import float32_master
-from specjax.rl.datasets import DatasetTask
+from specjax.rl.datasets import DatasetTask, JaxReward
 from specjax.rl.gsm8k import GSM8KTask
 from specjax.rl.losses import GRPOConfig
+from specjax.rl.reward_workers import RewardWorkers
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig
 from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
@@ -52,10 +53,11 @@ DEFAULT_ACCEPTANCE_CARRY = 0.5
 
 
 # Fields a resumed run may change (dotted: a group's field; a group's name: all of it): how
-# long it runs, how often it checkpoints, how long it measures, and the mesh (checkpoints
-# restore onto any mesh). Every other field defines the policy, its task or its training, and a
+# long it runs, how often it checkpoints, how long it measures, the mesh (checkpoints
+# restore onto any mesh) and how many reward workers of which kind call the same functions. Every other field defines the policy, its task or its training, and a
 # change would silently alter the run.
 RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint", "accept_changed_inputs",
+                              "rewards.workers", "rewards.kind",
                               "eval.speedup_repeats",
                               "eval.speedup_seconds", "mesh", "log"})
 
@@ -344,6 +346,9 @@ class ExperimentConfig:
       trained with the trunk frozen, which is also the KL reference: a few per cent of the
       optimizer memory of full-parameter training. Rank 0 (the default) trains every
       parameter. Rollouts, evaluations and exports use the merged policy.
+    rewards: how a `DatasetTask`'s Python reward functions are called (`RewardWorkers`:
+      `--rewards.workers 8 --rewards.kind process --rewards.timeout-s 10`): over worker
+      threads or processes, with a timeout per call and what a timed-out row gets.
     accept_changed_inputs: resume although the task's data or rewards changed since the run
       started (`run_inputs`: refused by default, naming the change); the new ones are then
       recorded.
@@ -370,6 +375,7 @@ class ExperimentConfig:
   checkpoint: Checkpointing = Checkpointing()
   log: Logging = Logging()
   lora: LoraConfig = LoraConfig()
+  rewards: RewardWorkers = RewardWorkers()
   accept_changed_inputs: bool = False
 
   def __post_init__(self):
@@ -399,6 +405,7 @@ class ExperimentConfig:
                     "on the host between a rollout and its update, which the disaggregated "
                     "pipeline does not do yet (allowed: 0; pipeline.async_mode alone hides the "
                     "rewards behind the update)", "pipeline.")
+    self._check_reward_workers()
     if isinstance(self.task, DatasetTask) and self.task.reference_column is None:
       require_field(self.warm_start, "steps", self.warm_start.steps == 0,
                     f"the supervised warm start learns references, and task {self.task.name!r} "
@@ -553,6 +560,25 @@ class ExperimentConfig:
                           f"{err}") from None
     return Eagle3Config.for_target(self.model, draft_vocab_size=self.drafter.draft_vocab_size)
 
+  def _check_reward_workers(self) -> None:
+    """`rewards` applies to a `DatasetTask`'s Python functions (picklable for processes)."""
+    default = RewardWorkers()
+    changed = ", ".join(f"rewards.{f.name}={getattr(self.rewards, f.name)!r}"
+                        for f in dataclasses.fields(default)
+                        if getattr(self.rewards, f.name) != getattr(default, f.name))
+    if not changed:
+      return
+    if self.task.reward_in_jax:
+      raise ConfigError(f"{changed} is invalid: task {self.task.name!r} is "
+                        "rewarded in JAX, inside the compiled step; reward workers call Python "
+                        "reward functions (leave rewards at its defaults)")
+    if not isinstance(self.task, DatasetTask):
+      raise ConfigError(f"{changed} is invalid: task {self.task.name!r} "
+                        f"({type(self.task).__name__}) scores with its own reward, called "
+                        "directly; reward workers call a DatasetTask's reward functions "
+                        "(e.g. DatasetTask with math_answer_reward())")
+    self.rewards.check_functions([r for r in self.task.rewards if not isinstance(r, JaxReward)])
+
   @property
   def _adaptive_with_drafter(self) -> bool:
     return self.rollout.speculation == "adaptive" and self.drafter.name != "none"
@@ -671,5 +697,5 @@ def _clip_trunk_and_heads(max_norm: float) -> optax.GradientTransformation:
 
 _GROUPS = {"rollout": RolloutSettings, "drafter": Drafting, "optim": Optimization,
            "warm_start": WarmStart, "eval": RolloutEvaluation, "mesh": MeshConfig,
-           "pipeline": Pipeline,
+           "pipeline": Pipeline, "rewards": RewardWorkers,
            "checkpoint": Checkpointing, "log": Logging, "lora": LoraConfig}

@@ -31,6 +31,7 @@ from specjax.experiments.grpo_config import ExperimentConfig
 from specjax.files import write_text_atomic
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
+from specjax.rl.reward_workers import RewardPool
 from specjax.rl.tasks import decode_completions
 from specjax.sim.devices import device_profile
 from specjax.sim.model import ModelSpec
@@ -49,11 +50,11 @@ _SIM_DRAFTERS = {"mtp": "mtp", "eagle3": "eagle3", "draft-model": "draft-model",
 
 
 def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: bool = False,
-             samples: int = 8) -> float:
+             samples: int = 8, pool: RewardPool | None = None) -> float:
   """Held-out accuracy (fraction of responses with reward at least the task's
   `success_reward`, 1 for the built-in tasks): greedy, or the mean over `samples` responses
   per prompt drawn at the rollout temperature. A Python-reward task's `records` carry their
-  `Example`s (`grpo.task_records`)."""
+  `Example`s (`grpo.task_records`); its functions are called over `pool`'s workers."""
   tok = config.task.tokenizer
   reader = PromptReader(records, batch_size=len(records), pad_id=tok.pad_id, shuffle=False)
   batch = reader.batch_at(0)
@@ -71,7 +72,7 @@ def evaluate(params, config: ExperimentConfig, records: list[dict], *, sampled: 
   else:
     completions = decode_completions(tok, out.tokens, out.lengths)
     rewards, _ = host_scores(task, [r["example"] for r in records for _ in range(k)],
-                             completions, out.tokens, out.lengths)
+                             completions, out.tokens, out.lengths, pool)
   return float((np.asarray(rewards) >= getattr(task, "success_reward", 1.0)).mean())
 
 

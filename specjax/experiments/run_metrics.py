@@ -26,7 +26,7 @@ _SECTIONS = (("arm/", ("arm_",)),
              ("reward/", ("reward_", "accuracy")),
              ("spec/", ("acceptance_", "accepted_per_depth", "plain_share", "drafted_by_")),
              ("rollout/", ("response_", "rollout_")),
-             ("perf/", ("step_time_s",)))
+             ("perf/", ("step_time_s", "perf_")))
 
 
 def tensorboard_scalars(record: dict, learning_rate: float | None = None) -> dict[str, float]:

@@ -25,6 +25,7 @@ import numpy as np
 from specjax.checks import is_int, is_real
 from specjax.errors import ConfigError, TaskError
 from specjax.files import DuplicateKey, strict_json
+from specjax.rl.reward_workers import RewardPool
 from specjax.rl.rewards import JaxReward, RewardFunction, as_reward_functions, jax_rewards, score
 from specjax.rl.tasks import SPLITS, Example, _check_split, _in_test_split
 from specjax.tokenizer import Tokenizer, with_bos
@@ -343,17 +344,18 @@ class DatasetTask:
                        answers)
 
   def score(self, examples: Sequence[Example], completions: Sequence[str], tokens=None,
-            lengths=None) -> tuple[np.ndarray, dict[str, float]]:
+            lengths=None, pool: RewardPool | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """`[B]` total rewards of `completions` to `examples` (one per completion) and each reward
-    function's mean (`specjax.rl.rewards.score`); the `JaxReward`s among them run compiled on
-    the generated ids `tokens [B, T]` and `lengths [B]`."""
+    function's mean (`specjax.rl.rewards.score`), the Python functions called over `pool`'s
+    workers (None: directly); the `JaxReward`s among them run compiled on the generated ids
+    `tokens [B, T]` and `lengths [B]`."""
     prompts = [e.columns[self.prompt_column] for e in examples]
     columns = {c: [e.columns[c] for e in examples] for c in self.columns}
     computed = {}
     if any(isinstance(r, JaxReward) for r in self.rewards):
       answers = np.asarray([e.answer for e in examples], np.float32)
       computed = jax.device_get(_compiled_rewards(self)(tokens, lengths, answers)[1])
-    return score(self.rewards, prompts, completions, columns, computed)
+    return score(self.rewards, prompts, completions, columns, computed, pool)
 
 
 @functools.lru_cache(maxsize=8)
@@ -362,12 +364,13 @@ def _compiled_rewards(task: DatasetTask):
 
 
 def host_scores(task: Any, examples: Sequence[Example], completions: Sequence[str], tokens,
-                lengths) -> tuple[np.ndarray, dict[str, float]]:
+                lengths, pool: RewardPool | None = None) -> tuple[np.ndarray, dict[str, float]]:
   """Rewards of a Python-reward task for `completions` to `examples` (generated as `tokens`
-  `[B, T]` with `lengths` `[B]`), and per-function means: a `DatasetTask`'s functions, or
-  `task.reward(completions, references)` of the others (`CustomTask`, `GSM8KTask`)."""
+  `[B, T]` with `lengths` `[B]`), and per-function means: a `DatasetTask`'s functions (over
+  `pool`'s workers), or `task.reward(completions, references)` of the others (`CustomTask`,
+  `GSM8KTask`)."""
   if isinstance(task, DatasetTask):
-    return task.score(examples, completions, tokens, lengths)
+    return task.score(examples, completions, tokens, lengths, pool)
   rewards = task.reward(list(completions), [e.reference for e in examples])
   return np.asarray(rewards, np.float32), {}
 

@@ -50,13 +50,13 @@ from specjax.decoding.policy import AcceptanceCounts
 from specjax.errors import ConfigError
 from specjax.models.lora import LoraAdapters, merged_policy
 from specjax.models.params import Params
-from specjax.rl.distributed import (_on_mesh, prompt_batch_shardings, rollout_shardings,
+from specjax.rl.distributed import (prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
 from specjax.rl.rollouts import recorded, rollout_metrics, scored_rollout
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.trainer import prime_keys, step_keys
 from specjax.rl.updates import update
-from specjax.sharding import DEFAULT_RULES, Rules, replicated, transfer
+from specjax.sharding import DEFAULT_RULES, Rules, on_mesh, replicated, transfer
 
 __all__ = ["DisaggregatedAsync", "PolicyWeights"]
 
@@ -165,7 +165,7 @@ class DisaggregatedAsync:
     train_shardings = train_state_shardings(train, train_mesh, config, rules)
     self._pending_shardings = rollout_shardings(pending, train_mesh, rules)
     self._weight_shardings = self._weights_on(state, roll_mesh)
-    self._rollout = _on_mesh(roll_mesh, jax.jit(
+    self._rollout = on_mesh(roll_mesh, jax.jit(
         rollout_program, static_argnums=3,
         in_shardings=(self._weight_shardings, side_shardings, None),
         out_shardings=(rollout_shardings(pending, roll_mesh, rules), side_shardings)))
@@ -177,7 +177,7 @@ class DisaggregatedAsync:
 
     # The state is donated: parameters and optimizer moments are replaced. (The consumed
     # rollout is not: no output has its shapes, so XLA could not reuse its buffers.)
-    self._update = _on_mesh(train_mesh, jax.jit(
+    self._update = on_mesh(train_mesh, jax.jit(
         update_program, in_shardings=(train_shardings, self._pending_shardings),
         out_shardings=(train_shardings, replicated(train_mesh)), donate_argnums=0))
 

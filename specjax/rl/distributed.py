@@ -46,7 +46,8 @@ from specjax.rl.data import PromptBatch, PromptReader
 from specjax.rl.roll_call import roll_call
 from specjax.rl.state import DrafterTrainState, RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.trainer import make_prime_fn, make_train_step
-from specjax.sharding import DEFAULT_RULES, Rules, logical_sharding, opt_state_shardings, replicated
+from specjax.sharding import (DEFAULT_RULES, Rules, logical_sharding, on_mesh, opt_state_shardings,
+                              replicated)
 
 __all__ = ["COORDINATOR_ENV", "broadcast_json", "distribute", "global_batch", "join_cluster",
            "local_copy", "process_prompts", "process_rows", "prompt_batch_shardings",
@@ -152,28 +153,9 @@ def sharded_train_step(config: TrainConfig, reward_fn: RewardFn,
   step = make_train_step(config, reward_fn, optimizer, pad_id=pad_id, jit=False,
                          samples=samples)
   # The state is donated: parameters, optimizer moments and the pending rollout are replaced.
-  return _on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+  return on_mesh(mesh, jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                                 out_shardings=(state_shardings, replicated(mesh)),
                                 donate_argnums=0))
-
-
-class _on_mesh:
-  """`jitted` traced and called with `mesh` set (`jax.sharding.set_mesh`), so the model's
-  layout hints (`specjax.models.layout`) keep activations split by rows."""
-
-  def __init__(self, mesh: Mesh, jitted: Callable):
-    self.mesh, self.jitted = mesh, jitted
-
-  def __call__(self, *args):
-    with jax.sharding.set_mesh(self.mesh):
-      return self.jitted(*args)
-
-  def _cache_size(self) -> int:
-    return self.jitted._cache_size()
-
-  def lower(self, *args):
-    with jax.sharding.set_mesh(self.mesh):
-      return self.jitted.lower(*args)
 
 
 def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: TrainState,
@@ -182,7 +164,7 @@ def sharded_prime_fn(config: TrainConfig, reward_fn: RewardFn, state_shardings: 
   `state_shardings` (those of the primed state) in, the primed state on them out."""
   prime = make_prime_fn(config, reward_fn, pad_id=pad_id)
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  return _on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
+  return on_mesh(mesh, jax.jit(prime, in_shardings=(state_shardings.replace(pending=None),
                                                       batch_shardings),
                                 out_shardings=state_shardings))
 

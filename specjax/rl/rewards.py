@@ -26,7 +26,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ import numpy as np
 
 from specjax.checks import is_real
 from specjax.errors import ConfigError, RewardError
+
+if TYPE_CHECKING:
+  from specjax.rl.reward_workers import RewardPool
 
 # What every reward function is passed besides the dataset's columns.
 TEXT_ARGUMENTS = ("prompts", "completions")
@@ -115,24 +118,43 @@ class RewardFunction:
     return dict(columns) if var_keyword else {k: v for k, v in columns.items() if k in named}
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str],
-               columns: Mapping[str, Sequence[Any]]) -> np.ndarray:
-    """`[B]` float64 rewards, NaN where `fn` returned None."""
-    try:
-      values = self.fn(prompts=list(prompts), completions=list(completions),
-                       **self.arguments(columns))
-    except Exception as err:
-      raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: {err}") \
-          from err
+               columns: Mapping[str, Sequence[Any]], pool: RewardPool | None = None
+               ) -> np.ndarray:
+    """`[B]` float64 rewards, NaN where `fn` returned None: one call, or calls on chunks of
+    rows over `pool`'s workers (`specjax.rl.reward_workers`)."""
+    arguments = {"prompts": list(prompts), "completions": list(completions),
+                 **self.arguments(columns)}
+    if pool is None or pool.settings.inline:
+      try:
+        values = self.fn(**arguments)
+      except Exception as err:
+        raise RewardError(f"reward function {self.name!r} raised {type(err).__name__}: "
+                          f"{err}") from err
+      return self.values(values, completions)
+    chunks = pool.map_rows(self.name, self.fn, arguments, len(completions))
+    return np.concatenate([self.values(values, completions[first:last], first)
+                           for first, last, values in chunks])
+
+  def values(self, values: Any, completions: Sequence[str], first: int | None = None
+             ) -> np.ndarray:
+    """What `fn` returned for `completions` (the batch, or its rows `first`, `first + 1`, ...
+    when one call scored those) as `[len(completions)]` float64, NaN for None.
+
+    Raises:
+      RewardError: not one number or None per completion, or a number that is not finite.
+    """
+    rows = "" if first is None else f" (rows {first}-{first + len(completions) - 1})"
+    first = first or 0
     try:
       if isinstance(values, (str, bytes, Mapping, Set)):  # iterable, but not one value a row
         raise TypeError
       values = list(values)
     except TypeError:
-      raise RewardError(f"reward function {self.name!r} returned {values!r}: allowed a list "
-                        f"of {len(completions)} numbers or None") from None
+      raise RewardError(f"reward function {self.name!r} returned {values!r}{rows}: allowed a "
+                        f"list of {len(completions)} numbers or None") from None
     if len(values) != len(completions):
       raise RewardError(f"reward function {self.name!r} returned {len(values)} values for "
-                        f"{len(completions)} completions: allowed one per completion")
+                        f"{len(completions)} completions{rows}: allowed one per completion")
     out = np.empty(len(values), np.float64)
     for i, value in enumerate(values):
       if value is None:
@@ -143,13 +165,13 @@ class RewardFunction:
           raise TypeError
         out[i] = float(value)
       except (TypeError, ValueError, OverflowError):
-        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample {i} "
-                          f"(completion={completions[i]!r}): allowed a number or None") \
-            from None
+        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample "
+                          f"{first + i} (completion={completions[i]!r}): allowed a number or "
+                          "None") from None
       if not math.isfinite(out[i]):
-        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample {i} "
-                          f"(completion={completions[i]!r}): rewards must be finite (None: "
-                          "not scored)")
+        raise RewardError(f"reward function {self.name!r} returned {value!r} for sample "
+                          f"{first + i} (completion={completions[i]!r}): rewards must be "
+                          "finite (None: not scored)")
     return out
 
 
@@ -244,7 +266,7 @@ def _computed(reward: JaxReward, values: Any, completions: Sequence[str]) -> np.
 
 def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
           completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
-          computed: Mapping[str, np.ndarray] | None = None
+          computed: Mapping[str, np.ndarray] | None = None, pool: RewardPool | None = None
           ) -> tuple[np.ndarray, dict[str, float]]:
   """The total reward of each row and each function's mean.
 
@@ -253,6 +275,7 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     prompts, completions: `[B]` texts.
     columns: the dataset's columns, each `[B]` (the row's prompt's values).
     computed: values of the `JaxReward`s by name (`jax_rewards`).
+    pool: the workers that call the Python functions (`RewardPool`; None: called directly).
 
   Returns:
     `[B]` float32 weighted sums over the functions that scored each row, and
@@ -265,7 +288,7 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
   """
   computed = computed or {}
   per_function = {r.name: _computed(r, computed[r.name], completions)
-                  if isinstance(r, JaxReward) else r(prompts, completions, columns)
+                  if isinstance(r, JaxReward) else r(prompts, completions, columns, pool)
                   for r in rewards}
   stacked = np.stack([per_function[r.name] * r.weight for r in rewards])
   unscored = np.flatnonzero(np.isnan(stacked).all(axis=0))

@@ -23,8 +23,8 @@ T max new tokens, L = P + T sequence buffer, D tree depth, V vocab).
 
 from __future__ import annotations
 
-import contextlib
-import weakref
+import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -39,6 +39,7 @@ from specjax.models.lora import merged_policy
 from specjax.rl.rollouts import (recorded, rollout, rollout_metrics, rollout_samples, score,
                                  scored_rollout)
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
+from specjax.sharding import on_mesh
 from specjax.rl.updates import update
 
 
@@ -125,97 +126,140 @@ def make_prime_fn(config: TrainConfig, reward_fn: RewardFn, *, pad_id: int = 0):
 
 def make_split_step(config: TrainConfig, reward_fn: Callable[..., Any],
                     optimizer: optax.GradientTransformation, *, pad_id: int = 0,
-                    state_sharding: Any = None):
-  """Split mode for host-side (Python) rewards: the rollout and the update are compiled
-  programs, the reward runs on the host.
+                    state_sharding: Any = None) -> SplitStep:
+  """Split mode for host-side (Python) rewards (`SplitStep`): the rollout and the update are
+  compiled programs, the reward runs on the host."""
+  return SplitStep(config, reward_fn, optimizer, pad_id=pad_id, state_sharding=state_sharding)
 
-  Returns `step(state, batch) -> (state, metrics)`, where `reward_fn(responses [B, T] numpy,
-  lengths [B] numpy, batch) -> [B]` runs on the host (e.g. decode the responses and call a
-  `PythonReward` with `reader.references(np.repeat(batch.index, G))`); it may also return
-  `([B] rewards, {name: float})`, whose named values join the step's metrics (a
-  `DatasetTask`'s per-function means).
 
-  Sync mode: rollout, reward, update, in turn. Async mode (`make_split_prime` first): the
-  rollout of this batch and the update on the pending one (the last step's rollout, scored)
-  are dispatched in that order, and the host scores this rollout while the device runs the
-  update; the scored rollout becomes the pending one. The same semantics, keys and samples as
-  the fused async step with a JAX reward; the reward is hidden behind the update.
+class SplitStep:
+  """Split mode for host-side (Python) rewards: `step(state, batch) -> (state, metrics)` with
+  the rollout and the update compiled, the reward run on the host between them.
+
+  `reward_fn(responses [B, T] numpy, lengths [B] numpy, batch) -> [B]` runs on the host (e.g.
+  decode the responses and call a `PythonReward` with
+  `reader.references(np.repeat(batch.index, G))`); it may also return
+  `([B] rewards, {name: float})`, whose named values join the metrics of the step that trains
+  on those rewards (a `DatasetTask`'s per-function means).
+
+  Sync mode: rollout, reward, update, in turn. Async mode (`prime` first): the rollout of this
+  batch and the update on the pending one (the last step's rollout, scored) are dispatched in
+  that order, and the host scores this rollout while the device runs the update; the scored
+  rollout becomes the pending one. The same semantics, keys and samples as the fused async
+  step with a JAX reward; the reward is hidden behind the update.
+
+  Every step also reports `perf_reward_s`, the host's time in `reward_fn` on this step's
+  rollout, and `perf_reward_overlap`, the fraction of it during which the device was still
+  running the step's update (0 in sync mode, where the update waits for the rewards).
 
   With `state_sharding` (`train_state_shardings`, one process) the state stays on its mesh:
   every program runs with the mesh set, so the model's layout hints hold, and the state comes
   back on `state_sharding`.
   """
-  mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
-  rollout_fn = _split_rollout(config, pad_id)
-  finish_fn = _split_finish(config, state_sharding)
 
-  def update_step(state, roll, rewards, key, next_key, prompts, prompt_lengths):
-    roll = score(config, roll, rewards)
-    state = state.replace(history=recorded(state.history, config, prompts, prompt_lengths,
-                                           roll))
-    state, metrics = update(state, config, optimizer, roll, key)
-    return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
+  def __init__(self, config: TrainConfig, reward_fn: Callable[..., Any],
+               optimizer: optax.GradientTransformation, *, pad_id: int = 0,
+               state_sharding: Any = None):
+    self.config, self.reward_fn = config, reward_fn
+    mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
 
-  def update_pending(state, pending, key, next_key):
-    state, metrics = update(state, config, optimizer, pending, key)
-    return state.replace(key=next_key), metrics | rollout_metrics(config, pending)
+    def update_step(state, roll, rewards, key, next_key, prompts, prompt_lengths):
+      roll = score(config, roll, rewards)
+      state = state.replace(history=recorded(state.history, config, prompts, prompt_lengths,
+                                             roll))
+      state, metrics = update(state, config, optimizer, roll, key)
+      return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
-  # The state is donated: parameters and optimizer moments are replaced by the update.
-  def compiled(fn, state_out):
-    out_shardings = None if mesh is None else (state_out, NamedSharding(mesh, P()))
-    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+    def update_pending(state, pending, key, next_key):
+      state, metrics = update(state, config, optimizer, pending, key)
+      return state.replace(key=next_key), metrics | rollout_metrics(config, pending)
 
-  update_fn = compiled(update_step, state_sharding)
-  pending_fn = compiled(update_pending, None if state_sharding is None
-                        else state_sharding.replace(pending=None))
+    # The state is donated: parameters and optimizer moments are replaced by the update.
+    def compiled(fn, state_out):
+      out_shardings = None if mesh is None else (state_out, NamedSharding(mesh, P()))
+      return on_mesh(mesh, jax.jit(fn, donate_argnums=0, out_shardings=out_shardings))
 
-  def step(state: TrainState, batch):
-    key, k_roll, k_update = step_keys(state.key)
-    with _mesh_scope(mesh):
-      roll, responses, lengths, acceptance = rollout_fn(
-          state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
-          state.rollout_drafter_params, state.acceptance)
-      if config.async_mode:
-        if state.pending is None:
-          raise ConfigError("an async split step needs a pending rollout: prime the state "
-                            "with make_split_prime first")
-        # Dispatched after the rollout: the device runs it while the host scores below. (The
-        # pending rollout is not donated: nothing of the new state could reuse its buffers.)
-        state, metrics = pending_fn(state.replace(pending=None), state.pending, k_update, key)
-      rewards, extra = _host_scores(reward_fn, responses, lengths, batch)
-      if config.async_mode:
-        # The step's metrics describe the rollout it trained on: the pending one's reward
-        # means (unknown after a resume: left out), not this rollout's, held for the next.
-        trained_extra = _PENDING_EXTRA.pop(reward_fn, {})
-        _PENDING_EXTRA[reward_fn] = extra
-        return finish_fn(state, roll, rewards, acceptance, batch.tokens, batch.lengths), {
-            **metrics, **trained_extra}
-      state, metrics = update_fn(_with_acceptance(state, acceptance), roll, rewards, k_update,
-                                 key, batch.tokens, batch.lengths)
-    return state, {**metrics, **extra}
+    self._rollout = on_mesh(mesh, _split_rollout(config, pad_id))
+    self._finish = on_mesh(mesh, _split_finish(config, state_sharding))
+    self._update = compiled(update_step, state_sharding)
+    self._update_pending = compiled(update_pending, None if state_sharding is None
+                                    else state_sharding.replace(pending=None))
+    # Async mode: the reward function's metrics of the pending rollout, reported by the step
+    # that trains on it (unknown after a resume: left out).
+    self._pending_extra: dict[str, Any] = {}
 
-  return step
+  def _generate(self, state: TrainState, batch, key: jax.Array):
+    """The rollout of `batch`, dispatched: (rollout, responses, lengths, counts)."""
+    return self._rollout(state.params, state.adapters, batch.tokens, batch.lengths, key,
+                         state.rollout_drafter_params, state.acceptance)
 
+  def _host_scores(self, responses, lengths, batch, busy: Any = None):
+    """`reward_fn` on the rollout: `[B]` float32 rewards, its metrics, and the perf metrics,
+    `busy` being device work dispatched before scoring (the async update)."""
+    responses, lengths = np.asarray(responses), np.asarray(lengths)  # waits for the rollout
+    ready = _ReadyWatch(busy)
+    begin = time.perf_counter()
+    scored = self.reward_fn(responses, lengths, batch)
+    end = time.perf_counter()
+    rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
+    perf = {"perf_reward_s": end - begin, "perf_reward_overlap": ready.overlap(begin, end)}
+    return np.asarray(rewards, np.float32), extra, perf
 
-def make_split_prime(config: TrainConfig, reward_fn: Callable[..., Any], *, pad_id: int = 0,
-                     state_sharding: Any = None):
-  """Async split mode: `(state, batch) -> state` with the first pending rollout generated and
-  scored on the host (`make_prime_fn`'s keys), as `make_split_step` then expects."""
-  mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
-  rollout_fn = _split_rollout(config, pad_id)
-  finish_fn = _split_finish(config, state_sharding)
-
-  def prime(state: TrainState, batch) -> TrainState:
+  def prime(self, state: TrainState, batch) -> TrainState:
+    """Async mode: `state` with the first pending rollout generated and scored on the host
+    (`make_prime_fn`'s keys), as the step then expects."""
     key, k_roll = prime_keys(state.key)
-    with _mesh_scope(mesh):
-      roll, responses, lengths, acceptance = rollout_fn(
-          state.params, state.adapters, batch.tokens, batch.lengths, k_roll,
-          state.rollout_drafter_params, state.acceptance)
-      rewards, _PENDING_EXTRA[reward_fn] = _host_scores(reward_fn, responses, lengths, batch)
-      return finish_fn(state.replace(key=key), roll, rewards, acceptance, batch.tokens,
-                       batch.lengths)
+    roll, responses, lengths, acceptance = self._generate(state, batch, k_roll)
+    rewards, self._pending_extra, _ = self._host_scores(responses, lengths, batch)
+    return self._finish(state.replace(key=key), roll, rewards, acceptance, batch.tokens,
+                        batch.lengths)
 
-  return prime
+  def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+    key, k_roll, k_update = step_keys(state.key)
+    roll, responses, lengths, acceptance = self._generate(state, batch, k_roll)
+    if not self.config.async_mode:
+      rewards, extra, perf = self._host_scores(responses, lengths, batch)
+      state, metrics = self._update(_with_acceptance(state, acceptance), roll, rewards,
+                                    k_update, key, batch.tokens, batch.lengths)
+      return state, {**metrics, **extra, **perf}
+    if state.pending is None:
+      raise ConfigError("an async split step needs a pending rollout: call step.prime(state, "
+                        "batch) first")
+    # Dispatched after the rollout: the device runs it while the host scores below. (The
+    # pending rollout is not donated: nothing of the new state could reuse its buffers.)
+    state, metrics = self._update_pending(state.replace(pending=None), state.pending,
+                                          k_update, key)
+    rewards, extra, perf = self._host_scores(responses, lengths, batch, busy=metrics)
+    # The step's metrics describe the rollout it trained on: the pending one's reward means,
+    # not this rollout's, which are held for the next step.
+    trained_extra, self._pending_extra = self._pending_extra, extra
+    state = self._finish(state, roll, rewards, acceptance, batch.tokens, batch.lengths)
+    return state, {**metrics, **trained_extra, **perf}
+
+
+class _ReadyWatch:
+  """When device work dispatched before a host computation finished, stamped by a thread that
+  waits for it, so the host's overlap with the device is measured without blocking on it."""
+
+  def __init__(self, busy: Any):
+    self._ready_at = None
+    self._thread = None
+    if busy is not None:
+      self._thread = threading.Thread(target=self._wait, args=(busy,), daemon=True)
+      self._thread.start()
+
+  def _wait(self, busy: Any) -> None:
+    jax.block_until_ready(busy)
+    self._ready_at = time.perf_counter()
+
+  def overlap(self, begin: float, end: float) -> float:
+    """The fraction of `[begin, end]` during which the work was still running (1.0 when it
+    still is)."""
+    if self._thread is None or end <= begin:
+      return 0.0
+    if self._thread.is_alive():
+      return 1.0
+    return float(np.clip((self._ready_at - begin) / (end - begin), 0.0, 1.0))
 
 
 def _split_rollout(config: TrainConfig, pad_id: int):
@@ -238,19 +282,3 @@ def _split_finish(config: TrainConfig, state_sharding: Any):
 
   return jax.jit(finish, donate_argnums=0,
                  out_shardings=None if state_sharding is None else state_sharding)
-
-
-# Async split mode: each reward function's metrics (per-function means) of the pending rollout,
-# reported by the step that trains on it.
-_PENDING_EXTRA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _host_scores(reward_fn: Callable[..., Any], responses, lengths, batch):
-  """`reward_fn` on the host: `([B] float32 rewards, {name: value} metrics)`."""
-  scored = reward_fn(np.asarray(responses), np.asarray(lengths), batch)
-  rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
-  return np.asarray(rewards, np.float32), extra
-
-
-def _mesh_scope(mesh):
-  return contextlib.nullcontext() if mesh is None else jax.sharding.set_mesh(mesh)

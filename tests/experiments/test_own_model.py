@@ -11,6 +11,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -30,7 +31,8 @@ from specjax.models.hf import load_hf
 from specjax.optimizers import MasterState
 from specjax.rl import GRPOConfig
 from specjax.rl.datasets import DatasetTask
-from specjax.rl.rewards import JaxReward
+from specjax.rl.reward_workers import RewardWorkers
+from specjax.rl.rewards import JaxReward, RewardFunction
 from specjax.tokenizer import CharTokenizer, HFTokenizer
 from support import ROOT, child_env, write_hf_checkpoint
 
@@ -191,6 +193,28 @@ def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message
     dataclasses.replace(config, **change)
 
 
+def test_reward_workers_are_configured_for_python_rewards_only(own, capsys):
+  config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
+  with pytest.raises(SystemExit):
+    cli_main(["train", "--config", str(own / "config-llama.py"), "--rewards.workers", "0"])
+  assert "rewards.workers=0 is invalid: must be an int >= 1" in " ".join(
+      capsys.readouterr().err.split())
+  lock = threading.Lock()
+
+  def locked(prompts, completions, **_):
+    with lock:
+      return [0.0] * len(completions)
+
+  task = dataclasses.replace(config.task, rewards=(RewardFunction(locked),))
+  dataclasses.replace(config, task=task, rewards=RewardWorkers(workers=2))  # threads share it
+  with pytest.raises(ConfigError, match=r"reward function 'locked' cannot be sent to a worker "
+                                        "process"):
+    dataclasses.replace(config, task=task, rewards=RewardWorkers(kind="process"))
+  with pytest.raises(ConfigError, match=r"rewards.workers=2 is invalid: task 'arithmetic' is "
+                                        "rewarded in JAX"):
+    ExperimentConfig(rewards=RewardWorkers(workers=2))
+
+
 SUMS = CharTokenizer("0123456789+=")
 SUM_ROWS = [{"prompt": f"{a}+{b}=", "sum": a + b, "text": str(a + b)} for a in range(10)
             for b in range(10)]
@@ -276,6 +300,37 @@ def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed
     assert record["reward_mean"] == pytest.approx(expected, abs=1e-6)
     if not mixed:  # solved: total >= success_reward = 0.5, i.e. a short response
       assert record["accuracy"] == pytest.approx(record["reward_short"], abs=1e-6)
+
+
+@pytest.mark.slow  # two short runs: a minute on 2 cores
+def test_python_rewards_over_worker_processes_train_as_called_directly(tmp_path):
+  """Async GRPO with a Python reward scored by two worker processes, a row per call under a
+  timeout: the same rewards, losses and accuracy as the run that calls it directly, and each
+  step reports its reward time and the share of it the device's update overlapped."""
+  task = DatasetTask(SUM_ROWS, SUMS, [exact], reference_column="text", test_fraction=0.2)
+  records = {}
+  for name, workers in (("direct", RewardWorkers()),
+                        ("processes", RewardWorkers(workers=2, kind="process", rows_per_call=1,
+                                                    timeout_s=60))):
+    config = ExperimentConfig(
+        run_dir=str(tmp_path / name), task=task,
+        model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                          n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
+                          max_position=32),
+        grpo=GRPOConfig(group_size=2), steps=3,
+        rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4, tree_widths=(1,)),
+        warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=True), rewards=workers,
+        eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0))
+    summary = run(config, log=lambda _: None)
+    records[name] = [json.loads(line) for line in
+                     (tmp_path / name / "metrics.jsonl").read_text().splitlines()], summary
+  (direct, direct_summary), (pooled, pooled_summary) = records["direct"], records["processes"]
+  assert [r["step"] for r in pooled] == [1, 2, 3]
+  for a, b in zip(direct, pooled, strict=True):
+    for key in ("reward_mean", "reward_exact", "loss", "kl"):
+      assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), key
+    assert b["perf_reward_s"] > 0 and 0 <= b["perf_reward_overlap"] <= 1
+  assert direct_summary["accuracy_after"] == pooled_summary["accuracy_after"]
 
 
 @pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes

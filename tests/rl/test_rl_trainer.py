@@ -27,8 +27,7 @@ from specjax.rl import ArithmeticTask, GRPOConfig, PromptReader, encode_prompt, 
 from specjax.rl.distributed import rollout_shardings, train_state_shardings
 from specjax.rl.rollouts import rollout, rollout_metrics
 from specjax.rl.state import DrafterTraining, RolloutConfig, TrainConfig, init_train_state
-from specjax.rl.trainer import (make_prime_fn, make_split_prime, make_split_step,
-                                make_train_step)
+from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = ArithmeticTask(max_digits=1, num_train=64, num_test=16)
@@ -412,11 +411,11 @@ def test_async_split_mode_with_a_python_reward_matches_the_fused_async_step():
             for i, n in enumerate(lengths)]
 
   runs = {}
+  split = make_split_step(config, python_reward, optimizer, pad_id=TOK.pad_id)
   for name, prime, step in (
       ("fused", make_prime_fn(config, _ended_reward, pad_id=TOK.pad_id),
        make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id)),
-      ("split", make_split_prime(config, python_reward, pad_id=TOK.pad_id),
-       make_split_step(config, python_reward, optimizer, pad_id=TOK.pad_id))):
+      ("split", split.prime, split)):
     state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
     state = prime(state, reader.batch_at(0))
     history = []
@@ -735,3 +734,46 @@ def test_the_step_trains_the_objective_its_config_names(monkeypatch):
     GRPOConfig(objective="nope")
   with pytest.raises(ConfigError, match="'grpo' is registered already"):
     register_objective("grpo", spy)
+
+
+def test_split_step_reports_reward_time_and_carries_the_pending_means():
+  """The host's reward time is a metric of every split step; in async mode a step reports the
+  reward means of the rollout it trained on (the one scored a step earlier), and its own
+  scoring overlapped the update on the device (a fraction in [0, 1])."""
+  config = _config(speculative=False, async_mode=True)
+  calls = []
+
+  def python_reward(responses, lengths, batch):
+    calls.append(len(calls))
+    time.sleep(0.05)
+    return np.zeros(len(lengths), np.float32), {"reward_call": float(len(calls) - 1)}
+
+  optimizer = optax.adam(1e-3)
+  step = make_split_step(config, python_reward, optimizer, pad_id=TOK.pad_id)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
+  reader = _reader()
+  state = step.prime(state, reader.batch_at(0))
+  for i in range(2):
+    state, metrics = step(state, reader.batch_at(4 * (i + 1)))
+    assert metrics["reward_call"] == i  # scored by the call before: prime, then step 1
+    assert metrics["perf_reward_s"] >= 0.05
+    assert 0.0 <= metrics["perf_reward_overlap"] <= 1.0
+  with pytest.raises(ConfigError, match="prime"):
+    step(state.replace(pending=None), reader.batch_at(0))
+
+
+def test_ready_watch_measures_how_long_device_work_overlapped_the_host():
+  from specjax.rl.trainer import _ReadyWatch
+  assert _ReadyWatch(None).overlap(0.0, 1.0) == 0.0  # nothing on the device: no overlap
+  ready = jnp.ones(4)
+  watch = _ReadyWatch(ready)
+  time.sleep(0.2)  # long done before the host's computation starts
+  begin = time.perf_counter()
+  time.sleep(0.05)
+  assert watch.overlap(begin, time.perf_counter()) == 0.0
+  slow = jax.jit(lambda x: jax.lax.fori_loop(0, 30, lambda _, y: jnp.tanh(y @ y), x))
+  x = jnp.eye(512) * 0.5
+  slow(x).block_until_ready()  # compiled
+  begin = time.perf_counter()
+  watch = _ReadyWatch(slow(x))
+  assert watch.overlap(begin, time.perf_counter()) == 1.0  # still running
