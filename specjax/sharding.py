@@ -419,9 +419,9 @@ class _OnMesh:
   def __init__(self, mesh: Mesh, jitted: Callable):
     self.mesh, self.jitted = mesh, jitted
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
     with jax.sharding.set_mesh(self.mesh):
-      return self.jitted(*args)
+      return self.jitted(*args, **kwargs)
 
   def _cache_size(self) -> int:
     return self.jitted._cache_size()

@@ -72,7 +72,7 @@ from specjax.rl.distributed import (broadcast_json, distribute, global_batch, lo
                                     sharded_train_step, train_state_shardings)
 from specjax.rl.state import TrainConfig, TrainState, init_train_state
 from specjax.rl.tasks import Task, decode_completions, task_prompt_ids
-from specjax.rl.trainer import make_prime_fn, make_split_step
+from specjax.rl.trainer import SplitStep, make_prime_fn, make_split_step
 from specjax.rl.updates import all_finite
 from specjax.sharding import make_mesh
 
@@ -115,17 +115,19 @@ def initial_policy(config: ExperimentConfig, log=print):
 
 def host_reward(config: ExperimentConfig, records: list[dict], pool: RewardPool | None = None):
   """The split step's reward (`make_split_step`) of a task rewarded in Python: the rollout's
-  responses decoded, each scored against its prompt's record (`records`, the reader's
-  source) over `pool`'s workers, with the per-function means as metrics."""
+  responses (this process's rows) decoded, each scored against its prompt's record
+  (`records`, the reader's source) over `pool`'s workers, with each function's values, which
+  the step averages over every process's rows (`reward_<name>`)."""
   tok, group = config.task.tokenizer, config.grpo.group_size
 
   def reward(responses, lengths, batch):
     examples = [records[int(i)]["example"] for i in np.repeat(np.asarray(batch.index), group)]
     completions = decode_completions(tok, responses, lengths)
-    rewards, means = host_scores(config.task, examples, completions, responses, lengths, pool)
+    rewards, values = host_scores(config.task, examples, completions, responses, lengths,
+                                  pool, per_row=True)
     reward.samples = [(e.prompt, c, float(r)) for e, c, r in
                       zip(examples[:SAMPLES], completions, rewards)]
-    return rewards, means
+    return rewards, values
 
   reward.samples = []  # the last batch's first (prompt, completion, reward), for the log
   return reward
@@ -424,10 +426,6 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
     log(f"tokenizer {tok.source}: {guess}")
   train_records = task_records(config.task, "train")
   in_jax = config.task.reward_in_jax
-  if not in_jax and jax.process_count() > 1:
-    raise ConfigError(f"task {config.task.name!r} is rewarded in Python, which runs in one "
-                      f"process; this run has {jax.process_count()} (use one process with all "
-                      "its local devices, or a task rewarded in JAX)")
   reward = config.task.reward if in_jax else host_reward(config, train_records, pool)
   test_records = task_records(config.task, "test")
   test_records = test_records[:config.eval.prompts]
@@ -499,6 +497,8 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
             "probe_acceptance_before": probe_acceptance(params, config, test_records,
                                                         drafter_params=head)}
     _check_finite(0, {}, state, config, last_checkpoint=None)
+    if split is not None:  # its first rollout's rewards, scored in the background
+      state = split.settled(state)
     ckpt.save(0, state, meta)
     if lead:
       with storage(metrics_file, "metrics file"):
@@ -582,6 +582,8 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                         accept=f"{record['acceptance_length']:.2f}")
         if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
+          if disaggregated is None and isinstance(train_step, SplitStep):
+            state = train_step.settled(state)  # async: the pending rollout's rewards
           ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
           last_checkpoint = step + 1
   except BaseException as err:

@@ -315,8 +315,9 @@ class ExperimentConfig:
     task: prompts, held-out split and reward: the built-in `ArithmeticTask` (its reward in JAX,
       inside the fused step), or a task rewarded in Python — `DatasetTask` (the user's data
       and reward functions), `GSM8KTask`, `CustomTask` —, whose step runs the rollout and
-      the update as programs with the rewards on the host (one process; in async mode the
-      host scores a rollout while the device runs the update; not disaggregated).
+      the update as programs with the rewards on the host (each process scoring the rows of
+      its own prompts; in async mode in the background while the devices run the update and
+      the next rollout; not disaggregated).
     model: the policy's architecture (vocab_size at least the task tokenizer's); with
       `policy_dir`, read from the checkpoint (leave it at its default).
     policy_dir: an HF checkpoint directory (Llama 3 / Qwen2 / Qwen3 `config.json` and

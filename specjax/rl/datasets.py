@@ -344,18 +344,19 @@ class DatasetTask:
                        answers)
 
   def score(self, examples: Sequence[Example], completions: Sequence[str], tokens=None,
-            lengths=None, pool: RewardPool | None = None) -> tuple[np.ndarray, dict[str, float]]:
+            lengths=None, pool: RewardPool | None = None, per_row: bool = False
+            ) -> tuple[np.ndarray, dict[str, Any]]:
     """`[B]` total rewards of `completions` to `examples` (one per completion) and each reward
     function's mean (`specjax.rl.rewards.score`), the Python functions called over `pool`'s
-    workers (None: directly); the `JaxReward`s among them run compiled on the generated ids
-    `tokens [B, T]` and `lengths [B]`."""
+    workers (None: directly), or with `per_row` its values; the `JaxReward`s among them run
+    compiled on the generated ids `tokens [B, T]` and `lengths [B]`."""
     prompts = [e.columns[self.prompt_column] for e in examples]
     columns = {c: [e.columns[c] for e in examples] for c in self.columns}
     computed = {}
     if any(isinstance(r, JaxReward) for r in self.rewards):
       answers = np.asarray([e.answer for e in examples], np.float32)
       computed = jax.device_get(_compiled_rewards(self)(tokens, lengths, answers)[1])
-    return score(self.rewards, prompts, completions, columns, computed, pool)
+    return score(self.rewards, prompts, completions, columns, computed, pool, per_row)
 
 
 @functools.lru_cache(maxsize=8)
@@ -364,13 +365,14 @@ def _compiled_rewards(task: DatasetTask):
 
 
 def host_scores(task: Any, examples: Sequence[Example], completions: Sequence[str], tokens,
-                lengths, pool: RewardPool | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                lengths, pool: RewardPool | None = None, per_row: bool = False
+                ) -> tuple[np.ndarray, dict[str, Any]]:
   """Rewards of a Python-reward task for `completions` to `examples` (generated as `tokens`
-  `[B, T]` with `lengths` `[B]`), and per-function means: a `DatasetTask`'s functions (over
-  `pool`'s workers), or `task.reward(completions, references)` of the others (`CustomTask`,
-  `GSM8KTask`)."""
+  `[B, T]` with `lengths` `[B]`), and per-function means (or `[B]` values, with `per_row`): a
+  `DatasetTask`'s functions (over `pool`'s workers), or `task.reward(completions, references)`
+  of the others (`CustomTask`, `GSM8KTask`)."""
   if isinstance(task, DatasetTask):
-    return task.score(examples, completions, tokens, lengths, pool)
+    return task.score(examples, completions, tokens, lengths, pool, per_row)
   rewards = task.reward(list(completions), [e.reference for e in examples])
   return np.asarray(rewards, np.float32), {}
 

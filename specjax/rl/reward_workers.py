@@ -266,7 +266,8 @@ def _death(code: int | None) -> str:
 
 class RewardPool:
   """The workers of `RewardWorkers`, started at the first call and stopped by `close` (or
-  leaving a `with` block). One caller at a time."""
+  leaving a `with` block). Callers from several threads (an async step's background scoring,
+  an evaluation) take turns."""
 
   def __init__(self, settings: RewardWorkers = RewardWorkers()):
     self.settings = settings
@@ -276,6 +277,7 @@ class RewardPool:
     self._ids = iter(range(1, 1 << 62))
     self._keys: dict[int, tuple[Any, int, bytes | None]] = {}  # id(fn) -> (fn, key, blob)
     self.timed_out = 0  # calls that timed out since the pool started
+    self._turn = threading.Lock()
 
   def __enter__(self) -> RewardPool:
     return self
@@ -316,6 +318,11 @@ class RewardPool:
       RewardError: `fn` raised (naming its rows and the worker), a worker process died twice
         on the same rows, or a call timed out with `on_timeout="stop"`.
     """
+    with self._turn:
+      return self._map_rows(name, fn, arguments, rows)
+
+  def _map_rows(self, name: str, fn: Any, arguments: Mapping[str, Sequence[Any]], rows: int
+                ) -> list[tuple[int, int, Any]]:
     settings = self.settings
     per_call = settings.rows_per_call or max(1, math.ceil(rows / settings.workers))
     todo = collections.deque(

@@ -25,6 +25,7 @@ import dataclasses
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.checks import is_real
+from specjax.checks import is_plain_int, is_real
 from specjax.errors import ConfigError, RewardError
 
 if TYPE_CHECKING:
@@ -266,8 +267,8 @@ def _computed(reward: JaxReward, values: Any, completions: Sequence[str]) -> np.
 
 def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
           completions: Sequence[str], columns: Mapping[str, Sequence[Any]],
-          computed: Mapping[str, np.ndarray] | None = None, pool: RewardPool | None = None
-          ) -> tuple[np.ndarray, dict[str, float]]:
+          computed: Mapping[str, np.ndarray] | None = None, pool: RewardPool | None = None,
+          per_row: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
   """The total reward of each row and each function's mean.
 
   Args:
@@ -276,10 +277,13 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
     columns: the dataset's columns, each `[B]` (the row's prompt's values).
     computed: values of the `JaxReward`s by name (`jax_rewards`).
     pool: the workers that call the Python functions (`RewardPool`; None: called directly).
+    per_row: return each function's values instead of its mean (to average over the rows of
+      several processes).
 
   Returns:
     `[B]` float32 weighted sums over the functions that scored each row, and
-    `{"reward_<name>": mean over the rows it scored}` (NaN when it scored none).
+    `{"reward_<name>": mean over the rows it scored}` (NaN when it scored none), or with
+    `per_row` its `[B]` float64 values (NaN where it did not score).
 
   Raises:
     RewardError: a function failed or returned something other than B numbers or None, a
@@ -305,6 +309,8 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
                       f"(completion={completions[i]!r}; {beyond.size} such): beyond float32's "
                       "range, in which the step computes advantages; scale the rewards down")
   total = total.astype(np.float32)
+  if per_row:
+    return total, {f"reward_{name}": values for name, values in per_function.items()}
   means = {}
   for name, values in per_function.items():
     scored = values[~np.isnan(values)]
@@ -313,25 +319,38 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str],
 
 
 def math_answer_reward(column: str = "answer", weight: float = 1.0,
-                       name: str = "math_answer") -> RewardFunction:
+                       name: str = "math_answer", timeout_s: int | None = 5) -> RewardFunction:
   """A reward of 1 for a completion whose final mathematical answer equals the row's `column`
   (text such as "18", "\\frac{1}{2}", "0.5"), else 0, judged by Hugging Face's `math-verify`
   (it extracts the answer from free text, \\boxed{} or LaTeX and compares values symbolically,
   so "1/2", "0.5" and "\\frac{1}{2}" agree).
 
+  `timeout_s` bounds math-verify's parse and comparison of one completion (a pathological
+  expression can keep sympy busy for minutes); past it the completion scores 0. math-verify
+  enforces it with SIGALRM, which works in a process's main thread only: a worker process
+  (`--rewards.kind process`) or a sync run that scores in its main thread. Elsewhere (async
+  mode's background scoring, thread workers) math-verify runs without its own limit, and
+  `--rewards.timeout-s` with process workers is the bound.
+
   Raises:
-    ConfigError: `math-verify` is not installed (`pip install 'specjax[math]'`).
+    ConfigError: `math-verify` is not installed (`pip install 'specjax[math]'`), or
+      `timeout_s` is not None or a whole number of seconds >= 1.
   """
   try:
     import math_verify
   except ImportError:
     raise ConfigError("math_answer_reward needs math-verify: pip install 'specjax[math]'") \
         from None
+  if not (timeout_s is None or (is_plain_int(timeout_s) and timeout_s >= 1)):
+    raise ConfigError(f"math_answer_reward: timeout_s={timeout_s!r} is invalid: allowed None "
+                      "(no limit) or a whole number of seconds >= 1 (math-verify's alarm)")
 
   def math_answer(prompts, completions, **columns):
-    references = columns[column]
-    return [float(math_verify.verify(math_verify.parse(str(ref)), math_verify.parse(text)))
-            for text, ref in zip(completions, references)]
+    # SIGALRM can be set from the main thread only; math-verify refuses it elsewhere.
+    limit = timeout_s if threading.current_thread() is threading.main_thread() else None
+    parse = lambda text: math_verify.parse(str(text), parsing_timeout=limit)
+    return [float(math_verify.verify(parse(ref), parse(text), timeout_seconds=limit))
+            for text, ref in zip(completions, columns[column], strict=True)]
 
   # The column it reads, as a named parameter: `check_columns` names it when a dataset lacks it.
   math_answer.__signature__ = inspect.Signature(

@@ -23,24 +23,28 @@ T max new tokens, L = P + T sequence buffer, D tree depth, V vocab).
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax.decoding.policy import AcceptanceCounts
-from specjax.errors import ConfigError
+from specjax.errors import ConfigError, RewardError
 from specjax.models.lora import merged_policy
 from specjax.rl.rollouts import (recorded, rollout, rollout_metrics, rollout_samples, score,
                                  scored_rollout)
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
-from specjax.sharding import on_mesh
 from specjax.rl.updates import update
+from specjax.sharding import on_mesh
 
 
 def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -142,15 +146,22 @@ class SplitStep:
   `([B] rewards, {name: float})`, whose named values join the metrics of the step that trains
   on those rewards (a `DatasetTask`'s per-function means).
 
-  Sync mode: rollout, reward, update, in turn. Async mode (`prime` first): the rollout of this
-  batch and the update on the pending one (the last step's rollout, scored) are dispatched in
-  that order, and the host scores this rollout while the device runs the update; the scored
-  rollout becomes the pending one. The same semantics, keys and samples as the fused async
-  step with a JAX reward; the reward is hidden behind the update.
+  Sync mode: rollout, reward, update, in turn.
 
-  Every step also reports `perf_reward_s`, the host's time in `reward_fn` on this step's
-  rollout, and `perf_reward_overlap`, the fraction of it during which the device was still
-  running the step's update (0 in sync mode, where the update waits for the rewards).
+  Async mode (`prime` first), one step off-policy as the fused async step, with the same keys,
+  samples, losses and parameters: step t dispatches rollout t, waits for the rewards of
+  rollout t - 1 (scored in a background thread since step t - 1), dispatches the update on
+  rollout t - 1 (which also records rollout t in the history bank and its counts), and starts
+  scoring rollout t in the background. So the host scores rollout t while the device runs the
+  update on t - 1 and then rollout t + 1: the rewards are hidden behind both unless they take
+  longer. Until its rewards arrive, the state's pending rollout is unscored (its rewards
+  NaN): `settled(state)` waits for them and returns the state as the fused step holds it, to
+  checkpoint.
+
+  Every step also reports `perf_reward_s`, the host's seconds in `reward_fn` on the rollout it
+  trains on, and `perf_reward_overlap`, the share of them during which the device had work
+  (async mode: 1 less the time the step waited for the rewards with the device idle; 0 in sync
+  mode, where the update waits for the rewards).
 
   With `state_sharding` (`train_state_shardings`, one process) the state stays on its mesh:
   every program runs with the mesh set, so the model's layout hints hold, and the state comes
@@ -162,6 +173,7 @@ class SplitStep:
                state_sharding: Any = None):
     self.config, self.reward_fn = config, reward_fn
     mesh = None if state_sharding is None else jax.tree.leaves(state_sharding)[0].mesh
+    self._mesh = mesh
 
     def update_step(state, roll, rewards, key, next_key, prompts, prompt_lengths):
       roll = score(config, roll, rewards)
@@ -170,76 +182,228 @@ class SplitStep:
       state, metrics = update(state, config, optimizer, roll, key)
       return state.replace(key=next_key), metrics | rollout_metrics(config, roll)
 
-    def update_pending(state, pending, key, next_key):
+    def update_async(state, pending, rewards, key, next_key, roll, acceptance, prompts,
+                     prompt_lengths):
+      # `pending` scored here, or already (rewards None: a resumed or settled state).
+      pending = pending if rewards is None else score(config, pending, rewards)
       state, metrics = update(state, config, optimizer, pending, key)
-      return state.replace(key=next_key), metrics | rollout_metrics(config, pending)
+      history = recorded(state.history, config, prompts, prompt_lengths, roll)
+      state = _with_acceptance(state, acceptance).replace(history=history,
+                                                          pending=_unscored(roll), key=next_key)
+      return state, metrics | rollout_metrics(config, pending)
 
     # The state is donated: parameters and optimizer moments are replaced by the update.
-    def compiled(fn, state_out):
-      out_shardings = None if mesh is None else (state_out, NamedSharding(mesh, P()))
-      return on_mesh(mesh, jax.jit(fn, donate_argnums=0, out_shardings=out_shardings))
-
+    replicated = None if mesh is None else NamedSharding(mesh, P())
     self._rollout = on_mesh(mesh, _split_rollout(config, pad_id))
-    self._finish = on_mesh(mesh, _split_finish(config, state_sharding))
-    self._update = compiled(update_step, state_sharding)
-    self._update_pending = compiled(update_pending, None if state_sharding is None
-                                    else state_sharding.replace(pending=None))
-    # Async mode: the reward function's metrics of the pending rollout, reported by the step
-    # that trains on it (unknown after a resume: left out).
-    self._pending_extra: dict[str, Any] = {}
+    self._update = on_mesh(mesh, jax.jit(
+        update_step, donate_argnums=0,
+        out_shardings=None if mesh is None else (state_sharding, replicated)))
+    self._update_async = on_mesh(mesh, jax.jit(
+        update_async, donate_argnums=0,
+        out_shardings=None if mesh is None else (state_sharding, replicated)))
+    self._prime = on_mesh(mesh, jax.jit(
+        lambda state, roll, acceptance, prompts, prompt_lengths: _with_acceptance(
+            state, acceptance).replace(history=recorded(state.history, config, prompts,
+                                                        prompt_lengths, roll),
+                                       pending=_unscored(roll)),
+        donate_argnums=0, out_shardings=state_sharding))
+    self._settle = on_mesh(mesh, jax.jit(
+        lambda state, rewards: state.replace(pending=score(config, state.pending, rewards)),
+        donate_argnums=0, out_shardings=state_sharding))
+    # Async mode: the pending rollout's rewards, being scored; or, once settled, what they
+    # add to the metrics of the step that trains on it.
+    self._scoring: _Scoring | None = None
+    self._settled_metrics: dict[str, Any] = {}
 
   def _generate(self, state: TrainState, batch, key: jax.Array):
-    """The rollout of `batch`, dispatched: (rollout, responses, lengths, counts)."""
+    """The rollout of `batch`, dispatched: (rollout, responses, lengths, counts), the rows of
+    the responses split as the prompts are."""
+    sharding = getattr(batch.tokens, "sharding", None)
+    rows = None
+    if self._mesh is not None and isinstance(sharding, NamedSharding):
+      rows = sharding.spec[0] if sharding.spec else None
     return self._rollout(state.params, state.adapters, batch.tokens, batch.lengths, key,
-                         state.rollout_drafter_params, state.acceptance)
-
-  def _host_scores(self, responses, lengths, batch, busy: Any = None):
-    """`reward_fn` on the rollout: `[B]` float32 rewards, its metrics, and the perf metrics,
-    `busy` being device work dispatched before scoring (the async update)."""
-    responses, lengths = np.asarray(responses), np.asarray(lengths)  # waits for the rollout
-    ready = _ReadyWatch(busy)
-    begin = time.perf_counter()
-    scored = self.reward_fn(responses, lengths, batch)
-    end = time.perf_counter()
-    rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
-    perf = {"perf_reward_s": end - begin, "perf_reward_overlap": ready.overlap(begin, end)}
-    return np.asarray(rewards, np.float32), extra, perf
+                         state.rollout_drafter_params, state.acceptance, rows=rows)
 
   def prime(self, state: TrainState, batch) -> TrainState:
-    """Async mode: `state` with the first pending rollout generated and scored on the host
-    (`make_prime_fn`'s keys), as the step then expects."""
+    """Async mode: `state` with the first pending rollout generated (`make_prime_fn`'s keys),
+    its rewards scored in the background for the first step."""
     key, k_roll = prime_keys(state.key)
     roll, responses, lengths, acceptance = self._generate(state, batch, k_roll)
-    rewards, self._pending_extra, _ = self._host_scores(responses, lengths, batch)
-    return self._finish(state.replace(key=key), roll, rewards, acceptance, batch.tokens,
-                        batch.lengths)
+    self._scoring = _Scoring(self.reward_fn, responses, lengths, batch, self.config)
+    self._settled_metrics = {}
+    return self._prime(state.replace(key=key), roll, acceptance, batch.tokens, batch.lengths)
+
+  def settled(self, state: TrainState) -> TrainState:
+    """`state` with its pending rollout's rewards and advantages (waiting for them): the
+    state a checkpoint holds, and the fused async step would. `state` itself in sync mode or
+    when already settled."""
+    if self._scoring is None:
+      return state
+    rewards, extra, perf = self._scoring.result()
+    self._scoring, self._settled_metrics = None, {**extra, **perf}
+    return self._settle(state, rewards)
 
   def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
     key, k_roll, k_update = step_keys(state.key)
     roll, responses, lengths, acceptance = self._generate(state, batch, k_roll)
     if not self.config.async_mode:
-      rewards, extra, perf = self._host_scores(responses, lengths, batch)
+      try:
+        rewards, extra, seconds = _score_rows(self.reward_fn, responses, lengths, batch,
+                                              self.config.grpo.group_size)
+      except Exception as err:
+        _every_process_scored(err)
+        raise
+      _every_process_scored(None)
+      rewards, extra = _as_global(rewards, extra, lengths)
+      perf = {"perf_reward_s": seconds, "perf_reward_overlap": 0.0}
       state, metrics = self._update(_with_acceptance(state, acceptance), roll, rewards,
                                     k_update, key, batch.tokens, batch.lengths)
       return state, {**metrics, **extra, **perf}
     if state.pending is None:
       raise ConfigError("an async split step needs a pending rollout: call step.prime(state, "
                         "batch) first")
-    # Dispatched after the rollout: the device runs it while the host scores below. (The
-    # pending rollout is not donated: nothing of the new state could reuse its buffers.)
-    state, metrics = self._update_pending(state.replace(pending=None), state.pending,
-                                          k_update, key)
-    rewards, extra, perf = self._host_scores(responses, lengths, batch, busy=metrics)
-    # The step's metrics describe the rollout it trained on: the pending one's reward means,
-    # not this rollout's, which are held for the next step.
-    trained_extra, self._pending_extra = self._pending_extra, extra
-    state = self._finish(state, roll, rewards, acceptance, batch.tokens, batch.lengths)
-    return state, {**metrics, **trained_extra, **perf}
+    rewards, scored = None, self._settled_metrics  # a settled (or resumed) pending rollout
+    if self._scoring is not None:
+      rewards, extra, perf = self._scoring.result(busy=roll)
+      scored = {**extra, **perf}
+    # The pending rollout is not donated: nothing of the new state could reuse its buffers.
+    state, metrics = self._update_async(state.replace(pending=None), state.pending, rewards,
+                                        k_update, key, roll, acceptance, batch.tokens,
+                                        batch.lengths)
+    self._scoring = _Scoring(self.reward_fn, responses, lengths, batch, self.config)
+    self._settled_metrics = {}
+    return state, {**metrics, **scored}
+
+
+def _unscored(roll: Rollout) -> Rollout:
+  """A rollout whose rewards are still being scored: NaN rewards and advantages, so that an
+  update on it by mistake shows as a diverged step, never as a silent one."""
+  nan = jnp.full_like(roll.rewards, jnp.nan)
+  return roll.replace(rewards=nan, advantages=jnp.full_like(roll.advantages, jnp.nan))
+
+
+def _local_rows(x: Any) -> np.ndarray:
+  """This process's rows of `x` (split over its first axis only), in order: all of it in one
+  process or where it is replicated."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  blocks = {}
+  for shard in x.addressable_shards:
+    if any(part.indices(n)[:2] != (0, n) for part, n in zip(shard.index[1:], x.shape[1:],
+                                                            strict=True)):
+      raise ValueError(f"an array of shape {x.shape} split over its axis > 0 ({x.sharding}): "
+                       "host rewards read whole rows")
+    blocks.setdefault(shard.index[0].indices(x.shape[0])[0], np.asarray(shard.data))
+  return np.concatenate([blocks[start] for start in sorted(blocks)])
+
+
+def _score_rows(reward_fn: Callable[..., Any], responses, lengths, batch, group: int
+                ) -> tuple[np.ndarray, dict[str, Any], float]:
+  """`reward_fn` on this process's rows of the rollout (all of them in one process), which
+  must be whole groups of its prompts: `([n] float32 rewards, metrics, seconds)`."""
+  responses, lengths = _local_rows(responses), _local_rows(lengths)  # waits for the rollout
+  batch = jax.tree.map(_local_rows, batch)
+  prompts = len(jax.tree.leaves(batch)[0])
+  if len(lengths) != prompts * group:
+    raise ConfigError(f"this process holds {len(lengths)} rollout rows and {prompts} prompts of "
+                      f"group size {group}: host rewards score whole groups on the process "
+                      "that holds their prompts (make the prompts per step a multiple of the "
+                      "devices they are split over)")
+  begin = time.perf_counter()
+  scored = reward_fn(responses, lengths, batch)
+  seconds = time.perf_counter() - begin
+  rewards, extra = scored if isinstance(scored, tuple) else (scored, {})
+  rewards = np.asarray(rewards, np.float32)
+  if rewards.shape != lengths.shape:
+    raise RewardError(f"the host reward returned shape {rewards.shape} for {len(lengths)} "
+                      "rows: allowed one value per row")
+  return rewards, extra, seconds
+
+
+_MESSAGE_BYTES = 2048  # of a failed process's error, shown by every process
+
+
+def _every_process_scored(error: BaseException | None) -> None:
+  """With several processes, each scoring its own rows: raise on every process when the
+  rewards failed on any, naming it, so that none waits in the step's collectives for a
+  process that stopped. (One process: nothing to agree on.)"""
+  if jax.process_count() == 1:
+    return
+  text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
+  mine = np.zeros(_MESSAGE_BYTES + 1, np.uint8)
+  mine[0] = error is not None
+  mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  failed = np.flatnonzero(every[:, 0])
+  if failed.size and error is None:
+    first = int(failed[0])
+    message = every[first, 1:].tobytes().rstrip(b"\0").decode(errors="replace")
+    raise RewardError(f"the host rewards failed on process {first} of {jax.process_count()} "
+                      f"(this is process {jax.process_index()}; {failed.size} failed): "
+                      f"{message}")
+
+
+def _as_global(rewards: np.ndarray, extra: dict[str, Any], lengths: jax.Array
+               ) -> tuple[Any, dict[str, Any]]:
+  """This process's rewards as the rollout's `[B]` (a global array over every process's rows,
+  placed as `lengths`), and its metrics with each per-row value (a `[n]` array, NaN where
+  unscored: `reward_<name>`) averaged over the rows of every process."""
+  rows = {k: np.asarray(v, np.float64) for k, v in extra.items()
+          if np.ndim(v) == 1 and len(v) == len(rewards)}
+  if isinstance(lengths, jax.Array) and not lengths.is_fully_addressable:
+    rewards = jax.make_array_from_process_local_data(lengths.sharding, rewards, lengths.shape)
+    # Every process's rows (each as often as any other, where processes share rows).
+    rows = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+            for k, v in rows.items()}
+  means = {k: float(np.mean(v[~np.isnan(v)])) if (~np.isnan(v)).any() else math.nan
+           for k, v in rows.items()}
+  return rewards, {**extra, **means}
+
+
+class _Scoring:
+  """A rollout's host rewards, computed in a background thread while the device works on."""
+
+  def __init__(self, reward_fn: Callable[..., Any], responses, lengths, batch,
+               config: TrainConfig):
+    self._lengths = lengths
+    self._outcome: tuple | BaseException | None = None
+    self._thread = threading.Thread(target=self._score, daemon=True, name="specjax-scoring",
+                                    args=(reward_fn, responses, lengths, batch,
+                                          config.grpo.group_size))
+    self._thread.start()
+
+  def _score(self, *args) -> None:
+    try:
+      self._outcome = _score_rows(*args)
+    except BaseException as err:  # noqa: BLE001 (raised to the step that waits for it)
+      self._outcome = err
+
+  def result(self, busy: Any = None) -> tuple[Any, dict[str, Any], dict[str, float]]:
+    """Wait for the rewards: `([B] rewards, reward metrics, perf metrics)`; `busy` is the
+    device work dispatched last (what the device can run while the host waits).
+
+    Raises:
+      whatever the reward raised.
+    """
+    ready = _ReadyWatch(busy)
+    begin = time.perf_counter()
+    self._thread.join()
+    end = time.perf_counter()
+    failed = self._outcome if isinstance(self._outcome, BaseException) else None
+    _every_process_scored(failed)
+    if failed is not None:
+      raise failed
+    rewards, extra, seconds = self._outcome
+    rewards, extra = _as_global(rewards, extra, self._lengths)
+    stalled = min(ready.idle(begin, end), seconds)  # the device waited for the rewards
+    overlap = 1.0 - stalled / seconds if seconds > 0 else 1.0
+    return rewards, extra, {"perf_reward_s": seconds, "perf_reward_overlap": overlap}
 
 
 class _ReadyWatch:
-  """When device work dispatched before a host computation finished, stamped by a thread that
-  waits for it, so the host's overlap with the device is measured without blocking on it."""
+  """When device work finished, stamped by a thread that waits for it, so that how long the
+  host waited with the device idle is measured without blocking on the work."""
 
   def __init__(self, busy: Any):
     self._ready_at = None
@@ -252,33 +416,29 @@ class _ReadyWatch:
     jax.block_until_ready(busy)
     self._ready_at = time.perf_counter()
 
-  def overlap(self, begin: float, end: float) -> float:
-    """The fraction of `[begin, end]` during which the work was still running (1.0 when it
-    still is)."""
-    if self._thread is None or end <= begin:
+  def idle(self, begin: float, end: float) -> float:
+    """Seconds of `[begin, end]` after the work finished (all of them without work; none while
+    it still runs)."""
+    if self._thread is None:
+      return max(0.0, end - begin)
+    if self._thread.is_alive() or self._ready_at is None:
       return 0.0
-    if self._thread.is_alive():
-      return 1.0
-    return float(np.clip((self._ready_at - begin) / (end - begin), 0.0, 1.0))
+    return max(0.0, end - max(begin, self._ready_at))
 
 
 def _split_rollout(config: TrainConfig, pad_id: int):
-  @jax.jit
-  def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance):
-    return rollout(merged_policy(params, adapters), config, tokens, lengths, key, pad_id,
-                   drafter_params, acceptance, check_values=False)
+  """The split step's rollout program; with `rows` (the mesh axes the prompts are split
+  over), its responses and lengths split the same way, so that each process holds the rows of
+  its own prompts (whole groups) for its host rewards."""
+
+  @functools.partial(jax.jit, static_argnames="rows")
+  def rollout_fn(params, adapters, tokens, lengths, key, drafter_params, acceptance, rows=None):
+    roll, responses, lengths, acceptance = rollout(
+        merged_policy(params, adapters), config, tokens, lengths, key, pad_id, drafter_params,
+        acceptance, check_values=False)
+    if rows is not None:
+      responses = jax.lax.with_sharding_constraint(responses, P(rows, None))
+      lengths = jax.lax.with_sharding_constraint(lengths, P(rows))
+    return roll, responses, lengths, acceptance
+
   return rollout_fn
-
-
-def _split_finish(config: TrainConfig, state_sharding: Any):
-  """Async split mode: `(state, rollout, rewards [B], counts, prompts, prompt lengths) ->
-  state` holding the scored rollout as its pending one, with its counts and, with a history
-  drafter, its bank with the rollout recorded (what the fused step's rollout half does)."""
-
-  def finish(state, roll, rewards, acceptance, prompts, prompt_lengths):
-    roll = score(config, roll, rewards)
-    history = recorded(state.history, config, prompts, prompt_lengths, roll)
-    return _with_acceptance(state, acceptance).replace(history=history, pending=roll)
-
-  return jax.jit(finish, donate_argnums=0,
-                 out_shardings=None if state_sharding is None else state_sharding)

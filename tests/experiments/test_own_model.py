@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 import tokenizers
 
+from specjax.checkpoint import Checkpointer
 from specjax.cli import main as cli_main
 from specjax.decoding import SamplingConfig, generate
-from specjax.errors import ConfigError
-from specjax.experiments import (Drafting, ExperimentConfig, Logging, Pipeline,
+from specjax.errors import ConfigError, RewardError
+from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, Logging, Pipeline,
                                  RolloutEvaluation, RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
 from specjax.models import LoraConfig, ModelConfig
@@ -331,6 +332,51 @@ def test_python_rewards_over_worker_processes_train_as_called_directly(tmp_path)
       assert a.get(key) == pytest.approx(b.get(key), abs=1e-6), key
     assert b["perf_reward_s"] > 0 and 0 <= b["perf_reward_overlap"] <= 1
   assert direct_summary["accuracy_after"] == pooled_summary["accuracy_after"]
+
+
+FLAKY = {"held_out": set(), "calls": 0, "fail_at": None}
+
+
+def flaky(prompts, completions, text):
+  """`exact`, raising on its `fail_at`-th call on training prompts (evaluations score held-out
+  ones, in an order that may interleave with the background scoring)."""
+  if prompts[0] not in FLAKY["held_out"]:
+    FLAKY["calls"] += 1
+    if FLAKY["calls"] == FLAKY["fail_at"]:
+      raise ValueError("the verifier crashed")
+  return [float(c == t) for c, t in zip(completions, text)]
+
+
+@pytest.mark.slow  # two short runs
+def test_a_reward_that_raises_mid_run_stops_it_with_its_checkpoints_intact(tmp_path):
+  """Async mode scores in the background: a reward that raises on the rollout of step 2 stops
+  the run before step 2's checkpoint, naming the function and the row; the same command then
+  resumes from step 1's checkpoint and finishes."""
+  task = DatasetTask(SUM_ROWS, SUMS, [flaky], reference_column="text", test_fraction=0.2)
+  config = ExperimentConfig(
+      run_dir=str(tmp_path / "run"), task=task,
+      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=0,
+                        max_position=32),
+      grpo=GRPOConfig(group_size=2), steps=4, drafter=Drafting(name="none"),
+      rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4),
+      warm_start=WarmStart(steps=0), pipeline=Pipeline(async_mode=True),
+      rewards=RewardWorkers(workers=2, rows_per_call=1), checkpoint=Checkpointing(every=1),
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0))
+  # Rollouts of 2 prompts x G=2, a call a row: the prime's rollout is calls 1-4, step 1's
+  # 5-8, step 2's from 9.
+  FLAKY.update(held_out={e.columns["prompt"] for e in task.examples("test")}, calls=0,
+               fail_at=9)
+  with pytest.raises(RewardError, match=r"reward function 'flaky' raised ValueError: the "
+                                        r"verifier crashed \(on row 0\)"):
+    run(config, log=lambda _: None)
+  ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+  assert ckpt.all_steps() == [0, 1]
+  ckpt.close()
+  FLAKY["fail_at"] = None
+  run(config, log=lambda _: None)
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes

@@ -13,6 +13,7 @@ of host-side values. Topologies: 2 processes x 2 devices, 4 processes x 1 device
 """
 
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -29,8 +30,9 @@ assert join_cluster(f"localhost:{port}", nproc, pid, env={})
 import numpy as np  # noqa: E402
 
 from specjax.checkpoint import Checkpointer  # noqa: E402
+from specjax.errors import RewardError  # noqa: E402
 from specjax.rl import distributed  # noqa: E402
-from specjax.rl.trainer import make_prime_fn  # noqa: E402
+from specjax.rl.trainer import make_prime_fn, make_split_step  # noqa: E402
 from specjax.sharding import MeshConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support.py
@@ -96,6 +98,66 @@ ckpt.save(STEPS, state, {"step": STEPS})
 ckpt.close()
 for key, value in flat(distributed.local_copy(state)).items():
   results[f"saved/{key}"] = np.asarray(value)
+# The split step with the same reward in Python: each process scores the rows of its own
+# prompts (whole groups), the rewards meet as one global array, and the per-row reward values
+# are averaged over every process's rows.
+scored_rows = []
+
+
+def host_reward(responses, lengths, batch):
+  assert len(responses) == len(lengths) == len(batch.index) * cfg.grpo.group_size
+  scored_rows.append(len(responses))
+  values = (responses[:, 0] % 2).astype(np.float64)
+  return values, {"reward_parity": values}
+
+
+for mode in ("sync", "async"):
+  cfg = config(async_mode=mode == "async")
+  state = initial_state(cfg)
+  if cfg.async_mode:
+    primed = jax.eval_shape(make_prime_fn(cfg, reward, pad_id=TOK.pad_id), state,
+                            reader().batch_at(0))
+    shardings = distributed.train_state_shardings(primed, mesh, cfg)
+    state = distributed.distribute(state, shardings.replace(pending=None))
+  else:
+    shardings = distributed.train_state_shardings(state, mesh, cfg)
+    state = distributed.distribute(state, shardings)
+  step = make_split_step(cfg, host_reward, optimizer(), pad_id=TOK.pad_id,
+                         state_sharding=shardings)
+  if cfg.async_mode:
+    state = step.prime(state, feed(0))
+  offset = PROMPTS if cfg.async_mode else 0
+  for i in range(STEPS):
+    state, metrics = step(state, feed(offset + PROMPTS * i))
+    for key, value in jax.device_get(metrics).items():
+      results[f"split_{mode}/metrics/{i}/{key}"] = np.asarray(value)
+  state = step.settled(state)
+  for key, value in flat(distributed.local_copy(state.params)).items():
+    results[f"split_{mode}/params/{key}"] = np.asarray(value)
+# 4 prompts x G=4 over fsdp = 2: each process scores its 2 prompts' 8 rows, never all 16.
+assert set(scored_rows) == {8}, scored_rows
+
+# A reward that fails on process 1 only stops every process at once, naming process 1 (none
+# waits in a collective for it).
+def fails_on_one(responses, lengths, batch):
+  if pid == 1:
+    raise RewardError("reward function 'parity' returned nan for sample 3")
+  return np.zeros(len(lengths), np.float32)
+
+
+cfg = config(async_mode=False)
+shardings = distributed.train_state_shardings(initial_state(cfg), mesh, cfg)
+step = make_split_step(cfg, fails_on_one, optimizer(), pad_id=TOK.pad_id,
+                       state_sharding=shardings)
+begin = time.perf_counter()
+try:
+  step(distributed.distribute(initial_state(cfg), shardings), feed(0))
+  raise AssertionError("a reward that failed on process 1 did not stop the step")
+except RewardError as err:
+  expected = "returned nan for sample 3" if pid == 1 else "failed on process 1 of"
+  assert expected in str(err), err
+results["fault_s"] = np.asarray(time.perf_counter() - begin)
+
 if pid == 0:
   np.savez(out_dir / "result.npz", **results)
 print(f"process {pid}/{nproc}: done", flush=True)

@@ -398,6 +398,28 @@ def test_math_answer_reward_judges_values_not_spellings():
   assert DatasetTask(rows, TOK, [math_answer_reward("solution")]).columns == ("solution",)
 
 
+def test_math_answer_reward_runs_off_the_main_thread_and_over_workers():
+  """math-verify's own timeout is a SIGALRM, which threads cannot set: in async mode's
+  background scoring and in thread workers the reward runs without it, and in worker processes
+  (their main thread) with it."""
+  import threading
+
+  from specjax.rl.reward_workers import RewardPool, RewardWorkers
+  reward = math_answer_reward(timeout_s=2)
+  completions, answers = ["so it is 1/2", "I get 3"], {"answer": ["0.5", "4"]}
+  out = []
+  thread = threading.Thread(target=lambda: out.append(reward(["p"] * 2, completions, answers)))
+  thread.start()
+  thread.join()
+  assert out[0].tolist() == [1.0, 0.0]
+  for kind in ("thread", "process"):
+    with RewardPool(RewardWorkers(workers=2, kind=kind)) as pool:
+      assert reward(["p"] * 2, completions, answers, pool).tolist() == [1.0, 0.0]
+  for bad in (0, 1.5, "5"):
+    with pytest.raises(ConfigError, match=rf"timeout_s={bad!r} is invalid"):
+      math_answer_reward(timeout_s=bad)
+
+
 def test_gsm8k_is_a_dataset_task_with_the_math_answer_reward(tmp_path):
   lines = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
            for i in range(40)]

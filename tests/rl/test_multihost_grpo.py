@@ -47,6 +47,21 @@ def _spawn(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kwargs)
 
 
+def _finish(procs: list[subprocess.Popen], logs: list[Path], meanwhile=lambda: None):
+  """Wait for every process (after `meanwhile()`, whose result it returns), killing them all
+  if any fails to end; each must have exited 0 (else its log's end is shown)."""
+  try:
+    result = meanwhile()
+    for p in procs:
+      p.wait(timeout=600)
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log.read_text()[-3000:]
+  return result
+
+
 @functools.cache
 def _single_process_reference() -> dict:
   """The metrics and parameters of the unsharded step on one device."""
@@ -77,15 +92,7 @@ def _run_cluster(out_dir: Path, processes: int, devices: int) -> None:
   logs = [out_dir / f"worker{i}.log" for i in range(processes)]
   procs = [_spawn([sys.executable, str(worker), str(i), str(processes), str(devices), port,
                    str(out_dir)], log, env=env) for i, log in enumerate(logs)]
-  try:
-    reference = _single_process_reference()
-    for p in procs:
-      p.wait(timeout=600)
-  finally:
-    for p in procs:
-      p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log.read_text()[-3000:]
+  reference = _finish(procs, logs, _single_process_reference)
   np.savez(out_dir / "reference.npz", **reference)
 
 
@@ -121,6 +128,30 @@ def test_fused_step_on_several_processes_gives_the_single_process_metrics_and_pa
   moved = max(np.abs(result[f"{mode}/params/{k}"] - np.asarray(v)).max()
               for k, v in initial.items())
   assert moved > 1e-3, moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_python_rewards_scored_on_each_process_give_the_single_process_metrics_and_params(
+    cluster_run, mode):
+  """The split step with the reward in Python, each process scoring the rows of its own
+  prompts, trains as the fused step with the same reward in JAX on one process."""
+  result, reference, _ = cluster_run
+  for i in range(STEPS):
+    for key in METRICS:
+      name = f"{mode}/metrics/{i}/{key}"
+      np.testing.assert_allclose(result[f"split_{name}"], reference[name], rtol=1e-5,
+                                 atol=1e-5, err_msg=name)
+    # The function's mean over every process's rows: the trained rollout's mean reward.
+    np.testing.assert_allclose(result[f"split_{mode}/metrics/{i}/reward_parity"],
+                               reference[f"{mode}/metrics/{i}/reward_mean"], atol=1e-6)
+    assert 0.0 <= result[f"split_{mode}/metrics/{i}/perf_reward_overlap"] <= 1.0
+  for name in (k for k in reference if k.startswith(f"{mode}/params/")):
+    np.testing.assert_allclose(result[f"split_{name}"], reference[name], rtol=1e-5, atol=1e-5,
+                               err_msg=name)
+  # A reward that failed on one process stopped them all within seconds (the worker checks the
+  # messages: the failed process's own, the others naming it).
+  assert result["fault_s"] < 30
 
 
 @pytest.mark.slow
@@ -174,15 +205,8 @@ def test_specjax_train_on_2_processes_joins_from_flags_or_environment_and_proces
   logs = [tmp_path / f"process{i}.log" for i in range(2)]
   procs = [_spawn(cmd, logs[0], env=by_env, cwd=ROOT),
            _spawn(cmd + by_flags, logs[1], env=env, cwd=ROOT)]
-  try:
-    for p in procs:
-      p.wait(timeout=600)
-  finally:
-    for p in procs:
-      p.kill()
+  _finish(procs, logs)
   outputs = [log.read_text() for log in logs]
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out[-3000:]
   assert "held-out accuracy, greedy" in outputs[0]
   assert "held-out accuracy" not in outputs[1] and "policy:" not in outputs[1]
   lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -190,6 +214,26 @@ def test_specjax_train_on_2_processes_joins_from_flags_or_environment_and_proces
   ckpt = Checkpointer(run_dir / "checkpoints")
   assert ckpt.all_steps() == [1, 2]
   ckpt.close()
+
+
+@pytest.mark.slow
+def test_specjax_train_rewarded_in_python_on_2_processes_x_2_devices(tmp_path):
+  """The README's multi-host Python-reward config, shortened: math-verify over reward worker
+  processes on each of 2 processes, async; process 0 logs the reward over every row."""
+  port = _free_port()
+  run_dir = tmp_path / "run"
+  cmd = [sys.executable, "-m", "specjax.cli", "train", "--config",
+         str(ROOT / "configs" / "arithmetic_python_async.py"), "--run-dir", str(run_dir),
+         *CLI_ARGS, f"--coordinator-address=localhost:{port}", "--num-processes=2"]
+  env = child_env(JAX_NUM_CPU_DEVICES="2")
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  procs = [_spawn(cmd + [f"--process-id={i}"], logs[i], env=env, cwd=ROOT) for i in range(2)]
+  _finish(procs, logs)
+  records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2]
+  for record in records:
+    assert 0.0 <= record["reward_math_answer"] <= 1.0
+    assert record["perf_reward_s"] > 0
 
 
 def test_specjax_train_with_a_partial_cluster_specification_exits_naming_what_is_missing(

@@ -422,7 +422,7 @@ def test_async_split_mode_with_a_python_reward_matches_the_fused_async_step():
     for i in range(3):
       state, metrics = step(state, reader.batch_at(4 * (i + 1)))
       history.append(jax.tree.map(np.asarray, metrics))
-    runs[name] = state, history
+    runs[name] = getattr(step, "settled", lambda s: s)(state), history
   for f, s in zip(runs["fused"][1], runs["split"][1]):
     for key in ("reward_mean", "loss", "kl", "mtp_ce", "response_length_mean"):
       np.testing.assert_allclose(f[key], s[key], rtol=1e-6, atol=1e-6, err_msg=key)
@@ -738,8 +738,8 @@ def test_the_step_trains_the_objective_its_config_names(monkeypatch):
 
 def test_split_step_reports_reward_time_and_carries_the_pending_means():
   """The host's reward time is a metric of every split step; in async mode a step reports the
-  reward means of the rollout it trained on (the one scored a step earlier), and its own
-  scoring overlapped the update on the device (a fraction in [0, 1])."""
+  reward means of the rollout it trained on (the one scored in the background since the step
+  before), and the share of the scoring the device spent on work of its own."""
   config = _config(speculative=False, async_mode=True)
   calls = []
 
@@ -753,27 +753,46 @@ def test_split_step_reports_reward_time_and_carries_the_pending_means():
   state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
   reader = _reader()
   state = step.prime(state, reader.batch_at(0))
-  for i in range(2):
+  assert np.isnan(np.asarray(state.pending.rewards)).all()  # being scored
+  for i in range(3):
+    if i == 1:  # settled, as before a checkpoint: scored, and its means still reported
+      state = step.settled(state)
+      assert (np.asarray(state.pending.rewards) == 0).all()
     state, metrics = step(state, reader.batch_at(4 * (i + 1)))
-    assert metrics["reward_call"] == i  # scored by the call before: prime, then step 1
+    assert metrics["reward_call"] == i  # scored a call before: the prime's, then step 1's
     assert metrics["perf_reward_s"] >= 0.05
     assert 0.0 <= metrics["perf_reward_overlap"] <= 1.0
+    assert np.isfinite(metrics["loss"])
   with pytest.raises(ConfigError, match="prime"):
     step(state.replace(pending=None), reader.batch_at(0))
 
 
-def test_ready_watch_measures_how_long_device_work_overlapped_the_host():
+def test_a_reward_that_raises_in_the_background_stops_the_next_step():
+  config = _config(speculative=False, async_mode=True)
+
+  def broken(responses, lengths, batch):
+    raise ValueError("no answer")
+
+  optimizer = optax.adam(1e-3)
+  step = make_split_step(config, broken, optimizer, pad_id=TOK.pad_id)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, 1)
+  state = step.prime(state, _reader().batch_at(0))
+  with pytest.raises(ValueError, match="no answer"):
+    step.settled(state)
+
+
+def test_ready_watch_measures_how_long_the_host_waited_with_the_device_idle():
   from specjax.rl.trainer import _ReadyWatch
-  assert _ReadyWatch(None).overlap(0.0, 1.0) == 0.0  # nothing on the device: no overlap
+  assert _ReadyWatch(None).idle(0.0, 1.0) == 1.0  # nothing on the device: idle throughout
   ready = jnp.ones(4)
   watch = _ReadyWatch(ready)
-  time.sleep(0.2)  # long done before the host's computation starts
+  time.sleep(0.2)  # long done before the host starts waiting
   begin = time.perf_counter()
   time.sleep(0.05)
-  assert watch.overlap(begin, time.perf_counter()) == 0.0
+  assert watch.idle(begin, time.perf_counter()) >= 0.05
   slow = jax.jit(lambda x: jax.lax.fori_loop(0, 30, lambda _, y: jnp.tanh(y @ y), x))
   x = jnp.eye(512) * 0.5
   slow(x).block_until_ready()  # compiled
   begin = time.perf_counter()
   watch = _ReadyWatch(slow(x))
-  assert watch.overlap(begin, time.perf_counter()) == 1.0  # still running
+  assert watch.idle(begin, time.perf_counter()) == 0.0  # still running
