@@ -17,6 +17,7 @@ from specjax.rl.gsm8k import (GSM8KTask, answers_match, extract_answer, format_n
 from specjax.rl.losses import (AGGREGATIONS, KL_ESTIMATORS, GRPOConfig, GRPOMetrics,
                                aggregate_tokens, group_advantages, grpo_loss, kl_estimate,
                                objective_loss, objectives, register_objective, token_entropy)
+from specjax.rl.reward_workers import RewardPool, RewardWorkers
 from specjax.rl.rewards import JaxReward, RewardFunction
 from specjax.rl.rollouts import rollout, scored_rollout
 from specjax.rl.state import (DrafterTraining, Rollout, RolloutConfig, TrainConfig, TrainState,
@@ -24,7 +25,7 @@ from specjax.rl.state import (DrafterTraining, Rollout, RolloutConfig, TrainConf
 from specjax.rl.tasks import (ARITHMETIC_ALPHABET, SPLITS, WORKED_ALPHABET, ArithmeticTask,
                               CustomTask, Example, PythonReward, Task, arithmetic_reward,
                               decode_completions, encode_prompt)
-from specjax.rl.trainer import make_prime_fn, make_split_step, make_train_step
+from specjax.rl.trainer import SplitStep, make_prime_fn, make_split_step, make_train_step
 from specjax.rl.updates import sequence_logprobs
 
 __all__ = [
@@ -38,8 +39,9 @@ __all__ = [
     "make_train_step", "objective_loss", "objectives", "parse_number", "PolicyWeights",
     "prepare_prompts", "process_prompts", "process_rows", "prompt_batch_shardings",
     "prompt_builder", "PromptBatch", "PromptReader", "PythonReward", "read_gsm8k_jsonl",
-    "read_rows", "register_objective", "RewardError", "RewardFunction", "rollout", "Rollout", "rollout_shardings",
+    "read_rows", "register_objective", "RewardError", "RewardFunction", "RewardPool",
+    "RewardWorkers", "rollout", "Rollout", "rollout_shardings",
     "RolloutConfig", "scored_rollout", "sequence_logprobs", "sharded_prime_fn",
-    "sharded_train_step", "SPLITS", "Task", "TaskError", "TaskPrompts", "token_entropy",
+    "sharded_train_step", "SplitStep", "SPLITS", "Task", "TaskError", "TaskPrompts", "token_entropy",
     "train_state_shardings", "TrainConfig", "TrainState", "WORKED_ALPHABET",
 ]
