@@ -85,12 +85,20 @@ class _DropOrbaxErrors(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_orbax_errors():
+  """Orbax's error records dropped while saving, and for good once a save failed on its
+  storage: the writes it left in flight fail in orbax's threads after `save` has raised (the
+  run is then ending on the `CheckpointError`), each logging a traceback."""
   logger, drop = logging.getLogger("absl"), _DropOrbaxErrors()
   logger.addFilter(drop)
+  keep = False
   try:
     yield
+  except BaseException as err:
+    keep = _storage_fault(err)  # decided before the filter could be removed: no gap
+    raise
   finally:
-    logger.removeFilter(drop)
+    if not keep:
+      logger.removeFilter(drop)
 
 
 class _DropAbandonedWrites(logging.Filter):
