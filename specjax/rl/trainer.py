@@ -143,8 +143,14 @@ class SplitStep:
   `reward_fn(responses [B, T] numpy, lengths [B] numpy, batch) -> [B]` runs on the host (e.g.
   decode the responses and call a `PythonReward` with
   `reader.references(np.repeat(batch.index, G))`); it may also return
-  `([B] rewards, {name: float})`, whose named values join the metrics of the step that trains
-  on those rewards (a `DatasetTask`'s per-function means).
+  `([B] rewards, {name: value})`, whose values join the metrics of the step that trains on
+  those rewards: a number as it is, a `[B]` array (NaN where unscored) as its mean over the
+  scored rows (a `DatasetTask`'s per-function values, `reward_<name>`).
+
+  With several processes each calls `reward_fn` on the rows of the prompts its devices hold
+  (whole groups: `B` is then its own rows, `batch` its own prompts); the rewards meet as one
+  global array, the `[B]` metrics are averaged over every process's rows, and a reward that
+  fails on one process stops them all (`RewardError` naming it).
 
   Sync mode: rollout, reward, update, in turn.
 
@@ -163,7 +169,7 @@ class SplitStep:
   (async mode: 1 less the time the step waited for the rewards with the device idle; 0 in sync
   mode, where the update waits for the rewards).
 
-  With `state_sharding` (`train_state_shardings`, one process) the state stays on its mesh:
+  With `state_sharding` (`train_state_shardings`) the state stays on its mesh:
   every program runs with the mesh set, so the model's layout hints hold, and the state comes
   back on `state_sharding`.
   """
