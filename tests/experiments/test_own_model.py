@@ -334,15 +334,18 @@ def test_python_rewards_over_worker_processes_train_as_called_directly(tmp_path)
   assert direct_summary["accuracy_after"] == pooled_summary["accuracy_after"]
 
 
-FLAKY = {"held_out": set(), "calls": 0, "fail_at": None}
+FLAKY = {"held_out": set(), "calls": 0, "fail_at": None, "lock": threading.Lock()}
 
 
 def flaky(prompts, completions, text):
   """`exact`, raising on its `fail_at`-th call on training prompts (evaluations score held-out
-  ones, in an order that may interleave with the background scoring)."""
+  ones, in an order that may interleave with the background scoring). Counted under a lock:
+  two reward threads call it at once."""
   if prompts[0] not in FLAKY["held_out"]:
-    FLAKY["calls"] += 1
-    if FLAKY["calls"] == FLAKY["fail_at"]:
+    with FLAKY["lock"]:
+      FLAKY["calls"] += 1
+      failing = FLAKY["calls"] == FLAKY["fail_at"]
+    if failing:
       raise ValueError("the verifier crashed")
   return [float(c == t) for c, t in zip(completions, text)]
 
@@ -368,7 +371,7 @@ def test_a_reward_that_raises_mid_run_stops_it_with_its_checkpoints_intact(tmp_p
   FLAKY.update(held_out={e.columns["prompt"] for e in task.examples("test")}, calls=0,
                fail_at=9)
   with pytest.raises(RewardError, match=r"reward function 'flaky' raised ValueError: the "
-                                        r"verifier crashed \(on row 0\)"):
+                                        r"verifier crashed \(on row [0-3]\)"):
     run(config, log=lambda _: None)
   ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
   assert ckpt.all_steps() == [0, 1]
