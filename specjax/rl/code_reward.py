@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specjax.checks import is_plain_int, is_real
+from specjax.checks import require_ints, require_reals
 from specjax.errors import ConfigError
 from specjax.rl.rewards import TEXT_ARGUMENTS, RewardFunction
 
@@ -84,14 +84,10 @@ class CodeLimits:
   output_kb: int = 1024
 
   def __post_init__(self):
-    if not (is_real(self.timeout_s) and self.timeout_s > 0):
-      raise ConfigError(f"code_reward: timeout_s={self.timeout_s!r} is invalid: allowed a "
-                        "number of seconds > 0")
-    for field, minimum in (("cpu_s", 1), ("memory_mb", 64), ("output_kb", 1)):
-      value = getattr(self, field)
-      if not (is_plain_int(value) and value >= minimum):
-        raise ConfigError(f"code_reward: {field}={value!r} is invalid: allowed an int >= "
-                          f"{minimum}")
+    require_reals(self, ("timeout_s",), positive=True, prefix="code_reward: ")
+    require_ints(self, ("cpu_s",), 1, "code_reward: ")
+    require_ints(self, ("memory_mb",), 64, "code_reward: ")
+    require_ints(self, ("output_kb",), 1, "code_reward: ")
 
 
 @functools.cache
