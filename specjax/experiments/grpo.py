@@ -261,6 +261,17 @@ def _policy(state: TrainState):
   return state.params if state.adapters is None else _merge(state.params, state.adapters)
 
 
+PENDING_METRICS = "pending_metrics"  # a checkpoint's meta: see `_pending_metrics`
+
+
+def _pending_metrics(stepper) -> dict[str, dict]:
+  """For a checkpoint's meta: what the settled pending rollout's host rewards add to the
+  metrics of the step that trains on it (its `reward_<name>` means and reward time), so that
+  a resumed run logs that step as an uninterrupted one does. Empty for other steps."""
+  metrics = getattr(stepper, "pending_metrics", None)
+  return {PENDING_METRICS: jsonable(metrics)} if metrics else {}
+
+
 def _check_finite(step: int, metrics: dict, state: TrainState, config: ExperimentConfig,
                   last_checkpoint: int | None) -> None:
   """Raises FloatingPointError unless `metrics`' rewards, loss and gradient norm and the
@@ -472,7 +483,8 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
     position = 0
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         policy_lag=config.pipeline.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.pipeline.policy_lag,
+                                         pad_id=tok.pad_id, host_reward=not in_jax)
       disaggregated.start(state, reader.batch_at(position))
       state = disaggregated.state()
       position = reader.next_position(position)
@@ -499,7 +511,9 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
     _check_finite(0, {}, state, config, last_checkpoint=None)
     if split is not None:  # its first rollout's rewards, scored in the background
       state = split.settled(state)
-    ckpt.save(0, state, meta)
+    elif disaggregated is not None:
+      state = disaggregated.settled()
+    ckpt.save(0, state, meta | _pending_metrics(split or disaggregated))
     if lead:
       with storage(metrics_file, "metrics file"):
         metrics_file.write_text("")
@@ -512,7 +526,8 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
     tc = config.train_config(costs=costs)
     if rollout_mesh is not None:
       disaggregated = DisaggregatedAsync(tc, reward, optimizer, rollout_mesh, mesh,
-                                         policy_lag=config.pipeline.policy_lag, pad_id=tok.pad_id)
+                                         policy_lag=config.pipeline.policy_lag,
+                                         pad_id=tok.pad_id, host_reward=not in_jax)
       disaggregated.start(state)
     if lead:
       # Drop metrics logged after the checkpoint: those steps run again, identically (but
@@ -533,6 +548,10 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
   elif disaggregated is None:
     train_step = split if split is not None else make_split_step(
         tc, reward, optimizer, pad_id=tok.pad_id, state_sharding=shardings)
+  stepper = train_step if disaggregated is None else disaggregated
+  if restored is not None and isinstance(stepper, (SplitStep, DisaggregatedAsync)):
+    # What the pending rollout's host rewards add to the metrics of the next step.
+    stepper.pending_metrics = dict(meta.get(PENDING_METRICS, {}))
   if meta["step"] < config.steps:
     log("compiling the GRPO step (the first step's time includes it)")
   # One set of rollout arms for the timings along training and the final measurement.
@@ -582,9 +601,13 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}",
                         accept=f"{record['acceptance_length']:.2f}")
         if (step + 1) % config.checkpoint.every == 0 or step + 1 == config.steps:
-          if disaggregated is None and isinstance(train_step, SplitStep):
-            state = train_step.settled(state)  # async: the pending rollout's rewards
-          ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position})
+          # Async with host rewards: the pending rollout's rewards, waited for.
+          if disaggregated is not None:
+            state = disaggregated.settled()
+          elif isinstance(train_step, SplitStep):
+            state = train_step.settled(state)
+          ckpt.save(step + 1, state, {**meta, "step": step + 1, "position": position,
+                                      **_pending_metrics(stepper)})
           last_checkpoint = step + 1
   except BaseException as err:
     if writer is not None:

@@ -317,7 +317,7 @@ class ExperimentConfig:
       and reward functions), `GSM8KTask`, `CustomTask` —, whose step runs the rollout and
       the update as programs with the rewards on the host (each process scoring the rows of
       its own prompts; in async mode in the background while the devices run the update and
-      the next rollout; not disaggregated).
+      the next rollout; disaggregated, between the meshes while both run).
     model: the policy's architecture (vocab_size at least the task tokenizer's); with
       `policy_dir`, read from the checkpoint (leave it at its default).
     policy_dir: an HF checkpoint directory (Llama 3 / Qwen2 / Qwen3 `config.json` and
@@ -400,12 +400,6 @@ class ExperimentConfig:
     if self.drafter.name == DRAFT_MODEL and self.drafter.checkpoint is not None:
       local = str(local_checkpoint(self.drafter.checkpoint, "drafter.checkpoint"))
       object.__setattr__(self, "drafter", dataclasses.replace(self.drafter, checkpoint=local))
-    if not self.task.reward_in_jax:
-      require_field(self.pipeline, "rollout_devices", not self.pipeline.rollout_devices,
-                    f"a task rewarded in Python ({type(self.task).__name__}) runs its rewards "
-                    "on the host between a rollout and its update, which the disaggregated "
-                    "pipeline does not do yet (allowed: 0; pipeline.async_mode alone hides the "
-                    "rewards behind the update)", "pipeline.")
     self._check_reward_workers()
     if isinstance(self.task, DatasetTask) and self.task.reference_column is None:
       require_field(self.warm_start, "steps", self.warm_start.steps == 0,

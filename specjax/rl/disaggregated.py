@@ -25,7 +25,14 @@ transfer has k - 1 steps to arrive. The rollout mesh holds k versions of the wei
 while a new one arrives (2 at lag 1). Lag 1 is async mode exactly: the same keys
 (`step_keys`) and the same values as the fused step, on any meshes.
 
-Checkpoints: `state()` is the fused async mode's `TrainState`. The weight versions in flight
+Rewards: a JAX reward scores each rollout inside the rollout program. A host (Python) reward
+(`host_reward=True`, the protocol of `specjax.rl.SplitStep`) scores rollout t between the
+meshes, in a background thread (`specjax.rl.host_scoring`): from when rollout t finishes while
+the train mesh runs update t - 1 and the rollout mesh rollout t + 1, until update t needs
+it. Neither mesh waits for the rewards unless they take longer than both. The values are the
+fused async step's with the same reward computed in JAX.
+
+Checkpoints: `settled()` is the fused async mode's `TrainState`. The weight versions in flight
 are not part of it: a run restarted from it at lag k > 1 rolls out its first k - 1 steps
 with the checkpoint's weights (at lag 1 it continues exactly).
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from typing import Any, Callable
 
 import jax
 import optax
@@ -52,7 +60,8 @@ from specjax.models.lora import LoraAdapters, merged_policy
 from specjax.models.params import Params
 from specjax.rl.distributed import (prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
-from specjax.rl.rollouts import recorded, rollout_metrics, scored_rollout
+from specjax.rl.host_scoring import HostScoring, unscored
+from specjax.rl.rollouts import recorded, rollout, rollout_metrics, score, scored_rollout
 from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
 from specjax.rl.trainer import prime_keys, step_keys
 from specjax.rl.updates import update
@@ -102,15 +111,23 @@ class DisaggregatedAsync:
       run.start(state, first_batch)        # primes the first pending rollout
       for batch in batches:
         metrics = run.step(batch)
-      state = run.state()                  # a TrainState on the train mesh (checkpointable)
+      state = run.settled()                # a TrainState on the train mesh (checkpointable)
 
   `config.async_mode` must be True (it needs `grpo.tis_cap`). Batches are host
-  `PromptBatch`es (tokens, lengths, answers) of a fixed shape.
+  `PromptBatch`es (tokens, lengths, answers; with a host reward, whatever it reads, such as
+  `index`) of a fixed shape.
+
+  `reward_fn` is a JAX reward (`RewardFn`), or with `host_reward=True` a host reward
+  `reward_fn(responses [B, T] numpy, lengths [B] numpy, batch) -> [B] | ([B], metrics)` as
+  `SplitStep` takes it, scored in a background thread (see the module). Its metrics, and
+  `perf_reward_s` / `perf_reward_overlap`, join the step that trains on those rewards; a
+  reward that raises stops the step that needs it, with the error it raised.
   """
 
-  def __init__(self, config: TrainConfig, reward_fn: RewardFn,
+  def __init__(self, config: TrainConfig, reward_fn: RewardFn | Callable[..., Any],
                optimizer: optax.GradientTransformation, rollout_mesh: Mesh, train_mesh: Mesh,
-               *, policy_lag: int = 1, pad_id: int = 0, rules: Rules = DEFAULT_RULES):
+               *, policy_lag: int = 1, pad_id: int = 0, rules: Rules = DEFAULT_RULES,
+               host_reward: bool = False):
     if not config.async_mode:
       raise ConfigError("DisaggregatedAsync needs TrainConfig(async_mode=True): updates "
                         "train on the rollout of the step before, with grpo.tis_cap set")
@@ -128,7 +145,13 @@ class DisaggregatedAsync:
     self.config, self.reward_fn, self.optimizer = config, reward_fn, optimizer
     self.rollout_mesh, self.train_mesh = rollout_mesh, train_mesh
     self.policy_lag, self.pad_id, self.rules = policy_lag, pad_id, rules
+    self.host_reward = host_reward
     self.times: list[dict[str, float]] = []
+    # With a host reward: the pending rollout's rewards, being scored; or, once settled,
+    # what they add to the metrics of the step that trains on it
+    # (`pending_metrics`: public, so that a checkpoint can keep them for a resumed run).
+    self._scoring: HostScoring | None = None
+    self.pending_metrics: dict[str, Any] = {}
 
   def start(self, state: TrainState, batch=None) -> None:
     """Place `state` on the two meshes; its arrays are consumed (the first step donates
@@ -142,6 +165,7 @@ class DisaggregatedAsync:
       raise ConfigError("start(state, batch): the state already holds a pending rollout (the "
                         "first update's data); call start(state) and pass batch to step()")
     config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
+    host = self.host_reward
     roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
     weights = self._weights(state)
     side = _RolloutSide(acceptance=state.acceptance, key=state.key, history=state.history)
@@ -151,43 +175,63 @@ class DisaggregatedAsync:
     def rollout_program(weights: PolicyWeights, side: _RolloutSide, batch, prime: bool):
       key, k_roll = prime_keys(side.key) if prime else step_keys(side.key)[:2]
       drafter_params = weights.drafter if side.history is None else side.history
-      roll, acceptance = scored_rollout(weights.policy, drafter_params, side.acceptance,
-                                        config, batch, k_roll, reward_fn, pad_id)
-      return roll, _RolloutSide(acceptance=None if side.acceptance is None else acceptance,
-                                key=key, history=recorded(side.history, config, batch.tokens,
-                                                          batch.lengths, roll))
+      if host:  # the rewards come from the host: (rollout, responses, lengths)
+        roll, responses, lengths, acceptance = rollout(
+            weights.policy, config, batch.tokens, batch.lengths, k_roll, pad_id,
+            drafter_params, side.acceptance, check_values=False)
+        out = (unscored(roll), responses, lengths)
+      else:
+        roll, acceptance = scored_rollout(weights.policy, drafter_params, side.acceptance,
+                                          config, batch, k_roll, reward_fn, pad_id)
+        out = (roll,)
+      return out, _RolloutSide(acceptance=None if side.acceptance is None else acceptance,
+                               key=key, history=recorded(side.history, config, batch.tokens,
+                                                         batch.lengths, roll))
 
     pending = state.pending
     if pending is None:
       pending = jax.eval_shape(functools.partial(rollout_program, prime=True), weights, side,
-                               batch)[0]
+                               batch)[0][0]
     train = state.replace(pending=None, acceptance=None, history=None)
     train_shardings = train_state_shardings(train, train_mesh, config, rules)
     self._pending_shardings = rollout_shardings(pending, train_mesh, rules)
     self._weight_shardings = self._weights_on(state, roll_mesh)
+    on_rollout_mesh = rollout_shardings(pending, roll_mesh, rules)
+    # The responses [B, T] and lengths [B] split over rows as the rollout's are.
+    out_shardings = ((on_rollout_mesh, on_rollout_mesh.tokens, on_rollout_mesh.lengths)
+                     if host else (on_rollout_mesh,))
     self._rollout = on_mesh(roll_mesh, jax.jit(
         rollout_program, static_argnums=3,
         in_shardings=(self._weight_shardings, side_shardings, None),
-        out_shardings=(rollout_shardings(pending, roll_mesh, rules), side_shardings)))
+        out_shardings=(out_shardings, side_shardings)))
 
-    def update_program(state: TrainState, pending: Rollout):
+    def update_program(state: TrainState, pending: Rollout, *rewards):
+      if host:  # the host's rewards [B] and their group advantages
+        pending = score(config, pending, rewards[0])
       key, _, k_update = step_keys(state.key)
       state, metrics = update(state, config, self.optimizer, pending, k_update)
       return state.replace(key=key), metrics | rollout_metrics(config, pending)
 
     # The state is donated: parameters and optimizer moments are replaced. (The consumed
     # rollout is not: no output has its shapes, so XLA could not reuse its buffers.)
+    rows = self._pending_shardings.rewards  # host rewards [B] arrive split as the rollout's
     self._update = on_mesh(train_mesh, jax.jit(
-        update_program, in_shardings=(train_shardings, self._pending_shardings),
+        update_program,
+        in_shardings=(train_shardings, self._pending_shardings) + ((rows,) if host else ()),
         out_shardings=(train_shardings, replicated(train_mesh)), donate_argnums=0))
+    self._settle = on_mesh(train_mesh, jax.jit(
+        lambda pending, rewards: score(config, pending, rewards),
+        in_shardings=(self._pending_shardings, rows), out_shardings=self._pending_shardings))
 
     self._train = jax.device_put(train, train_shardings)
     self._side = jax.device_put(side, side_shardings)
     self._versions = collections.deque([self._weights_of(self._train)])
+    self._scoring, self.pending_metrics = None, {}
     if state.pending is None:
-      roll, self._side = self._rollout(self._versions[0], self._side,
-                                       self._on_rollout_mesh(batch), True)
-      self._pending = transfer(roll, self._pending_shardings)
+      out, self._side = self._rollout(self._versions[0], self._side,
+                                      self._on_rollout_mesh(batch), True)
+      self._pending = transfer(out[0], self._pending_shardings)
+      self._score_in_background(out, batch)
       # The train side's key advances as `make_prime_fn` leaves it.
       key = jax.jit(lambda k: prime_keys(k)[0], out_shardings=replicated(train_mesh))
       self._train = self._train.replace(key=key(self._train.key))
@@ -212,12 +256,17 @@ class DisaggregatedAsync:
         jax.block_until_ready(arrays)
         clock.append(time.perf_counter())
 
-    roll, self._side = self._rollout(self._versions[0], self._side,
-                                     self._on_rollout_mesh(batch), False)
-    lap(roll)
-    train, metrics = self._update(self._train, self._pending)
+    out, self._side = self._rollout(self._versions[0], self._side,
+                                    self._on_rollout_mesh(batch), False)
+    lap(out)
+    rewards, scored = (), {}
+    if self.host_reward:  # the pending rollout's rewards (scored since the step before)
+      rewards, scored = self._pending_rewards(busy=out)
+      rewards = (rewards,)
+    train, metrics = self._update(self._train, self._pending, *rewards)
     lap(train, metrics)
-    self._pending = transfer(roll, self._pending_shardings)
+    self._pending = transfer(out[0], self._pending_shardings)
+    self._score_in_background(out, batch)
     self._versions.append(self._weights_of(train))
     while len(self._versions) > self.policy_lag:
       self._versions.popleft()
@@ -226,17 +275,50 @@ class DisaggregatedAsync:
     if timed:
       self.times.append(dict(zip(("rollout_s", "update_s", "transfer_s"),
                                  (b - a for a, b in zip(clock, clock[1:])))))
-    return metrics
+    return {**metrics, **scored}
+
+  def settled(self) -> TrainState:
+    """`state()` with the pending rollout's rewards and advantages (with a host reward,
+    waiting for them): what a checkpoint saves, as the fused async step holds it.
+
+    Raises:
+      whatever a host reward raised on the pending rollout.
+    """
+    if self._scoring is not None:
+      rewards, scored = self._pending_rewards()
+      self._pending = self._settle(self._pending, rewards)
+      self.pending_metrics = scored
+    return self.state()
 
   def state(self) -> TrainState:
     """The train state on the train mesh with the pending rollout and the rollout side's
-    counts and history bank: what a checkpoint saves (the weight versions in flight at lag > 1 are not in
-    it). Its arrays are the live state's: the next `step` donates them, so save or copy
-    them first."""
+    counts and history bank (the weight versions in flight at lag > 1 are not in it). With a
+    host reward the pending rollout may still be being scored (its rewards NaN): `settled()`
+    is the state to checkpoint. Its arrays are the live state's: the next `step` donates
+    them, so save or copy them first."""
     on_train = lambda tree: None if tree is None else transfer(
         tree, jax.tree.map(lambda _: replicated(self.train_mesh), tree))
     return self._train.replace(pending=self._pending, acceptance=on_train(self._side.acceptance),
                                history=on_train(self._side.history))
+
+  def _score_in_background(self, out: tuple, batch) -> None:
+    """With a host reward, start scoring the rollout `out` (rollout, responses, lengths) of
+    `batch` while the meshes work on."""
+    if self.host_reward:
+      _, responses, lengths = out
+      self._scoring = HostScoring(self.reward_fn, responses, lengths, batch,
+                                  self.config.grpo.group_size)
+      self.pending_metrics = {}
+
+  def _pending_rewards(self, busy: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The pending rollout's rewards `[B]` and what they add to the metrics: waited for
+    (`busy`: the device work dispatched last), or the rewards it already holds (settled, or
+    restored from a checkpoint)."""
+    if self._scoring is None:
+      return self._pending.rewards, self.pending_metrics
+    scoring, self._scoring = self._scoring, None
+    rewards, extra, perf = scoring.result(busy=busy)
+    return rewards, {**extra, **perf}
 
   def _weights_on(self, state: TrainState, mesh: Mesh) -> PolicyWeights:
     shardings = train_state_shardings(state.replace(pending=None), mesh, self.config,

@@ -183,9 +183,6 @@ def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_
 @pytest.mark.parametrize("change, message", [
     (dict(policy_dir="/nowhere"), "policy_dir='/nowhere' is invalid: no config.json"),
     (dict(drafter=Drafting(name="mtp")), "drafter.name='mtp' is invalid with policy_dir"),
-    (dict(pipeline=Pipeline(async_mode=True, rollout_devices=1)),
-     r"pipeline.rollout_devices=1 is invalid: a task rewarded in Python \(DatasetTask\) runs "
-     r"its rewards on the host"),
     (dict(warm_start=WarmStart(steps=10)), "warm_start.steps=10 is invalid: .* has none"),
 ])
 def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message):
@@ -227,6 +224,49 @@ def short(tokens, lengths, answers):
 
 def exact(prompts, completions, text):
   return [float(c == t) for c, t in zip(completions, text)]
+
+
+@pytest.mark.slow  # four short runs: a minute on 2 cores
+def test_python_rewards_in_the_disaggregated_pipeline_give_the_async_runs_steps_and_resume(
+    tmp_path):
+  """Issue 55: rollouts on 4 devices, updates on the 4 others, the rewards (Python, and JAX
+  beside it) scored on the host between the meshes: the steps of async mode's split step on
+  all 8 devices; each stopped after 2 steps resumes to the same third, with its metrics."""
+  task = DatasetTask(SUM_ROWS, SUMS, [exact, JaxReward(short, weight=0.5)],
+                     reference_column="text", answer_column="sum", test_fraction=0.2,
+                     success_reward=0.5)
+  config = ExperimentConfig(
+      run_dir=str(tmp_path / "async"), task=task,
+      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
+                        max_position=32),
+      grpo=GRPOConfig(group_size=2), steps=3,
+      rollout=RolloutSettings(prompts_per_step=4, max_new_tokens=4, tree_widths=(1,)),
+      warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=True),
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0),
+      checkpoint=Checkpointing(every=1))
+  logs = []
+  run(dataclasses.replace(config, steps=2), log=logs.append)
+  run(config, log=logs.append)
+  apart = dataclasses.replace(config, run_dir=str(tmp_path / "apart"),
+                              pipeline=Pipeline(async_mode=True, rollout_devices=4))
+  run(dataclasses.replace(apart, steps=2), log=logs.append)
+  run(apart, log=logs.append)
+  assert any("rollouts on 4 device(s), updates on 4" in line for line in logs)
+  assert any("resumed from" in line for line in logs)
+  read = lambda name: [json.loads(line) for line in
+                       (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+  split, disaggregated = read("async"), read("apart")
+  assert [m["step"] for m in disaggregated] == [1, 2, 3] == [m["step"] for m in split]
+  assert sum(m["grad_norm"] > 0 for m in split) >= 2, split  # something to compare
+  for want, got in zip(split, disaggregated, strict=True):
+    for key in ("reward_mean", "reward_exact", "reward_short", "loss", "kl", "grad_norm",
+                "response_length_mean"):
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5,
+                                 err_msg=f"step {want['step']}: {key}")
+    # The resumed step too (the checkpoint keeps what its rollout's rewards add to it).
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert got["perf_reward_s"] > 0 and 0 <= got["perf_reward_overlap"] <= 1
 
 
 def test_a_policy_whose_tokenizer_is_not_the_tasks_is_refused_when_configured(own, tmp_path):

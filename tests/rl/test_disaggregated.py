@@ -39,6 +39,7 @@ from specjax.rl.updates import update
 from specjax.sharding import MeshConfig, make_mesh, transfer
 
 STEPS = 3
+GROUP = 4  # support.config's group size
 METRICS = ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_length_mean",
            "acceptance_length")
 
@@ -103,17 +104,29 @@ def eagle_state(config: TrainConfig):
                           seed=1, drafter_params=head)
 
 
-def run_disaggregated(config, state, data, lag):
+def host_parity(responses, lengths, batch):
+  """`reward` computed on the host, with its values as a per-row metric."""
+  assert len(responses) == len(lengths) == len(batch.tokens) * GROUP
+  values = (np.asarray(responses)[:, 0] % 2).astype(np.float64)
+  return values, {"reward_parity": values}
+
+
+def run_disaggregated(config, state, data, lag, host=False):
+  """With `host`, the rewards are `host_parity`'s, scored between the meshes."""
   rollout_mesh, train_mesh = meshes()
-  run = DisaggregatedAsync(config, reward, optimizer(), rollout_mesh, train_mesh,
-                           policy_lag=lag, pad_id=TOK.pad_id)
+  run = DisaggregatedAsync(config, host_parity if host else reward, optimizer(), rollout_mesh,
+                           train_mesh, policy_lag=lag, pad_id=TOK.pad_id, host_reward=host)
   run.start(state, data[0])
   history = []
   with host_reads() as reads, jax.transfer_guard_device_to_host("disallow"):
     for batch in data[1:]:
       history.append(run.step(batch))
-  assert reads == [], f"arrays read into host memory during the steps: {reads}"
-  final = run.state()
+  # A host reward reads the responses [B, T] and their lengths [B] (in its own thread), and
+  # nothing else: the weights and the rollouts move between the meshes device to device.
+  rows = len(data[0].tokens) * config.grpo.group_size
+  read = {(rows, config.rollout.max_new_tokens), (rows,)} if host else set()
+  assert set(reads) <= read, f"arrays read into host memory during the steps: {reads}"
+  final = run.settled()
   assert final.params["embed"].sharding.mesh == train_mesh
   return [jax.device_get(m) for m in history], final, run
 
@@ -196,10 +209,11 @@ def test_device_put_between_layouts_does_go_through_the_host():
   assert reads == [(8, 8)]
 
 
-def lag_1_against_the_fused_async_step(config):
-  """`config` run disaggregated with lag 1 and, as the independent reference, as async
-  mode's fused step (one program on one device); asserts the two runs are the same and
-  returns the disaggregated run's final state and runner."""
+def lag_1_against_the_fused_async_step(config, host=False):
+  """`config` run disaggregated with lag 1 (with `host`, rewarded in Python between the
+  meshes) and, as the independent reference, as async mode's fused step with the JAX reward
+  (one program on one device); asserts the two runs are the same and returns the
+  disaggregated run's metrics, final state and runner."""
   data = batches(STEPS + 1)
   initial = lambda: init_train_state(config, init_params(MODEL, jax.random.key(0)),
                                      optimizer(), seed=1)
@@ -209,14 +223,14 @@ def lag_1_against_the_fused_async_step(config):
   for batch in data[1:]:
     state, metrics = step(state, batch)
     fused.append(jax.device_get(metrics))
-  history, final, run = run_disaggregated(config, initial(), data, lag=1)
+  history, final, run = run_disaggregated(config, initial(), data, lag=1, host=host)
   assert_same_run(history, final, fused, state)
-  return final, run
+  return history, final, run
 
 
 @pytest.mark.slow
 def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host():
-  final, run = lag_1_against_the_fused_async_step(mtp_config())
+  _, final, run = lag_1_against_the_fused_async_step(mtp_config())
   assert run._rollout.jitted._cache_size() == 2 and run._update.jitted._cache_size() == 1
   # Negative control: the steps moved the parameters by far more than the tolerance.
   start = flat(init_params(MODEL, jax.random.key(0)))
@@ -226,11 +240,23 @@ def test_lag_1_reproduces_the_fused_async_step_with_no_transfer_through_the_host
 
 
 @pytest.mark.slow
+def test_lag_1_with_a_python_reward_scored_between_the_meshes_reproduces_the_fused_async_step():
+  """Issue 55: the host scores rollout t while the meshes run update t - 1 and rollout
+  t + 1; the run is the fused async step's with the same reward in JAX."""
+  history, final, run = lag_1_against_the_fused_async_step(mtp_config(), host=True)
+  for metrics in history:  # each step's rewards' own metrics, and their time on the host
+    np.testing.assert_allclose(metrics["reward_parity"], metrics["reward_mean"], atol=1e-6)
+    assert metrics["perf_reward_s"] > 0 and 0 <= metrics["perf_reward_overlap"] <= 1
+  assert np.isfinite(np.asarray(final.pending.advantages)).all()
+  assert run._rollout.jitted._cache_size() == 2 and run._update.jitted._cache_size() == 1
+
+
+@pytest.mark.slow
 def test_lag_1_with_lora_moves_the_adapters_and_reproduces_the_fused_async_step():
   """With LoRA the rollout side merges the adapters it is sent into the frozen trunk."""
   config = dataclasses.replace(mtp_config(), lora=LoraConfig(rank=4),
                                drafter_training=DrafterTraining(loss_weight=0.0))
-  final, _ = lag_1_against_the_fused_async_step(config)
+  _, final, _ = lag_1_against_the_fused_async_step(config)
   assert ".adapters.factors['layers'][0]['wq']['b']" in flat(final)
   assert np.abs(np.asarray(final.adapters.factors["layers"][0]["wq"]["b"])).max() > 1e-4
 
@@ -346,5 +372,5 @@ def test_lag_1_with_a_history_drafter_keeps_the_bank_on_the_rollout_side_as_the_
   base = mtp_config()
   rollout = dataclasses.replace(base.rollout, tree=DraftTree.chain(3),
                                 drafter=HistoryDrafter(group_size=base.grpo.group_size))
-  final, _ = lag_1_against_the_fused_async_step(dataclasses.replace(base, rollout=rollout))
+  _, final, _ = lag_1_against_the_fused_async_step(dataclasses.replace(base, rollout=rollout))
   assert int((np.asarray(final.history.lengths) > 0).sum()) > 0

@@ -782,10 +782,10 @@ def test_a_reward_that_raises_in_the_background_stops_the_next_step():
 
 
 def test_ready_watch_measures_how_long_the_host_waited_with_the_device_idle():
-  from specjax.rl.trainer import _ReadyWatch
-  assert _ReadyWatch(None).idle(0.0, 1.0) == 1.0  # nothing on the device: idle throughout
+  from specjax.rl.host_scoring import ReadyWatch
+  assert ReadyWatch(None).idle(0.0, 1.0) == 1.0  # nothing on the device: idle throughout
   ready = jnp.ones(4)
-  watch = _ReadyWatch(ready)
+  watch = ReadyWatch(ready)
   time.sleep(0.2)  # long done before the host starts waiting
   begin = time.perf_counter()
   time.sleep(0.05)
@@ -794,5 +794,5 @@ def test_ready_watch_measures_how_long_the_host_waited_with_the_device_idle():
   x = jnp.eye(512) * 0.5
   slow(x).block_until_ready()  # compiled
   begin = time.perf_counter()
-  watch = _ReadyWatch(slow(x))
+  watch = ReadyWatch(slow(x))
   assert watch.idle(begin, time.perf_counter()) == 0.0  # still running
