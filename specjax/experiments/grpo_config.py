@@ -23,6 +23,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
                               DraftTree, Eagle3Drafter, SamplingConfig, build_drafter,
                               check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.decoding.drafters.group import with_group_size
+from specjax.decoding.drafters.registry import group_in_front
 from specjax.decoding.drafters.history import history_drafter, with_bank_sizes
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
@@ -44,8 +45,17 @@ from specjax.rl.tasks import ArithmeticTask, CustomTask
 from specjax.sharding import MeshConfig
 from specjax.tokenizer import HFTokenizer, different_ids, read_table
 
-# The drafter whose weights are a second HF checkpoint (`Drafting.checkpoint`).
+# The drafter whose weights are a second HF checkpoint (`Drafting.checkpoint`), and the one
+# whose head the run holds (`Drafting.eagle3_dir`, or distilled from the policy).
 DRAFT_MODEL = "draft-model"
+EAGLE3 = "eagle3"
+
+
+def weights_of(name: str) -> str | None:
+  """The drafter with weights of its own that drafter `name` drafts with, alone or behind
+  group drafts ("group+eagle3" -> "eagle3"): EAGLE3, DRAFT_MODEL, or None."""
+  last = name.rsplit("+", 1)[-1] if isinstance(name, str) else None
+  return last if last in (EAGLE3, DRAFT_MODEL) else None
 
 # Half of each rollout's acceptance counts start the next: the policy chooses its trees from
 # the first round on, yet follows a drafter whose acceptance moves (docs/experiments.md).
@@ -134,7 +144,8 @@ class Drafting:
   Attributes:
     name: a registered drafter (`specjax.decoding.drafter_names`; "none": plain decoding;
       "draft-model": the HF checkpoint `checkpoint`; "eagle3": the run's own head, below;
-      not another drafter whose weights come from a checkpoint).
+      "group+draft-model", "group+eagle3": group drafts where a sibling wrote ahead, those
+      elsewhere; not another drafter whose weights come from a checkpoint).
     loss_weight: weight of the detached drafter loss on each step's rollouts (0: the drafter
       is not trained online).
     learning_rate: learning rate of an EAGLE-3 head trained online (MTP and Medusa heads
@@ -192,20 +203,20 @@ class Drafting:
     check_drafter_name(self.name)
     require_ints(self, ("history_slots", "history_per_prompt"), 1, "drafter.")
     require_ints(self, ("history_recent",), 0, "drafter.")
-    usable = [n for n in drafter_names() if n in ("eagle3", DRAFT_MODEL)
-              or not needs_checkpoint(n)]
+    usable = [n for n in drafter_names() if weights_of(n) or not needs_checkpoint(n)]
     require_field(self, "name", self.name in usable,
                   f"allowed one of {', '.join(usable)} (a GRPO run loads no other drafter's "
                   "checkpoint)", "drafter.")
-    require_field(self, "checkpoint", (self.checkpoint is not None) == (self.name == DRAFT_MODEL),
-                  f"give it exactly with name={DRAFT_MODEL!r} (the draft model's HF checkpoint "
-                  "directory)", "drafter.")
+    require_field(self, "checkpoint",
+                  (self.checkpoint is not None) == (self.weights == DRAFT_MODEL), f"give it exactly with name {DRAFT_MODEL!r} or 'group+{DRAFT_MODEL}' (the draft "
+                  "model's HF checkpoint directory)", "drafter.")
     require_reals(self, ("loss_weight", "draft_model_learning_rate"), positive=False,
                   prefix="drafter.")
     require_field(self, "draft_model_learning_rate",
-                  not self.draft_model_learning_rate or self.name == DRAFT_MODEL,
-                  f"trains an external draft model: needs name={DRAFT_MODEL!r} (an EAGLE-3 "
-                  "head trains at drafter.learning_rate)", "drafter.")
+                  not self.draft_model_learning_rate or self.weights == DRAFT_MODEL,
+                  f"trains an external draft model: needs name {DRAFT_MODEL!r} or "
+                  f"'group+{DRAFT_MODEL}' (an EAGLE-3 head trains at drafter.learning_rate)",
+                  "drafter.")
     require_reals(self, ("learning_rate",), positive=True, prefix="drafter.")
     require_ints(self, ("ttt_steps", "distill_steps"), 1, "drafter.")
     require_field(self, "clip_heads_separately", isinstance(self.clip_heads_separately, bool),
@@ -217,6 +228,12 @@ class Drafting:
     vocab = self.draft_vocab_size
     require_field(self, "draft_vocab_size", vocab is None or (is_plain_int(vocab) and vocab >= 1),
                   "must be None (the whole vocabulary) or an int >= 1", "drafter.")
+
+  @property
+  def weights(self) -> str | None:
+    """The drafter with weights of its own this one drafts with: "eagle3", "draft-model"
+    (alone or behind group drafts), or None."""
+    return weights_of(self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +414,7 @@ class ExperimentConfig:
                                                                   "policy_dir")))
       self._take_policy_model()
       self._check_policy_tokenizer()
-    if self.drafter.name == DRAFT_MODEL and self.drafter.checkpoint is not None:
+    if self.drafter.weights == DRAFT_MODEL and self.drafter.checkpoint is not None:
       local = str(local_checkpoint(self.drafter.checkpoint, "drafter.checkpoint"))
       object.__setattr__(self, "drafter", dataclasses.replace(self.drafter, checkpoint=local))
     self._check_reward_workers()
@@ -434,11 +451,11 @@ class ExperimentConfig:
     if self.eval.arm_drafters:
       self._check_arm_drafters()
     # A tree the drafter cannot draft fails here, not at the first rollout after warm start.
-    if self.drafter.name == DRAFT_MODEL:
+    if self.drafter.weights == DRAFT_MODEL:
       self._check_draft_model()
-    elif self.drafter.name == "eagle3":
+    elif self.drafter.weights == EAGLE3:
       self.eagle3_config().check_target(self.model)
-    elif self.drafter.name not in ("none", "eagle3"):
+    elif self.drafter.name != "none":
       try:
         build_drafter(self.drafter.name, DraftSource(self.model))[0].validate(self.model,
                                                                                self.tree)
@@ -455,7 +472,7 @@ class ExperimentConfig:
                   "are measured every eval.arms_every steps: set eval.arms_every >= 1",
                   "eval.")
     own = self.drafter.name
-    keeps_bank = own not in ("none", "eagle3", DRAFT_MODEL) and history_drafter(
+    keeps_bank = own != "none" and not weights_of(own) and history_drafter(
         build_drafter(own, DraftSource(self.model))[0]) is not None
     for name in self.eval.arm_drafters:
       drafter = build_drafter(name, DraftSource(self.model))[0]
@@ -598,10 +615,14 @@ class ExperimentConfig:
     """The train step's configuration; adaptive speculation needs its `costs`
     (`rollout_costs`)."""
     drafter = self.drafter.name if drafter is None else drafter
-    if drafter == "eagle3":  # its head comes from the run (eagle3_dir or distilled), not a file
-      draft = Eagle3Drafter(self.eagle3_config())
-    elif drafter == DRAFT_MODEL:  # its weights are loaded when the run starts
-      draft = DraftModelDrafter(self.draft_model_config())
+    weights = weights_of(drafter)
+    if weights is not None:
+      # An EAGLE-3 head comes from the run (eagle3_dir or distilled), a draft model's weights
+      # are loaded when the run starts: neither from the registry's checkpoint.
+      draft = (Eagle3Drafter(self.eagle3_config()) if weights == EAGLE3 else
+               DraftModelDrafter(self.draft_model_config()))
+      if drafter != weights:  # "group+eagle3", "group+draft-model"
+        draft = group_in_front(draft)
     else:
       draft = build_drafter(drafter, DraftSource(self.model))[0]
     draft = with_bank_sizes(with_group_size(draft, self.grpo.group_size),

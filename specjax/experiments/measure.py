@@ -45,6 +45,7 @@ from specjax.timing import interleaved
 # Group drafting is a lookup in text, free like n-gram drafting; with MTP behind it a round
 # costs MTP's drafting.
 _SIM_DRAFTERS = {"mtp": "mtp", "eagle3": "eagle3", "draft-model": "draft-model",
+                 "group+eagle3": "eagle3", "group+draft-model": "draft-model",
                  "ngram": "ngram", "group": "ngram", "group+mtp": "mtp", "history": "ngram",
                  "history+mtp": "mtp"}
 

@@ -168,6 +168,10 @@ CASES = {
     "group_medusa_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
                                                         max_ngram=2), MedusaDrafter()),
                            DraftTree.chain(2)),
+    # ... and a draft model's ("group+draft-model").
+    "group_draft_model_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
+                                                             max_ngram=2), DraftModelDrafter(DRAFT)),
+                                DraftTree.chain(2)),
 }
 # Thresholds that cut some chains and not all (the sharper t07 distribution needs a higher).
 STOP_BELOW = {"t1": 0.4, "t07_topk_topp": 0.6}
@@ -207,6 +211,10 @@ EAGLE_CASES = {
     "eagle3_sampled_switching": (Eagle3Drafter(EAGLE, sampled=True), SWITCHING),
     "eagle3_sampled_chain_early_stop": (Eagle3Drafter(EAGLE, sampled=True),
                                         DraftTree.chain(2)),
+    # The group's whole drafts where it has them, the head's elsewhere ("group+eagle3"; a
+    # tree: the random head's deterministic chain is too rarely accepted to test anything).
+    "group_eagle3_tree": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1, max_ngram=2),
+                                          Eagle3Drafter(EAGLE)), DraftTree.from_widths((3, 2))),
 }
 
 
@@ -245,10 +253,11 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
                                   "eagle3_sampled_chain", "sampled_switching", "group_chain",
-                                  "history_chain", "history_tree"])
+                                  "history_chain", "history_tree", "group_draft_model_chain",
+                                  "group_eagle3_tree"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]
-  if case.startswith("eagle3"):
+  if case in EAGLE_CASES:
     tokens, _ = _sample(eagle_models, s, *EAGLE_CASES[case], verifier=_accept_every_draft,
                         config=EAGLE_TARGET)
     p = _chi_square_pvalue(tokens, _exact_joint(eagle_models[0], s, EAGLE_TARGET))
@@ -256,3 +265,33 @@ def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, ca
     tokens, _ = _sample(models, s, *CASES[case], verifier=_accept_every_draft)
     p = _chi_square_pvalue(tokens, _exact_joint(models[0], s))
   assert p < 1e-3, f"the negative control passed (p={p:.2e}); the test has no power"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["group_draft_model_chain", "group_eagle3_tree"])
+def test_the_grpo_steps_rollouts_follow_the_exact_target_distribution(models, eagle_models,
+                                                                      case):
+  """Issue 57: group drafts in front of a draft model or an EAGLE-3 head, as the GRPO step
+  generates its rollouts (`specjax.rl.rollouts.rollout`: groups of G = 4 rows per prompt,
+  the step's config, compiled): the same exact distribution. (The step has no verifier to
+  swap; the accept-everything control above fails on the same drafters.)"""
+  from specjax.rl import GRPOConfig
+  from specjax.rl.rollouts import rollout
+  from specjax.rl.state import RolloutConfig, TrainConfig
+  eagle = case in EAGLE_CASES
+  drafter, tree = (EAGLE_CASES if eagle else CASES)[case]
+  (target, draft), model = (eagle_models, EAGLE_TARGET) if eagle else (models, TARGET)
+  s = SAMPLINGS["t1"]
+  config = TrainConfig(model=model, grpo=GRPOConfig(group_size=4),
+                       rollout=RolloutConfig(max_new_tokens=NEW, eos_id=None, sampling=s,
+                                             drafter=drafter, tree=tree))
+  prompts = jnp.tile(jnp.array([PROMPT]), (SAMPLES // 4, 1))
+  lengths = jnp.full((SAMPLES // 4,), len(PROMPT))
+  roll, responses, response_lengths, _ = jax.jit(
+      lambda key: rollout(target, config, prompts, lengths, key, drafter_params=draft,
+                          check_values=False))(jax.random.key(3))
+  assert bool((response_lengths == NEW).all())
+  parts = {k: float(v) for k, v in roll.drafter_stats.items() if k.endswith("_rounds")}
+  assert len(parts) == 2 and min(parts.values()) > 0, parts  # both drafters drafted
+  p = _chi_square_pvalue(np.asarray(responses), _exact_joint(target, s, model))
+  assert p > 1e-3, f"{case} in the GRPO step's rollout: chi-square p={p:.2e}"

@@ -166,6 +166,30 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
     assert min(moved) > 0, moved
 
 
+@pytest.mark.slow  # two short runs, a minute each on 2 cores
+@pytest.mark.parametrize("family, drafter", [("llama", "group+draft-model"),
+                                             ("qwen3", "group+eagle3")])
+def test_group_drafts_in_front_of_a_draft_model_or_an_eagle3_head_train_by_name(own, family,
+                                                                                drafter):
+  """Issue 57: the registry names of group drafting in front of a model with weights of its
+  own: the model's weights live in the train state and train online (the draft model
+  distilled, the EAGLE-3 head on its loss), and each part's acceptance is logged."""
+  weights = drafter.removeprefix("group+")
+  run_dir = own / f"run-{drafter}"
+  flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[weights]]
+  flags[flags.index(weights)] = drafter
+  cli_main(["train", "--config", str(own / f"config-{family}.py"), *flags, "--run-dir",
+            str(run_dir), "--rollout.speculation", "fixed"])
+  records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2]
+  part = {"draft-model": "draftmodel", "eagle3": "eagle3"}[weights]
+  trained = {"draft-model": "draft_model_kl", "eagle3": "eagle3_ce"}[weights]
+  for record in records:
+    assert {f"drafted_by_{part}", "drafted_by_group", trained} <= record.keys(), record.keys()
+    assert record[f"drafted_by_{part}"] + record["drafted_by_group"] == pytest.approx(1.0)
+  assert json.loads((run_dir / "config.json").read_text())["drafter"]["name"] == drafter
+
+
 def test_a_draft_model_of_another_tokenizer_is_refused_when_configured(own, tmp_path):
   other = write_hf_checkpoint(tmp_path / "other", [], family="llama", n_layers=1,
                               tokenizer_from=own / "llama")

@@ -94,6 +94,16 @@ def test_the_draft_models_optimizer_state_shards_like_its_weights():
 def test_draft_model_distillation_is_configured_for_a_draft_model_only():
   with pytest.raises(ConfigError, match="drafter.draft_model_learning_rate=0.001 is invalid"):
     Drafting(name="mtp", draft_model_learning_rate=1e-3)
+  with pytest.raises(ConfigError, match="drafter.draft_model_learning_rate=0.001 is invalid"):
+    Drafting(name="group+eagle3", draft_model_learning_rate=1e-3)
+  # Behind group drafts as alone: the draft model's checkpoint is needed, and only there.
+  with pytest.raises(ConfigError, match=r"drafter.checkpoint=None is invalid: give it exactly "
+                                        r"with name 'draft-model' or 'group\+draft-model'"):
+    Drafting(name="group+draft-model")
+  with pytest.raises(ConfigError, match="drafter.checkpoint='/x' is invalid"):
+    Drafting(name="group+eagle3", checkpoint="/x")
+  assert Drafting(name="group+draft-model", checkpoint="/x").weights == "draft-model"
+  assert Drafting(name="group+eagle3").weights == "eagle3" and Drafting().weights is None
   with pytest.raises(ConfigError, match="draft_model_learning_rate=-1 is invalid"):
     DrafterTraining(draft_model_learning_rate=-1)
 

@@ -664,6 +664,63 @@ def test_eagle3_head_trains_online_and_no_gradient_reaches_the_policy():
   assert "eagle3_ce" not in frozen_hist[-1]
 
 
+@pytest.mark.slow  # six compiled programs
+def test_group_drafting_in_front_of_an_eagle3_head_trains_as_plain_decoding():
+  """Issue 57: `FallbackDrafter(GroupDrafter, Eagle3Drafter)` ("group+eagle3") in the fused
+  and split steps: the head lives in the train state and trains online as a lone head does,
+  the group drafts where a sibling wrote ahead, and greedy rollouts are plain decoding's
+  token for token, so both steps train exactly as plain rollouts do."""
+  from specjax.decoding import Eagle3Drafter, Eagle3Weights, GroupDrafter
+  from specjax.models import Eagle3Config, init_eagle3
+  greedy = SamplingConfig(0.0)
+  eagle = Eagle3Drafter(Eagle3Config.for_target(EAGLE_MODEL))
+
+  def config(drafter):
+    rollout = RolloutConfig(max_new_tokens=TASK.max_answer_tokens, eos_id=TOK.eos_id,
+                            sampling=greedy, drafter=drafter,
+                            tree=None if drafter is None else DraftTree.chain(2))
+    return TrainConfig(model=EAGLE_MODEL, grpo=GRPOConfig(group_size=4, num_minibatches=2),
+                       rollout=rollout, drafter_training=DrafterTraining(1.0, 3e-3, 2))
+
+  both = config(FallbackDrafter(GroupDrafter(group_size=4), eagle))
+  assert both.eagle3 == eagle
+  optimizer = optax.adam(1e-3)
+  policy = init_params(EAGLE_MODEL, jax.random.key(0))
+  policy["unembed"] = policy["unembed"] * 20.0  # near-deterministic answers: groups repeat
+  jax_reward = lambda responses, lengths, answers: lengths / TASK.max_answer_tokens
+  python_reward = lambda responses, lengths, batch: (np.asarray(lengths, np.float32)
+                                                     / TASK.max_answer_tokens)
+  runs = {}
+  for name, cfg, make in (
+      ("plain", config(None), lambda c: make_train_step(c, jax_reward, optimizer,
+                                                        pad_id=TOK.pad_id)),
+      ("fused", both, lambda c: make_train_step(c, jax_reward, optimizer, pad_id=TOK.pad_id)),
+      ("split", both, lambda c: make_split_step(c, python_reward, optimizer,
+                                                pad_id=TOK.pad_id))):
+    head = None if cfg.eagle3 is None else Eagle3Weights(
+        params=init_eagle3(eagle.config, jax.random.key(5)),
+        d2t=jnp.arange(TOK.vocab_size, dtype=jnp.int32))
+    state = init_train_state(cfg, jax.tree.map(jnp.copy, policy), optimizer, seed=1,
+                             drafter_params=head)
+    step, history = make(cfg), []
+    for i in range(2):
+      state, metrics = step(state, _reader(8).batch_at(8 * i))
+      history.append(jax.tree.map(np.asarray, metrics))
+    runs[name] = state, history
+  for name in ("fused", "split"):
+    for p, s in zip(runs["plain"][1], runs[name][1], strict=True):
+      for key in ("reward_mean", "loss", "response_length_mean"):
+        np.testing.assert_allclose(p[key], s[key], rtol=1e-5, atol=1e-6, err_msg=(name, key))
+      assert float(s["plain_share"]) == 0.0  # every round drafted (a fixed chain)
+      # Greedy siblings decode in lock step, so the group has no whole draft here (the
+      # sampled case, tests/decoding/test_lossless_sampling.py, drafts from both).
+      assert "drafted_by_group" in s and float(s["drafted_by_eagle3"]) > 0
+      assert np.all(np.isfinite(s["eagle3_ce"]))  # the head trained on the rollouts
+    for a, b in zip(jax.tree.leaves(runs["plain"][0].params),
+                    jax.tree.leaves(runs[name][0].params), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # moved from the README's test command to keep it under 10 minutes
 def test_online_training_raises_eagle3_acceptance_over_a_frozen_copy():
   """After GRPO with online training, the head drafts the current policy better than the

@@ -64,6 +64,20 @@ def _eagle3(source: DraftSource) -> tuple[Drafter, Any]:
 # chain-2 accepts 2.81 tokens per round alone, 2.42 behind group drafts from 2+ token matches).
 CONFIDENT_NGRAM = 6
 
+def group_in_front(drafter: Drafter) -> FallbackDrafter:
+  """Group drafts where a confident match gives a whole one, `drafter` (a model) elsewhere:
+  what "group+mtp", "group+eagle3" and "group+draft-model" build."""
+  return FallbackDrafter(GroupDrafter(min_ngram=CONFIDENT_NGRAM, max_ngram=2 * CONFIDENT_NGRAM),
+                         drafter)
+
+
+def _behind_group(build: Builder) -> Builder:
+  def both(source: DraftSource) -> tuple[Drafter, Any]:
+    drafter, params = build(source)
+    return group_in_front(drafter), params
+  return both
+
+
 _BUILDERS: dict[str, Builder] = {
     "mtp": lambda source: (MTPDrafter(), None),
     "medusa": lambda source: (MedusaDrafter(), None),
@@ -71,9 +85,7 @@ _BUILDERS: dict[str, Builder] = {
     # Each row drafts from its own text; a GRPO run sets group_size to its group size.
     "group": lambda source: (GroupDrafter(), None),
     # Group drafts where a long match gives a whole one, the model's MTP modules elsewhere.
-    "group+mtp": lambda source: (FallbackDrafter(GroupDrafter(min_ngram=CONFIDENT_NGRAM,
-                                                              max_ngram=2 * CONFIDENT_NGRAM),
-                                                 MTPDrafter()), None),
+    "group+mtp": lambda source: (group_in_front(MTPDrafter()), None),
     # Earlier responses to the same prompt (a GRPO run's train state keeps the bank), then the
     # group's and recent responses; in front of MTP, whole drafts from confident matches only.
     "history": lambda source: (HistoryDrafter(), None),
@@ -82,12 +94,17 @@ _BUILDERS: dict[str, Builder] = {
                                                    MTPDrafter()), None),
     "draft-model": _draft_model,
     "eagle3": _eagle3,
+    # Group drafts in front of a draft model or an EAGLE-3 head (its weights the checkpoint's).
+    "group+draft-model": _behind_group(_draft_model),
+    "group+eagle3": _behind_group(_eagle3),
 }
+_DRAFT_MODEL_FILES = "an HF draft model (sharing the target's tokenizer)"
+_EAGLE3_FILES = ("an EAGLE-3 head (config.json + model.safetensors, e.g. from specjax "
+                 "train-drafter)")
 # Drafters with weights of their own, and what their `DraftSource.checkpoint` holds.
 _CHECKPOINTS: dict[str, str] = {
-    "draft-model": "an HF draft model (sharing the target's tokenizer)",
-    "eagle3": "an EAGLE-3 head (config.json + model.safetensors, e.g. from specjax "
-              "train-drafter)",
+    "draft-model": _DRAFT_MODEL_FILES, "eagle3": _EAGLE3_FILES,
+    "group+draft-model": _DRAFT_MODEL_FILES, "group+eagle3": _EAGLE3_FILES,
 }
 
 
