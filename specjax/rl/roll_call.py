@@ -16,6 +16,7 @@ to process 0 and `ok` or `error <message>` back.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import socket
 import time
 
@@ -118,8 +119,12 @@ def _host(address: str, count: int, timeout_s: float) -> None:
   try:
     server = _listen(port)
   except OSError as err:
-    raise ConfigError(f"process 0 cannot listen on the coordinator port {port} ({err}): pass "
-                      "a free port in --coordinator-address / JAX_COORDINATOR_ADDRESS") from None
+    taken = ("; the port is taken: is another process of this run also --process-id 0 (a "
+             "run has one process 0, the others 1 .. N - 1), or another run on it?"
+             if err.errno == errno.EADDRINUSE else "")
+    raise ConfigError(f"process 0 cannot listen on the coordinator port {port} ({err}){taken}"
+                      ": pass a free port in --coordinator-address / JAX_COORDINATOR_ADDRESS"
+                      ) from None
   present: list[_Present] = []
   with server:
     while (_missing(present, count) and not _conflicts(present, count)

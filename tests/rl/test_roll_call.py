@@ -95,6 +95,17 @@ def test_a_stranger_on_the_coordinator_port_is_named():
   assert "did not report as a specjax process" in str(outcome["err"])
 
 
+def test_a_second_process_0_fails_at_once_saying_the_port_is_taken():
+  port = _free_port()
+  with socket.create_server(("", port)):  # process 0 of this run, listening
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"cannot listen on the coordinator port {port} "
+                                          r"\(.*\); the port is taken: is another process of "
+                                          r"this run also --process-id 0"):
+      roll_call(f"localhost:{port}", 2, 0, 20)
+    assert time.monotonic() - start < 5
+
+
 def test_nobody_at_the_coordinator_fails_naming_the_address():
   port = _free_port()
   with pytest.raises(ConfigError, match=rf"nobody answers at the coordinator address "
