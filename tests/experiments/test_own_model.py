@@ -166,18 +166,23 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
     assert min(moved) > 0, moved
 
 
-@pytest.mark.slow  # two short runs, a minute each on 2 cores
-@pytest.mark.parametrize("family, drafter", [("llama", "group+draft-model"),
-                                             ("qwen3", "group+eagle3")])
+@pytest.mark.slow  # three short runs, a minute each on 2 cores
+@pytest.mark.parametrize("family, drafter, pipeline", [
+    ("llama", "group+draft-model", "sync"), ("qwen3", "group+eagle3", "sync"),
+    ("qwen3", "group+eagle3", "disaggregated")])
 def test_group_drafts_in_front_of_a_draft_model_or_an_eagle3_head_train_by_name(own, family,
-                                                                                drafter):
+                                                                                drafter,
+                                                                                pipeline):
   """Issue 57: the registry names of group drafting in front of a model with weights of its
   own: the model's weights live in the train state and train online (the draft model
-  distilled, the EAGLE-3 head on its loss), and each part's acceptance is logged."""
+  distilled, the EAGLE-3 head on its loss), and each part's acceptance is logged; also async
+  with rollouts on 4 devices and updates on the other 4 (the head moved between them)."""
   weights = drafter.removeprefix("group+")
-  run_dir = own / f"run-{drafter}"
+  run_dir = own / f"run-{drafter}-{pipeline}"
   flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[weights]]
   flags[flags.index(weights)] = drafter
+  if pipeline == "disaggregated":
+    flags += ["--pipeline.async-mode", "--grpo.tis-cap", "2", "--pipeline.rollout-devices", "4"]
   cli_main(["train", "--config", str(own / f"config-{family}.py"), *flags, "--run-dir",
             str(run_dir), "--rollout.speculation", "fixed"])
   records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

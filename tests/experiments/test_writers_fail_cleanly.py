@@ -7,6 +7,7 @@ bounded queue; on ENOSPC that thread died and the next record blocked the run fo
 """
 
 import errno
+import json
 import io
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from support import child_env, tiny_experiment
 
+from specjax.checkpoint import CheckpointError
 from specjax.errors import StorageError
 from specjax.experiments import grpo
 from specjax.experiments.metrics_log import Logging, MetricsLog
@@ -94,16 +96,19 @@ def test_storage_names_the_file_and_the_operating_systems_cause(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_metrics_file_that_fills_mid_run_stops_it_and_the_run_resumes(tmp_path, monkeypatch):
-  """metrics.jsonl fills after step 1's record: the run stops at step 2 naming the file, and
-  a rerun on a disk with room resumes from the intact checkpoint step 1 to the end."""
+@pytest.mark.parametrize("room", range(10))
+def test_a_metrics_file_that_fills_mid_run_stops_it_and_the_run_resumes(tmp_path, monkeypatch,
+                                                                        room):
+  """metrics.jsonl fills after step `room`'s record (ten moments): the run stops at the next
+  step naming the file, and a rerun on a disk with room resumes from the intact checkpoint of
+  step `room` to the end."""
   run_dir = tmp_path / "run"
-  config = tiny_experiment(run_dir, steps=3)
+  config = tiny_experiment(run_dir, steps=room + 2)
   real_open = open
 
   def filling_open(path, mode="r", *args, **kwargs):
     if Path(path).name == "metrics.jsonl" and "a" in mode:
-      return FullDisk(room=1, real=real_open(path, mode, *args, **kwargs))
+      return FullDisk(room=room, real=real_open(path, mode, *args, **kwargs))
     return real_open(path, mode, *args, **kwargs)
 
   monkeypatch.setattr(grpo, "open", filling_open, raising=False)
@@ -111,14 +116,14 @@ def test_a_metrics_file_that_fills_mid_run_stops_it_and_the_run_resumes(tmp_path
     grpo.run(config, log=lambda _: None)
   assert str(caught.value).startswith(f"the metrics file {run_dir / 'metrics.jsonl'} cannot be "
                                       "written: No space left on device. The run stopped; its "
-                                      "checkpoint step 1 in ")
+                                      f"checkpoint step {room} in ")
   monkeypatch.undo()
   lines = []
   grpo.run(config, log=lines.append)
-  assert any(line.startswith(f"resumed from {run_dir / 'checkpoints'} at step 1")
+  assert any(line.startswith(f"resumed from {run_dir / 'checkpoints'} at step {room}")
              for line in lines), lines
   steps = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-  assert len(steps) == 3
+  assert len(steps) == room + 2
 
 
 _CONFIG = """
@@ -168,3 +173,45 @@ def test_a_disk_that_fills_during_specjax_train_ends_it_with_one_message_then_it
     assert "resumed from" in resumed.stdout
   finally:
     subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# Sizes of a tmpfs that the tiny run fills at ten different moments: from its first files
+# (config, the step-0 checkpoint) to a later checkpoint (a checkpoint is about 1 MiB, and the
+# run keeps up to 4 MiB of them).
+_DISK_SIZES_K = (40, 150, 400, 700, 1000, 1400, 1800, 2300, 2800, 3400)
+
+
+@pytest.mark.slow  # ten runs that fill a disk, and ten that resume: about 3 minutes
+def test_a_disk_that_fills_at_ten_moments_of_a_run_ends_it_cleanly_each_time(tmp_path, capfd):
+  """Issue 57's matrix: a real full file system under the run directory, filling at ten
+  different moments (whichever writer hits it: config and inputs records, metrics,
+  TensorBoard, checkpoints). Each run stops within 30 s with one StorageError naming a file
+  of the run and the cause (a CheckpointError for a checkpoint), no writer thread's traceback reaches the log, and with room again
+  the same run finishes, resumed from its last checkpoint when it had written one."""
+  disk = tmp_path / "disk"
+  if not _mount_tmpfs(disk, "64m"):
+    pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN) here")
+  subprocess.run(["umount", str(disk)], check=True)
+  named = set()  # what each run's message names: "checkpoint step 3", "the metrics file ..."
+  for size in _DISK_SIZES_K:
+    assert _mount_tmpfs(disk, f"{size}k")
+    try:
+      run_dir = disk / "run"
+      config = tiny_experiment(run_dir, steps=12)
+      capfd.readouterr()
+      err = _finishes(lambda: grpo.run(config, log=lambda _: None), seconds=30)
+      assert isinstance(err, (StorageError, CheckpointError)), (size, err)
+      assert "No space left on device" in str(err) and str(run_dir) in str(err), str(err)
+      assert "Traceback" not in capfd.readouterr().err, size
+      named.add(str(err).split(" cannot ")[0])
+      subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+      saved = (run_dir / "checkpoints").is_dir() and any(
+          p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+      lines = []
+      grpo.run(config, log=lines.append)
+      assert any(line.startswith("resumed from") for line in lines) == saved, (size, lines)
+      records = (run_dir / "metrics.jsonl").read_text().splitlines()
+      assert [json.loads(r)["step"] for r in records] == list(range(1, 13)), size
+    finally:
+      subprocess.run(["umount", str(disk)], capture_output=True)
+  assert len(named) >= 3, named  # it filled at several moments (checkpoint steps)
