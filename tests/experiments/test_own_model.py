@@ -255,25 +255,32 @@ def exact(prompts, completions, text):
   return [float(c == t) for c, t in zip(completions, text)]
 
 
+def sums_experiment(run_dir, rewards, **fields) -> ExperimentConfig:
+  """A run of seconds on the sums task (`SUM_ROWS`) rewarded by `rewards`; `fields` override
+  the config's."""
+  task = DatasetTask(SUM_ROWS, SUMS, rewards, reference_column="text", answer_column="sum",
+                     test_fraction=0.2, success_reward=0.5)
+  return dataclasses.replace(ExperimentConfig(
+      run_dir=str(run_dir), task=task,
+      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
+                        max_position=32),
+      grpo=GRPOConfig(group_size=2), steps=2,
+      rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4, tree_widths=(1,)),
+      warm_start=WarmStart(steps=20),
+      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0)), **fields)
+
+
 @pytest.mark.slow  # four short runs: a minute on 2 cores
 def test_python_rewards_in_the_disaggregated_pipeline_give_the_async_runs_steps_and_resume(
     tmp_path):
   """Issue 55: rollouts on 4 devices, updates on the 4 others, the rewards (Python, and JAX
   beside it) scored on the host between the meshes: the steps of async mode's split step on
   all 8 devices; each stopped after 2 steps resumes to the same third, with its metrics."""
-  task = DatasetTask(SUM_ROWS, SUMS, [exact, JaxReward(short, weight=0.5)],
-                     reference_column="text", answer_column="sum", test_fraction=0.2,
-                     success_reward=0.5)
-  config = ExperimentConfig(
-      run_dir=str(tmp_path / "async"), task=task,
-      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
-                        max_position=32),
-      grpo=GRPOConfig(group_size=2), steps=3,
+  config = sums_experiment(
+      tmp_path / "async", [exact, JaxReward(short, weight=0.5)], steps=3,
       rollout=RolloutSettings(prompts_per_step=4, max_new_tokens=4, tree_widths=(1,)),
-      warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=True),
-      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0),
-      checkpoint=Checkpointing(every=1))
+      pipeline=Pipeline(async_mode=True), checkpoint=Checkpointing(every=1))
   logs = []
   run(dataclasses.replace(config, steps=2), log=logs.append)
   run(config, log=logs.append)
@@ -347,18 +354,9 @@ def zero(prompts, completions, **_):
                               "python-and-jax-async"])
 def test_jax_rewards_run_in_the_fused_step_or_beside_python_ones(tmp_path, mixed, async_mode):
   rewards = [JaxReward(short, weight=0.5)] + ([exact] if mixed else [])
-  task = DatasetTask(SUM_ROWS, SUMS, rewards, reference_column="text", answer_column="sum",
-                     test_fraction=0.2, success_reward=0.5)
-  config = ExperimentConfig(
-      run_dir=str(tmp_path / "run"), task=task,
-      model=ModelConfig(vocab_size=SUMS.vocab_size, d_model=32, n_layers=1, n_heads=2,
-                        n_kv_heads=1, head_dim=16, mlp_dim=64, num_mtp_modules=1,
-                        max_position=32),
-      grpo=GRPOConfig(group_size=2), steps=2,
-      rollout=RolloutSettings(prompts_per_step=2, max_new_tokens=4, tree_widths=(1,)),
-      warm_start=WarmStart(steps=20), pipeline=Pipeline(async_mode=async_mode),
-      eval=RolloutEvaluation(prompts=4, speedup_repeats=1, speedup_seconds=0),
-      log=Logging(samples_every=1))
+  config = sums_experiment(tmp_path / "run", rewards, pipeline=Pipeline(async_mode=async_mode),
+                           log=Logging(samples_every=1))
+  task = config.task
   assert task.reward_in_jax == (not mixed)
   run(config, log=lambda _: None)
   # Sample completions in the log, from the fused step's rows or from the host rewards.
