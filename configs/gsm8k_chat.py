@@ -29,6 +29,7 @@ from pathlib import Path
 from specjax.errors import ConfigError
 from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, Optimization,
                                  Pipeline, RolloutEvaluation, RolloutSettings, WarmStart)
+from specjax.hub import local_checkpoint
 from specjax.models import LoraConfig
 from specjax.rl import GRPOConfig
 from specjax.rl.gsm8k import gsm8k_dataset
@@ -41,11 +42,13 @@ PROMPT = "{question}\nPlease reason step by step, and put your final answer with
 
 def gsm8k_files() -> tuple[Path, Path | None]:
   """`$SPECJAX_GSM8K`'s train.jsonl and test.jsonl (None when it has none)."""
-  folder = Path(os.environ.get("SPECJAX_GSM8K", "data/gsm8k"))
+  given = os.environ.get("SPECJAX_GSM8K")
+  folder = Path(given or "data/gsm8k")
   train, test = folder / "train.jsonl", folder / "test.jsonl"
   if not train.is_file():
+    unset = "" if given else " (unset: the default)"
     raise ConfigError(
-        f"SPECJAX_GSM8K={str(folder)!r} is invalid: it has no train.jsonl (allowed: a "
+        f"SPECJAX_GSM8K={str(folder)!r}{unset} is invalid: it has no train.jsonl (allowed: a "
         "directory with GSM8K's train.jsonl and, optionally, test.jsonl, from "
         "github.com/openai/grade-school-math's grade_school_math/data)")
   return train, test if test.is_file() else None
@@ -54,6 +57,11 @@ def gsm8k_files() -> tuple[Path, Path | None]:
 def get_config() -> ExperimentConfig:
   policy = os.environ.get("SPECJAX_POLICY", "Qwen/Qwen3-0.6B")
   train, test = gsm8k_files()
+  # A Hub id becomes its local snapshot; a missing directory is named by the variable.
+  policy = str(local_checkpoint(policy, "SPECJAX_POLICY"))
+  if not (Path(policy) / "tokenizer.json").is_file():
+    raise ConfigError(f"SPECJAX_POLICY={policy!r} is invalid: no tokenizer.json there "
+                      "(allowed: a Hub id or an HF checkpoint directory of a chat model)")
   tokenizer = HFTokenizer.from_dir(policy)
   if tokenizer.chat_template is None:
     raise ConfigError(f"SPECJAX_POLICY={policy!r} is invalid: its tokenizer has no chat "

@@ -66,12 +66,14 @@ def generate_command(
     prompt: prompts to continue (one batch row each), all after one --prompt: --prompt 'a' 'b'.
     demo: train the built-in tiny counting model (about a minute on CPU) and use it.
     drafter: where drafts come from, a registered name (`specjax.decoding.drafter_names`:
-      none, draft-model, eagle3, medusa, mtp, ngram, and any `register_drafter` added);
+      none, draft-model, eagle3, group, group+mtp, group+eagle3, group+draft-model, history,
+      history+mtp, medusa, mtp, ngram, and any `register_drafter` added);
       "none" is plain autoregressive decoding. Default: what the model supports with no
       weights of its own (`default_drafter`: its MTP modules, its Medusa heads, else n-gram
       lookup, which any checkpoint can use).
     draft_checkpoint: the drafter's own weights: an HF draft model's directory
-      (--drafter draft-model) or an EAGLE-3 head's (--drafter eagle3).
+      (--drafter draft-model, group+draft-model) or an EAGLE-3 head's (--drafter eagle3,
+      group+eagle3).
     widths: draft tree, children per node at each depth; (1, 1, 1) is a chain of 3.
     adaptive: each round runs plain decoding, a chain of 1 .. depth drafts or the widths
       tree, whichever is expected to be fastest (costs measured first, cached on disk).

@@ -51,11 +51,15 @@ DRAFT_MODEL = "draft-model"
 EAGLE3 = "eagle3"
 
 
+# The drafter names whose weights the run holds, and which drafter with weights each is.
+_WEIGHTS = {EAGLE3: EAGLE3, DRAFT_MODEL: DRAFT_MODEL, f"group+{EAGLE3}": EAGLE3,
+            f"group+{DRAFT_MODEL}": DRAFT_MODEL}
+
+
 def weights_of(name: str) -> str | None:
   """The drafter with weights of its own that drafter `name` drafts with, alone or behind
   group drafts ("group+eagle3" -> "eagle3"): EAGLE3, DRAFT_MODEL, or None."""
-  last = name.rsplit("+", 1)[-1] if isinstance(name, str) else None
-  return last if last in (EAGLE3, DRAFT_MODEL) else None
+  return _WEIGHTS.get(name) if isinstance(name, str) else None
 
 # Half of each rollout's acceptance counts start the next: the policy chooses its trees from
 # the first round on, yet follows a drafter whose acceptance moves (docs/experiments.md).
@@ -144,8 +148,9 @@ class Drafting:
   Attributes:
     name: a registered drafter (`specjax.decoding.drafter_names`; "none": plain decoding;
       "draft-model": the HF checkpoint `checkpoint`; "eagle3": the run's own head, below;
-      "group+draft-model", "group+eagle3": group drafts where a sibling wrote ahead, those
-      elsewhere; not another drafter whose weights come from a checkpoint).
+      "group+draft-model", "group+eagle3": group drafts from confident matches (6+ tokens,
+      `registry.CONFIDENT_NGRAM`), those elsewhere; not another drafter whose weights come
+      from a checkpoint).
     loss_weight: weight of the detached drafter loss on each step's rollouts (0: the drafter
       is not trained online).
     learning_rate: learning rate of an EAGLE-3 head trained online (MTP and Medusa heads
@@ -158,8 +163,9 @@ class Drafting:
       gradient would still shrink the policy's step whenever clipping is active (and a large
       policy gradient the heads'). False: one norm over all parameters. The optimizer state
       is the same either way, so a run resumes under both.
-    eagle3_dir: with name "eagle3", an EAGLE-3 head in the public layout to start from
-      (`specjax train-drafter` writes one); None distils one from the warm-started policy.
+    eagle3_dir: with name "eagle3" or "group+eagle3", an EAGLE-3 head in the public layout
+      to start from (`specjax train-drafter` writes one); None distils one from the
+      warm-started policy.
     draft_vocab_size: draft vocabulary of a distilled EAGLE-3 head (None: the whole
       vocabulary).
     distill_steps: training steps of a distilled EAGLE-3 head.
@@ -170,12 +176,14 @@ class Drafting:
     distill_task: distil the head on this task's prompts instead of the run's (same
       tokenizer): a head that starts on another text distribution than the RL task, to
       measure what online training recovers.
-    checkpoint: with name "draft-model", the draft model's HF checkpoint directory (a smaller
-      model of the policy's tokenizer, e.g. a 0.6B drafting for a 4-8B).
-    draft_model_learning_rate: with name "draft-model", distil the draft model from the policy
-      online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6; its loss is the KL
-      divergence from the policy's next-token distributions, times `loss_weight`); 0 keeps
-      it frozen. The trained draft model is saved as `run_dir/draft_model` at the end.
+    checkpoint: with name "draft-model" or "group+draft-model", the draft model's HF
+      checkpoint directory (a smaller model of the policy's tokenizer, e.g. a 0.6B drafting
+      for a 4-8B).
+    draft_model_learning_rate: with a draft model ("draft-model", "group+draft-model"),
+      distil it from the policy online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6;
+      its loss is the KL divergence from the policy's next-token distributions, times
+      `loss_weight`); 0 keeps it frozen. The trained draft model is saved as
+      `run_dir/draft_model` at the end.
     history_slots, history_per_prompt, history_recent: with a history drafter ("history",
       "history+mtp"), the bank the train state keeps: prompts (a hashed slot each; a prompt
       evicts the one its slot held), the latest answers kept per prompt, and the latest
@@ -208,8 +216,9 @@ class Drafting:
                   f"allowed one of {', '.join(usable)} (a GRPO run loads no other drafter's "
                   "checkpoint)", "drafter.")
     require_field(self, "checkpoint",
-                  (self.checkpoint is not None) == (self.weights == DRAFT_MODEL), f"give it exactly with name {DRAFT_MODEL!r} or 'group+{DRAFT_MODEL}' (the draft "
-                  "model's HF checkpoint directory)", "drafter.")
+                  (self.checkpoint is not None) == (self.weights == DRAFT_MODEL),
+                  f"give it exactly with name {DRAFT_MODEL!r} or 'group+{DRAFT_MODEL}' (the "
+                  "draft model's HF checkpoint directory)", "drafter.")
     require_reals(self, ("loss_weight", "draft_model_learning_rate"), positive=False,
                   prefix="drafter.")
     require_field(self, "draft_model_learning_rate",

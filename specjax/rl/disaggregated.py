@@ -4,7 +4,8 @@ Async mode's fused step (`make_train_step`, `async_mode=True`) generates batch t
 updates on batch t in one program, so the two never run at the same time. Here they are two
 programs on two meshes over disjoint devices:
 
-- the rollout program (rollout mesh) generates and scores a batch with the policy weights
+- the rollout program (rollout mesh) generates (and, with a JAX reward, scores) a batch with
+  the policy weights
   the rollout side holds (parameters, and the EAGLE-3 head if the drafter has one; MTP and
   Medusa heads are part of the parameters) and carries the speculation policy's counts;
 - the update program (train mesh) runs the GRPO updates (and the online drafter update) on
@@ -27,10 +28,16 @@ while a new one arrives (2 at lag 1). Lag 1 is async mode exactly: the same keys
 
 Rewards: a JAX reward scores each rollout inside the rollout program. A host (Python) reward
 (`host_reward=True`, the protocol of `specjax.rl.SplitStep`) scores rollout t between the
-meshes, in a background thread (`specjax.rl.host_scoring`): from when rollout t finishes while
-the train mesh runs update t - 1 and the rollout mesh rollout t + 1, until update t needs
-it. Neither mesh waits for the rewards unless they take longer than both. The values are the
-fused async step's with the same reward computed in JAX.
+meshes, in a background thread (`specjax.rl.host_scoring`), from when rollout t finishes
+until update t needs it; the values are the fused async step's with the same reward computed
+in JAX. What that hides depends on the lag. At lag 1 rollout t + 2 needs update t's
+weights, and update t the rewards of rollout t: the rewards sit on that chain, and the step
+grows by about half of any scoring time beyond the difference between the rollout's and the
+update's times (a model of the schedule: both 1 s, rewards 0.5 s -> 1.25 s steps). At lag 2
+and beyond the rollouts wait for no update of the last step: rewards up to a step's time are
+hidden. Slow rewards want `policy_lag >= 2`. `perf_reward_overlap` is measured on the train
+mesh: 1 less the share of the reward's time during which it had finished its last update
+and waited.
 
 Checkpoints: `settled()` is the fused async mode's `TrainState`. The weight versions in flight
 are not part of it: a run restarted from it at lag k > 1 rolls out its first k - 1 steps
@@ -47,6 +54,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh
@@ -155,9 +163,10 @@ class DisaggregatedAsync:
 
   def start(self, state: TrainState, batch=None) -> None:
     """Place `state` on the two meshes; its arrays are consumed (the first step donates
-    them). Without a pending rollout, `batch` (the first prompts) is generated and scored
-    as `make_prime_fn` does; a state with one (restored from a checkpoint) takes no batch.
-    Every weight version on the rollout side starts as `state`'s weights."""
+    them). Without a pending rollout, `batch` (the first prompts) is generated with
+    `make_prime_fn`'s keys (scored in the rollout program, or with a host reward in the
+    background); a state with one (restored from a checkpoint, which `settled()` scored)
+    takes no batch. Every weight version on the rollout side starts as `state`'s weights."""
     if state.pending is None and batch is None:
       raise ConfigError("start(state) with no pending rollout needs the first batch: "
                         "start(state, batch) generates the rollout the first update trains on")
@@ -166,6 +175,10 @@ class DisaggregatedAsync:
                         "first update's data); call start(state) and pass batch to step()")
     config, reward_fn, pad_id, rules = self.config, self.reward_fn, self.pad_id, self.rules
     host = self.host_reward
+    if host and state.pending is not None and not np.isfinite(
+        np.asarray(jax.device_get(state.pending.rewards))).all():
+      raise ConfigError("start(state): the state's pending rollout has no rewards (NaN: it was "
+                        "still being scored); save DisaggregatedAsync.settled(), not state()")
     roll_mesh, train_mesh = self.rollout_mesh, self.train_mesh
     weights = self._weights(state)
     side = _RolloutSide(acceptance=state.acceptance, key=state.key, history=state.history)
@@ -227,6 +240,7 @@ class DisaggregatedAsync:
     self._side = jax.device_put(side, side_shardings)
     self._versions = collections.deque([self._weights_of(self._train)])
     self._scoring, self.pending_metrics = None, {}
+    self._updated = None  # the last update's metrics (none yet: the train mesh is idle)
     if state.pending is None:
       out, self._side = self._rollout(self._versions[0], self._side,
                                       self._on_rollout_mesh(batch), True)
@@ -261,9 +275,10 @@ class DisaggregatedAsync:
     lap(out)
     rewards, scored = (), {}
     if self.host_reward:  # the pending rollout's rewards (scored since the step before)
-      rewards, scored = self._pending_rewards(busy=out)
+      rewards, scored = self._pending_rewards(busy=self._updated)
       rewards = (rewards,)
     train, metrics = self._update(self._train, self._pending, *rewards)
+    self._updated = metrics  # ready when the train mesh has finished this update
     lap(train, metrics)
     self._pending = transfer(out[0], self._pending_shardings)
     self._score_in_background(out, batch)
@@ -312,12 +327,16 @@ class DisaggregatedAsync:
 
   def _pending_rewards(self, busy: Any = None) -> tuple[Any, dict[str, Any]]:
     """The pending rollout's rewards `[B]` and what they add to the metrics: waited for
-    (`busy`: the device work dispatched last), or the rewards it already holds (settled, or
-    restored from a checkpoint)."""
+    (`busy`: the train mesh's last work, whose end starts its wait), or the rewards it already
+    holds (settled, or restored from a checkpoint).
+
+    Raises:
+      whatever the reward raised, again on every later call (the rollout stays unscored).
+    """
     if self._scoring is None:
       return self._pending.rewards, self.pending_metrics
-    scoring, self._scoring = self._scoring, None
-    rewards, extra, perf = scoring.result(busy=busy)
+    rewards, extra, perf = self._scoring.result(busy=busy)
+    self._scoring = None
     return rewards, {**extra, **perf}
 
   def _weights_on(self, state: TrainState, mesh: Mesh) -> PolicyWeights:

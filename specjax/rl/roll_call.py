@@ -119,8 +119,8 @@ def _host(address: str, count: int, timeout_s: float) -> None:
   try:
     server = _listen(port)
   except OSError as err:
-    taken = ("; the port is taken: is another process of this run also --process-id 0 (a "
-             "run has one process 0, the others 1 .. N - 1), or another run on it?"
+    taken = ("; the port is taken: another process of this run may also be --process-id 0 (a "
+             "run has one process 0, the others 1 .. N - 1), or another run uses it"
              if err.errno == errno.EADDRINUSE else "")
     raise ConfigError(f"process 0 cannot listen on the coordinator port {port} ({err}){taken}"
                       ": pass a free port in --coordinator-address / JAX_COORDINATOR_ADDRESS"

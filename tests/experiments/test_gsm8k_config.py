@@ -58,6 +58,9 @@ def test_missing_data_or_a_checkpoint_without_chat_template_is_refused(inputs, m
   with pytest.raises(ConfigError, match=r"SPECJAX_GSM8K='.*nowhere' is invalid: it has no "
                                         r"train.jsonl"):
     config_with(monkeypatch, policy, tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"SPECJAX_POLICY='.*nothing' is invalid: no "
+                                        r"tokenizer.json there"):
+    config_with(monkeypatch, tmp_path / "nothing", data)
   plain = write_hf_checkpoint(tmp_path / "plain", [], tokenizer_from=policy)
   settings = json.loads((plain / "tokenizer_config.json").read_text())
   settings.pop("chat_template", None)

@@ -252,6 +252,36 @@ def test_lag_1_with_a_python_reward_scored_between_the_meshes_reproduces_the_fus
 
 
 @pytest.mark.slow
+def test_a_python_reward_that_raises_stops_every_later_call_and_a_nan_pending_is_refused():
+  """A failed host reward is not forgotten: the step that needs it raises, and so do the
+  steps and `settled()` after it (the rollout stays unscored, never trained on). A state
+  saved while its rollout was still being scored (`state()`, NaN rewards) does not start."""
+  calls = []
+
+  def flaky(responses, lengths, batch):
+    calls.append(len(responses))
+    if len(calls) == 2:
+      raise ValueError("the verifier crashed on row 3")
+    return host_parity(responses, lengths, batch)
+
+  config, data = mtp_config(), batches(3)
+  rollout_mesh, train_mesh = meshes()
+  make = lambda: DisaggregatedAsync(config, flaky, optimizer(), rollout_mesh, train_mesh,
+                                    pad_id=TOK.pad_id, host_reward=True)
+  run = make()
+  run.start(init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer(),
+                             seed=1), data[0])
+  run.step(data[1])  # trains on the first rollout, scored; starts scoring the second
+  unscored = jax.device_get(run.state().pending.rewards)
+  for again in (lambda: run.step(data[2]), run.settled, lambda: run.step(data[2])):
+    with pytest.raises(ValueError, match="the verifier crashed on row 3"):
+      again()
+  assert np.isnan(unscored).all()
+  with pytest.raises(ConfigError, match=r"pending rollout has no rewards \(NaN.*settled\(\)"):
+    make().start(run.state())
+
+
+@pytest.mark.slow
 def test_lag_1_with_lora_moves_the_adapters_and_reproduces_the_fused_async_step():
   """With LoRA the rollout side merges the adapters it is sent into the frozen trunk."""
   config = dataclasses.replace(mtp_config(), lora=LoraConfig(rank=4),

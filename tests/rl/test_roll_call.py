@@ -100,8 +100,8 @@ def test_a_second_process_0_fails_at_once_saying_the_port_is_taken():
   with socket.create_server(("", port)):  # process 0 of this run, listening
     start = time.monotonic()
     with pytest.raises(ConfigError, match=rf"cannot listen on the coordinator port {port} "
-                                          r"\(.*\); the port is taken: is another process of "
-                                          r"this run also --process-id 0"):
+                                          r"\(.*\); the port is taken: another process of this "
+                                          r"run may also be --process-id 0"):
       roll_call(f"localhost:{port}", 2, 0, 20)
     assert time.monotonic() - start < 5
 
