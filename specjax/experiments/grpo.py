@@ -622,9 +622,11 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
 
   log(f"evaluating the trained policy on {len(test_records)} held-out prompts, then timing "
       "its rollouts speculative vs plain")
+  # `drafter`: what the rollout's drafter reads (a history bank, its own weights, or both);
+  # `weights`: its own weights alone, to save.
   final = local_copy({"params": _policy(state), "drafter": state.rollout_drafter_params,
-                      "acceptance": state.acceptance})
-  params, head = final["params"], final["drafter"]
+                      "weights": state.drafter_weights, "acceptance": state.acceptance})
+  params, head, weights = final["params"], final["drafter"], final["weights"]
   summary = {"accuracy_before": meta["accuracy_before"],
              "accuracy_after": evaluate(params, config, test_records, pool=pool),
              "sampled_accuracy_before": meta["sampled_accuracy_before"],
@@ -639,12 +641,12 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
     summary["probe_acceptance_after_frozen"] = probe_acceptance(
         params, config, test_records,
         drafter_params=Eagle3Weights(params=frozen, d2t=jnp.asarray(d2t, jnp.int32)))
-    save_eagle3(run_dir / "eagle3", head.params, tc.eagle3.config, np.asarray(head.d2t))
+    save_eagle3(run_dir / "eagle3", weights.params, tc.eagle3.config, np.asarray(weights.d2t))
   if tc.trains_draft_model and lead:
     # The draft model as it came, on the final policy; the distilled one kept for export.
     summary["probe_acceptance_after_frozen"] = probe_acceptance(
         params, config, test_records, drafter_params=draft_model_params(config, log=None))
-    save_hf(head, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
+    save_hf(weights, tc.draft_model.config, run_dir / DRAFT_MODEL_DIR)
   summary |= rollout_speedup(params, config, reader.batch_at(0), head, costs,
                              final["acceptance"], arms=arms)
   # The simulator drafts at the acceptance measured for the run's own drafter on training

@@ -23,7 +23,7 @@ from specjax.decoding import (AcceptanceCounts, Adaptive, CostTable, DraftModelD
                               DraftTree, Eagle3Drafter, SamplingConfig, build_drafter,
                               check_drafter_name, drafter_names, needs_checkpoint)
 from specjax.decoding.drafters.group import with_group_size
-from specjax.decoding.drafters.registry import group_in_front
+from specjax.decoding.drafters.registry import group_in_front, history_in_front
 from specjax.decoding.drafters.history import history_drafter, with_bank_sizes
 from specjax.errors import ConfigError
 from specjax.experiments.groups import Checkpointing, Evaluation, Optimization, WarmStart
@@ -52,13 +52,14 @@ EAGLE3 = "eagle3"
 
 
 # The drafter names whose weights the run holds, and which drafter with weights each is.
-_WEIGHTS = {EAGLE3: EAGLE3, DRAFT_MODEL: DRAFT_MODEL, f"group+{EAGLE3}": EAGLE3,
-            f"group+{DRAFT_MODEL}": DRAFT_MODEL}
+_WEIGHTS = {EAGLE3: EAGLE3, DRAFT_MODEL: DRAFT_MODEL} | {
+    f"{front}+{weights}": weights for front in ("group", "history")
+    for weights in (EAGLE3, DRAFT_MODEL)}
 
 
 def weights_of(name: str) -> str | None:
   """The drafter with weights of its own that drafter `name` drafts with, alone or behind
-  group drafts ("group+eagle3" -> "eagle3"): EAGLE3, DRAFT_MODEL, or None."""
+  group or history drafts ("group+eagle3" -> "eagle3"): EAGLE3, DRAFT_MODEL, or None."""
   return _WEIGHTS.get(name) if isinstance(name, str) else None
 
 # Half of each rollout's acceptance counts start the next: the policy chooses its trees from
@@ -148,9 +149,9 @@ class Drafting:
   Attributes:
     name: a registered drafter (`specjax.decoding.drafter_names`; "none": plain decoding;
       "draft-model": the HF checkpoint `checkpoint`; "eagle3": the run's own head, below;
-      "group+draft-model", "group+eagle3": group drafts from confident matches (6+ tokens,
-      `registry.CONFIDENT_NGRAM`), those elsewhere; not another drafter whose weights come
-      from a checkpoint).
+      "group+draft-model", "group+eagle3", "history+draft-model", "history+eagle3": group or
+      history drafts from confident matches (6+ tokens, `registry.CONFIDENT_NGRAM`), those
+      elsewhere; not another drafter whose weights come from a checkpoint).
     loss_weight: weight of the detached drafter loss on each step's rollouts (0: the drafter
       is not trained online).
     learning_rate: learning rate of an EAGLE-3 head trained online (MTP and Medusa heads
@@ -481,8 +482,9 @@ class ExperimentConfig:
                   "are measured every eval.arms_every steps: set eval.arms_every >= 1",
                   "eval.")
     own = self.drafter.name
-    keeps_bank = own != "none" and not weights_of(own) and history_drafter(
-        build_drafter(own, DraftSource(self.model))[0]) is not None
+    keeps_bank = own.startswith("history") if weights_of(own) else (
+        own != "none" and history_drafter(build_drafter(own, DraftSource(self.model))[0])
+        is not None)
     for name in self.eval.arm_drafters:
       drafter = build_drafter(name, DraftSource(self.model))[0]
       require_field(self.eval, "arm_drafters",
@@ -630,8 +632,9 @@ class ExperimentConfig:
       # are loaded when the run starts: neither from the registry's checkpoint.
       draft = (Eagle3Drafter(self.eagle3_config()) if weights == EAGLE3 else
                DraftModelDrafter(self.draft_model_config()))
-      if drafter != weights:  # "group+eagle3", "group+draft-model"
-        draft = group_in_front(draft)
+      if drafter != weights:  # "group+eagle3", "history+draft-model", ...
+        front = drafter.split("+")[0]
+        draft = group_in_front(draft) if front == "group" else history_in_front(draft)
     else:
       draft = build_drafter(drafter, DraftSource(self.model))[0]
     draft = with_bank_sizes(with_group_size(draft, self.grpo.group_size),

@@ -46,6 +46,7 @@ from specjax.timing import interleaved
 # costs MTP's drafting.
 _SIM_DRAFTERS = {"mtp": "mtp", "eagle3": "eagle3", "draft-model": "draft-model",
                  "group+eagle3": "eagle3", "group+draft-model": "draft-model",
+                 "history+eagle3": "eagle3", "history+draft-model": "draft-model",
                  "ngram": "ngram", "group": "ngram", "group+mtp": "mtp", "history": "ngram",
                  "history+mtp": "mtp"}
 

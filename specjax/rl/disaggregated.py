@@ -70,7 +70,8 @@ from specjax.rl.distributed import (prompt_batch_shardings, rollout_shardings,
                                     train_state_shardings)
 from specjax.rl.host_scoring import HostScoring, unscored
 from specjax.rl.rollouts import recorded, rollout, rollout_metrics, score, scored_rollout
-from specjax.rl.state import RewardFn, Rollout, TrainConfig, TrainState
+from specjax.rl.state import (RewardFn, Rollout, TrainConfig, TrainState,
+                              rollout_drafter_params)
 from specjax.rl.trainer import prime_keys, step_keys
 from specjax.rl.updates import update
 from specjax.sharding import DEFAULT_RULES, Rules, on_mesh, replicated, transfer
@@ -187,7 +188,7 @@ class DisaggregatedAsync:
 
     def rollout_program(weights: PolicyWeights, side: _RolloutSide, batch, prime: bool):
       key, k_roll = prime_keys(side.key) if prime else step_keys(side.key)[:2]
-      drafter_params = weights.drafter if side.history is None else side.history
+      drafter_params = rollout_drafter_params(side.history, weights.drafter)
       if host:  # the rewards come from the host: (rollout, responses, lengths)
         roll, responses, lengths, acceptance = rollout(
             weights.policy, config, batch.tokens, batch.lengths, k_roll, pad_id,

@@ -26,7 +26,7 @@ from specjax.decoding import Adaptive
 from specjax.decoding.drafters.base import Drafter
 from specjax.decoding.drafters.draft_model import DraftModelDrafter
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
-from specjax.decoding.drafters.fallback import FallbackDrafter
+from specjax.decoding.drafters.fallback import FallbackDrafter, FallbackParams
 from specjax.decoding.drafters.group import group_sizes
 from specjax.decoding.drafters.history import HistoryBank, history_drafter
 from specjax.decoding.policy import AcceptanceCounts
@@ -200,12 +200,15 @@ class TrainConfig:
                           f"{self.grpo.group_size}: a rollout's rows are the G answers to each "
                           "prompt, consecutive (1: each row drafts from itself)")
     weighted = (Eagle3Drafter, DraftModelDrafter)
-    if history_drafter(self.rollout.drafter) is not None and any(
-        isinstance(part, weighted) for part in _parts(self.rollout.drafter)):
-      raise ConfigError("a HistoryDrafter reads the train state's history bank as its "
-                        "drafter_params, which a draft model or an EAGLE-3 head in the same "
-                        "rollout drafter would need for its weights: use history alone or "
-                        "history+mtp")
+    drafter = self.rollout.drafter
+    if history_drafter(drafter) is not None and any(
+        isinstance(part, weighted) for part in _parts(drafter)) and not (
+            isinstance(drafter, FallbackDrafter) and history_drafter(drafter.primary)
+            and not any(isinstance(part, weighted) for part in _parts(drafter.primary))):
+      raise ConfigError("a HistoryDrafter beside a draft model or an EAGLE-3 head drafts as "
+                        "FallbackDrafter(HistoryDrafter(...), <the model drafter>): the history "
+                        "bank goes to the primary, the weights to the fallback "
+                        f"(FallbackParams); got {drafter!r}")
     if self.lora is not None and not isinstance(self.lora, LoraConfig):
       raise ConfigError(f"lora={self.lora!r} is invalid: must be a LoraConfig(rank=, alpha=, "
                         "targets=) or None")
@@ -363,9 +366,9 @@ class TrainState:
 
   @property
   def rollout_drafter_params(self) -> Any:
-    """What the rollout's drafter reads as its `drafter_params`: the history bank, or the
-    drafter's own weights (None for drafters with neither)."""
-    return self.drafter_weights if self.history is None else self.history
+    """What the rollout's drafter reads as its `drafter_params`: `rollout_drafter_params` of
+    the history bank and the drafter's own weights."""
+    return rollout_drafter_params(self.history, self.drafter_weights)
 
   @property
   def drafter_weights(self) -> Eagle3Weights | None:
@@ -373,6 +376,15 @@ class TrainState:
     drafters without)."""
     return None if self.drafter is None else self.drafter.weights
 
+
+
+def rollout_drafter_params(history: HistoryBank | None, weights: Any) -> Any:
+  """What a rollout's drafter reads as its `drafter_params`: the history bank, the drafter's
+  own weights (an EAGLE-3 head, a draft model), both (`FallbackParams`: the bank for the
+  history drafter in front, the weights for the model behind it), or None."""
+  if history is None or weights is None:
+    return weights if history is None else history
+  return FallbackParams(primary=history, fallback=weights)
 
 
 def init_train_state(config: TrainConfig, params: Params, optimizer: optax.GradientTransformation,

@@ -22,7 +22,8 @@ import scipy.stats
 
 from support import CyclingPolicy
 from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, FallbackDrafter,
-                              GroupDrafter, MedusaDrafter, SamplingConfig, generate, verify)
+                              FallbackParams, GroupDrafter, MedusaDrafter, SamplingConfig,
+                              generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.drafters.history import HistoryDrafter, history_drafter
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
@@ -120,8 +121,11 @@ def _sample(models, s, drafter, tree, seed=0, verifier=verify.LosslessVerifier()
             config=TARGET):
   """Sample with a fixed `tree`, or with a `CyclingPolicy` that changes it every round."""
   target, draft = models
-  if history_drafter(drafter) is not None:
-    draft = _history_bank(history_drafter(drafter))
+  if history_drafter(drafter) is not None:  # the bank; behind it, a draft model's weights
+    bank = _history_bank(history_drafter(drafter))
+    weighted = isinstance(drafter, FallbackDrafter) and isinstance(drafter.fallback,
+                                                                   DraftModelDrafter)
+    draft = FallbackParams(primary=bank, fallback=draft) if weighted else bank
   prompts = jnp.tile(jnp.array([PROMPT]), (SAMPLES, 1))
   kwargs = {"speculation": tree} if isinstance(tree, CyclingPolicy) else {"tree": tree}
   out = generate(target, config, prompts, jnp.full((SAMPLES,), len(PROMPT)),
@@ -168,7 +172,11 @@ CASES = {
     "group_medusa_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
                                                         max_ngram=2), MedusaDrafter()),
                            DraftTree.chain(2)),
-    # ... and a draft model's ("group+draft-model").
+    # ... and a draft model's ("group+draft-model"); history's in front of one, each with its
+    # own drafter_params (FallbackParams: the bank, the draft model's weights).
+    "history_draft_model_chain": (FallbackDrafter(HistoryDrafter(group_size=4, min_ngram=1,
+                                                                 max_ngram=2),
+                                                  DraftModelDrafter(DRAFT)), DraftTree.chain(2)),
     "group_draft_model_chain": (FallbackDrafter(GroupDrafter(group_size=4, min_ngram=1,
                                                              max_ngram=2), DraftModelDrafter(DRAFT)),
                                 DraftTree.chain(2)),
@@ -254,6 +262,7 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
 @pytest.mark.parametrize("case", ["sampled_chain", "deterministic_tree",
                                   "eagle3_sampled_chain", "sampled_switching", "group_chain",
                                   "history_chain", "history_tree", "group_draft_model_chain",
+                                  "history_draft_model_chain",
                                   "group_eagle3_tree"])
 def test_accept_everything_verifier_fails_the_same_test(models, eagle_models, case):
   s = SAMPLINGS["t1"]

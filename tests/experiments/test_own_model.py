@@ -166,18 +166,19 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
     assert min(moved) > 0, moved
 
 
-@pytest.mark.slow  # three short runs, a minute each on 2 cores
+@pytest.mark.slow  # four short runs, a minute each on 2 cores
 @pytest.mark.parametrize("family, drafter, pipeline", [
     ("llama", "group+draft-model", "sync"), ("qwen3", "group+eagle3", "sync"),
-    ("qwen3", "group+eagle3", "disaggregated")])
+    ("qwen3", "group+eagle3", "disaggregated"), ("qwen3", "history+eagle3", "sync")])
 def test_group_drafts_in_front_of_a_draft_model_or_an_eagle3_head_train_by_name(own, family,
                                                                                 drafter,
                                                                                 pipeline):
-  """Issue 57: the registry names of group drafting in front of a model with weights of its
-  own: the model's weights live in the train state and train online (the draft model
-  distilled, the EAGLE-3 head on its loss), and each part's acceptance is logged; also async
-  with rollouts on 4 devices and updates on the other 4 (the head moved between them)."""
-  weights = drafter.removeprefix("group+")
+  """Issue 57: the registry names of group (and history, issue 54) drafting in front of a
+  model with weights of its own: the model's weights live in the train state and train online
+  (the draft model distilled, the EAGLE-3 head on its loss), and each part's acceptance is
+  logged; also async with rollouts on 4 devices and updates on the other 4 (the head moved
+  between them)."""
+  front, weights = drafter.split("+")
   run_dir = own / f"run-{drafter}-{pipeline}"
   flags = [f.replace("{draft}", str(own / "draft")) for f in DRAFTERS[weights]]
   flags[flags.index(weights)] = drafter
@@ -190,8 +191,8 @@ def test_group_drafts_in_front_of_a_draft_model_or_an_eagle3_head_train_by_name(
   part = {"draft-model": "draftmodel", "eagle3": "eagle3"}[weights]
   trained = {"draft-model": "draft_model_kl", "eagle3": "eagle3_ce"}[weights]
   for record in records:
-    assert {f"drafted_by_{part}", "drafted_by_group", trained} <= record.keys(), record.keys()
-    assert record[f"drafted_by_{part}"] + record["drafted_by_group"] == pytest.approx(1.0)
+    assert {f"drafted_by_{part}", f"drafted_by_{front}", trained} <= record.keys(), record.keys()
+    assert record[f"drafted_by_{part}"] + record[f"drafted_by_{front}"] == pytest.approx(1.0)
   assert json.loads((run_dir / "config.json").read_text())["drafter"]["name"] == drafter
 
 

@@ -2,7 +2,6 @@
 every rollout, drafted from in the next, checkpointed exactly; greedy rollouts, and so the
 whole training, equal plain decoding's."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -99,11 +98,41 @@ def test_the_bank_is_checkpointed_and_restored_exactly(tmp_path):
   ckpt.close()
 
 
-def test_a_history_drafter_beside_a_drafter_with_weights_is_refused():
+def test_a_history_drafter_beside_a_drafter_with_weights_must_be_in_front_of_it():
   from specjax.decoding import DraftModelDrafter
   draft = MODEL.replace(num_mtp_modules=0)
-  with pytest.raises(ConfigError, match=r"a HistoryDrafter reads the train state's history "
-                                        r"bank as its drafter_params"):
-    _config(FallbackDrafter(HistoryDrafter(group_size=4), DraftModelDrafter(draft)),
+  with pytest.raises(ConfigError, match=r"a HistoryDrafter beside a draft model or an EAGLE-3 "
+                                        r"head drafts as FallbackDrafter\(HistoryDrafter"):
+    _config(FallbackDrafter(DraftModelDrafter(draft), HistoryDrafter(group_size=4)),
             DraftTree.chain(2))
-  assert dataclasses.is_dataclass(_config(HistoryDrafter(group_size=4), DraftTree.chain(2)))
+  config = _config(FallbackDrafter(HistoryDrafter(group_size=4), DraftModelDrafter(draft)),
+                   DraftTree.chain(2))
+  assert config.draft_model == DraftModelDrafter(draft)
+
+
+@pytest.mark.slow  # four compiled steps
+def test_greedy_history_rollouts_in_front_of_a_draft_model_train_as_plain_ones():
+  """history+draft-model: the bank (the primary's drafter_params) and the draft model's
+  weights (the fallback's) both come from the train state (`FallbackParams`); greedy
+  rollouts are plain decoding's, so the training is, and later steps draft from the bank."""
+  from specjax.decoding import DraftModelDrafter
+  from specjax.models import init_params as init
+  draft = MODEL.replace(num_mtp_modules=0, n_layers=1)
+  config = _config(FallbackDrafter(HistoryDrafter(group_size=4, min_ngram=1),
+                                   DraftModelDrafter(draft)), DraftTree.chain(3))
+  optimizer = optax.adam(1e-3)
+  state = init_train_state(config, init_params(MODEL, jax.random.key(0)), optimizer, seed=1,
+                           drafter_params=init(draft, jax.random.key(7)))
+  step, spec = make_train_step(config, _ended_reward, optimizer, pad_id=TOK.pad_id), []
+  for _ in range(3):
+    state, metrics = step(state, _batch())
+    spec.append(jax.tree.map(np.asarray, metrics))
+  plain_state, plain = _train(_config(None, None), 3)
+  for s, p in zip(spec, plain, strict=True):
+    for key in ("reward_mean", "response_length_mean", "loss"):
+      np.testing.assert_allclose(s[key], p[key], rtol=1e-6, atol=1e-7, err_msg=key)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(plain_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert int((state.history.lengths > 0).sum()) > 0
+  # The bank drafts the prompt's earlier answers from the second step on.
+  assert float(spec[-1]["drafted_by_history"]) > 0 and float(spec[0]["drafted_by_draftmodel"]) > 0

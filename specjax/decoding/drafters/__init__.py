@@ -5,7 +5,7 @@ from specjax.decoding.drafters.base import (AcceptedWindow, DraftContext, Drafte
                                             draft_level_by_level)
 from specjax.decoding.drafters.draft_model import DraftModelDrafter, DraftModelState
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3State, Eagle3Weights
-from specjax.decoding.drafters.fallback import FallbackDrafter, FallbackState
+from specjax.decoding.drafters.fallback import FallbackDrafter, FallbackParams, FallbackState
 from specjax.decoding.drafters.group import GroupDrafter, GroupState
 from specjax.decoding.drafters.history import HistoryBank, HistoryDrafter, HistoryState
 from specjax.decoding.drafters.medusa import MedusaDrafter
@@ -19,7 +19,8 @@ __all__ = [
     "AcceptedWindow", "build_drafter", "check_draft_source", "check_drafter_name",
     "default_drafter", "draft_level_by_level", "DraftContext", "Drafter", "drafter_names",
     "DraftModelDrafter", "DraftModelState", "DraftSource", "Eagle3Drafter", "Eagle3State",
-    "Eagle3Weights", "FallbackDrafter", "FallbackState", "GroupDrafter", "GroupState",
+    "Eagle3Weights", "FallbackDrafter", "FallbackParams", "FallbackState", "GroupDrafter",
+    "GroupState",
     "HistoryBank", "HistoryDrafter", "HistoryState", "MedusaDrafter", "MTPDrafter", "MTPState",
     "needs_checkpoint", "NGramDrafter",
     "NoState", "Proposal", "register_drafter", "RoundResult", "TargetFeatures",

@@ -9,6 +9,11 @@ position). Both must draft deterministically (drafts verified by matching: a sam
 distribution would have to be the one its tokens came from, row by row), and both keep their
 state up to date every round: whichever drafted, the accepted path is the same text.
 
+Each part gets its own `drafter_params`: pass `FallbackParams(primary=..., fallback=...)`
+(a history bank in front of a draft model's weights), or one value, which goes to each part
+that takes it (`check_params`) and None to the others (a draft model's weights behind group
+drafts, which read none).
+
 The engine counts a round as one proposal, whichever drafter made it; the drafter's own
 counts (`stats`: the row-rounds each of the two drafted and the tokens those emitted) tell
 which one pays, e.g. `group_rounds`, `group_tokens`, `mtp_rounds`, `mtp_tokens` for group
@@ -63,6 +68,23 @@ class FallbackState:
   counts: jax.Array
 
 
+@struct.dataclass
+class FallbackParams:
+  """What each of a `FallbackDrafter`'s two drafters reads as its `drafter_params`."""
+
+  primary: Any = None
+  fallback: Any = None
+
+
+def _taken(drafter: Drafter, drafter_params: Any) -> Any:
+  """`drafter_params` where `drafter` takes them, else None (what it reads without)."""
+  try:
+    drafter.check_params(drafter_params)
+  except ConfigError:
+    return None
+  return drafter_params
+
+
 def part_name(drafter: Drafter) -> str:
   """How a drafter's counts are named: `GroupDrafter` "group", `MTPDrafter` "mtp"."""
   return type(drafter).__name__.removesuffix("Drafter").lower()
@@ -102,18 +124,33 @@ class FallbackDrafter(Drafter):
     self.primary.validate(config, tree)
     self.fallback.validate(config, tree)
 
+  def split_params(self, drafter_params: Any) -> tuple[Any, Any]:
+    """The primary's and the fallback's `drafter_params` (module docstring)."""
+    if isinstance(drafter_params, FallbackParams):
+      return drafter_params.primary, drafter_params.fallback
+    return _taken(self.primary, drafter_params), _taken(self.fallback, drafter_params)
+
   def check_params(self, drafter_params: Any) -> None:
-    self.primary.check_params(drafter_params)
-    self.fallback.check_params(drafter_params)
+    first, second = self.split_params(drafter_params)
+    if (drafter_params is not None and not isinstance(drafter_params, FallbackParams)
+        and first is None and second is None):
+      raise ConfigError(f"FallbackDrafter: neither {type(self.primary).__name__} nor "
+                        f"{type(self.fallback).__name__} drafts from drafter_params of type "
+                        f"{type(drafter_params).__name__} (pass FallbackParams(primary=, "
+                        "fallback=) to give each its own)")
+    self.primary.check_params(first)
+    self.fallback.check_params(second)
 
   def min_prompt_length(self, tree: DraftTree) -> int:
     return max(self.primary.min_prompt_length(tree), self.fallback.min_prompt_length(tree))
 
   def init(self, params, config, drafter_params, ctx, tree, max_len, prompt, *,
            plain_rounds=False) -> FallbackState:
-    init = lambda d: d.init(params, config, drafter_params, ctx, tree, max_len, prompt,
-                            plain_rounds=plain_rounds)
-    return FallbackState(primary=init(self.primary), fallback=init(self.fallback),
+    first, second = self.split_params(drafter_params)
+    init = lambda d, p: d.init(params, config, p, ctx, tree, max_len, prompt,
+                               plain_rounds=plain_rounds)
+    return FallbackState(primary=init(self.primary, first),
+                         fallback=init(self.fallback, second),
                          primary_rows=jnp.zeros(ctx.seq.shape[:1], bool),
                          counts=jnp.zeros((2, 2), jnp.int32))
 

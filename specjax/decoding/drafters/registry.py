@@ -71,10 +71,18 @@ def group_in_front(drafter: Drafter) -> FallbackDrafter:
                          drafter)
 
 
-def _behind_group(build: Builder) -> Builder:
+def history_in_front(drafter: Drafter) -> FallbackDrafter:
+  """History drafts where a confident match gives a whole one, `drafter` (a model) elsewhere:
+  what "history+mtp", "history+eagle3" and "history+draft-model" build. (A GRPO run gives
+  the history drafter its bank and the model its weights: `FallbackParams`.)"""
+  return FallbackDrafter(HistoryDrafter(min_ngram=CONFIDENT_NGRAM,
+                                        max_ngram=2 * CONFIDENT_NGRAM), drafter)
+
+
+def _behind(front: Callable[[Drafter], FallbackDrafter], build: Builder) -> Builder:
   def both(source: DraftSource) -> tuple[Drafter, Any]:
     drafter, params = build(source)
-    return group_in_front(drafter), params
+    return front(drafter), params
   return both
 
 
@@ -89,14 +97,15 @@ _BUILDERS: dict[str, Builder] = {
     # Earlier responses to the same prompt (a GRPO run's train state keeps the bank), then the
     # group's and recent responses; in front of MTP, whole drafts from confident matches only.
     "history": lambda source: (HistoryDrafter(), None),
-    "history+mtp": lambda source: (FallbackDrafter(HistoryDrafter(min_ngram=CONFIDENT_NGRAM,
-                                                                  max_ngram=2 * CONFIDENT_NGRAM),
-                                                   MTPDrafter()), None),
+    "history+mtp": lambda source: (history_in_front(MTPDrafter()), None),
     "draft-model": _draft_model,
     "eagle3": _eagle3,
-    # Group drafts in front of a draft model or an EAGLE-3 head (its weights the checkpoint's).
-    "group+draft-model": _behind_group(_draft_model),
-    "group+eagle3": _behind_group(_eagle3),
+    # Group or history drafts in front of a draft model or an EAGLE-3 head (its weights the
+    # checkpoint's).
+    "group+draft-model": _behind(group_in_front, _draft_model),
+    "group+eagle3": _behind(group_in_front, _eagle3),
+    "history+draft-model": _behind(history_in_front, _draft_model),
+    "history+eagle3": _behind(history_in_front, _eagle3),
 }
 _DRAFT_MODEL_FILES = "an HF draft model (sharing the target's tokenizer)"
 _EAGLE3_FILES = ("an EAGLE-3 head (config.json + model.safetensors, e.g. from specjax "
@@ -105,6 +114,7 @@ _EAGLE3_FILES = ("an EAGLE-3 head (config.json + model.safetensors, e.g. from sp
 _CHECKPOINTS: dict[str, str] = {
     "draft-model": _DRAFT_MODEL_FILES, "eagle3": _EAGLE3_FILES,
     "group+draft-model": _DRAFT_MODEL_FILES, "group+eagle3": _EAGLE3_FILES,
+    "history+draft-model": _DRAFT_MODEL_FILES, "history+eagle3": _EAGLE3_FILES,
 }
 
 
