@@ -3,6 +3,8 @@
   python benchmarks/rl_step.py                  # full (trains/caches the models on first use)
   python benchmarks/rl_step.py --quick          # smoke test
   python benchmarks/rl_step.py --stop-name --compaction 3   # a long tail, three arms
+  python benchmarks/rl_step.py --stop-name --compaction 3 --repeat-every 2 --adaptive-menu ''
+      # prompts that come back: the history arm drafts from the earlier answers
 
 The policy is `spec_decode.py`'s >= 25M-parameter target (trained on the phrase language,
 with MTP heads and an EAGLE-3 head trained on its own samples; cached in benchmarks/.cache).
@@ -29,6 +31,13 @@ work in the plain and MTP arms (the EAGLE-3 arm's also trains its head), so the 
 their median update times, (max - min) / median, measures how noisy the run was; above 10%
 the run is marked too noisy to quote.
 
+The history arm (`--history-depth`, 0: none) drafts a chain from the bank of earlier answers
+the train state keeps (`HistoryDrafter`: the prompt's own earlier answers first, then its
+siblings', then recent answers to other prompts), recorded by each fused step. With
+`--repeat-every K` the steps cycle over K batches of prompts, so a prompt comes back every K
+steps, as epochs over a finite training set do; without it every step's prompts are new and
+the bank holds other prompts' answers only.
+
 The reward is a toy preference computed in JAX (the fraction of response tokens that are
 "number" words of the language); its only role is to give non-zero advantages so the update
 does real work. Printed per arm: median fused step, rollout and update times, the rollout
@@ -50,8 +59,8 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _spec_models as M  # noqa: E402
 
-from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, MTPDrafter,  # noqa: E402
-                              SamplingConfig, calibrate)
+from specjax.decoding import (Adaptive, DraftTree, Eagle3Drafter, HistoryDrafter,  # noqa: E402
+                              MTPDrafter, SamplingConfig, calibrate)
 from specjax.decoding.loop_state import compaction_buckets  # noqa: E402
 from specjax.experiments.measure import tail_round_share  # noqa: E402
 from specjax.rl.data import PromptBatch  # noqa: E402
@@ -89,11 +98,9 @@ class Arm:
   def __init__(self, name, config, state, reward_fn, optimizer):
     self.name, self.config, self.state = name, config, state
     self.step_fn = make_train_step(config, reward_fn, optimizer)
-    head = lambda st: None if st.drafter is None else st.drafter.weights
-
-    def roll_fn(st, batch, key):
+    def roll_fn(st, batch, key):  # the drafter reads its head, or the history bank
       roll, responses, lengths, _ = rollout(st.params, config, batch.tokens, batch.lengths,
-                                            key, drafter_params=head(st),
+                                            key, drafter_params=st.rollout_drafter_params,
                                             acceptance=st.acceptance)
       return score(config, roll, reward_fn(responses, lengths, batch.answers))
 
@@ -142,6 +149,11 @@ def main(argv=None) -> int:
   parser.add_argument("--compaction", type=int, default=0,
                       help="halvings of the rollout batch as rows finish (0: none); adds a "
                            "plain arm with compaction")
+  parser.add_argument("--history-depth", type=int, default=8,
+                      help="the history arm's chain length (0: no such arm)")
+  parser.add_argument("--repeat-every", type=int, default=0,
+                      help="cycle over this many batches of prompts, so each comes back (0: "
+                           "new prompts every step)")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per arm")
   parser.add_argument("--cache-dir", type=Path,
                       default=Path(__file__).resolve().parent / ".cache")
@@ -171,6 +183,9 @@ def main(argv=None) -> int:
             (f"mtp chain{args.mtp_depth}", MTPDrafter(), DraftTree.chain(args.mtp_depth), None),
             (f"eagle3 chain{args.eagle_depth}", Eagle3Drafter(M.EAGLE3),
              DraftTree.chain(args.eagle_depth), None)]
+  if args.history_depth:
+    setups.append((f"history chain{args.history_depth}", HistoryDrafter(
+        group_size=args.group_size), DraftTree.chain(args.history_depth), None))
   if args.adaptive_menu:
     policy = Adaptive(tuple(DraftTree.chain(int(k)) for k in args.adaptive_menu.split(",")))
     costs = calibrate(target, M.TARGET, Eagle3Drafter(M.EAGLE3), policy,
@@ -196,7 +211,8 @@ def main(argv=None) -> int:
         drafter_params=jax.tree.map(jnp.array, head) if config.eagle3 else None)
     arms.append(Arm(name, config, state, reward_fn, optimizer))
 
-  batches = [prompts(lang, args.prompts, i) for i in range(args.steps + 1)]
+  cycle = args.repeat_every or args.steps + 1
+  batches = [prompts(lang, args.prompts, i % cycle) for i in range(args.steps + 1)]
   for i, batch in enumerate(batches):  # step 0 compiles every program
     for arm in arms:
       arm.run(batch, i, timed=i > 0)
