@@ -57,6 +57,12 @@ _WEIGHTS = {EAGLE3: EAGLE3, DRAFT_MODEL: DRAFT_MODEL} | {
     for weights in (EAGLE3, DRAFT_MODEL)}
 
 
+def names_with(weights: str) -> str:
+  """The drafter names that draft with `weights` (EAGLE3 or DRAFT_MODEL), for messages."""
+  names = [name for name, own in _WEIGHTS.items() if own == weights]
+  return ", ".join(map(repr, names[:-1])) + f" or {names[-1]!r}"
+
+
 def weights_of(name: str) -> str | None:
   """The drafter with weights of its own that drafter `name` drafts with, alone or behind
   group or history drafts ("group+eagle3" -> "eagle3"): EAGLE3, DRAFT_MODEL, or None."""
@@ -69,8 +75,9 @@ DEFAULT_ACCEPTANCE_CARRY = 0.5
 
 # Fields a resumed run may change (dotted: a group's field; a group's name: all of it): how
 # long it runs, how often it checkpoints, how long it measures, the mesh (checkpoints
-# restore onto any mesh) and how many reward workers of which kind call the same functions. Every other field defines the policy, its task or its training, and a
-# change would silently alter the run.
+# restore onto any mesh) and how many reward workers of which kind call the same functions.
+# Every other field defines the policy, its task or its training, and a change would
+# silently alter the run.
 RESUMABLE_FIELDS = frozenset({"run_dir", "steps", "checkpoint", "accept_changed_inputs",
                               "rewards.workers", "rewards.kind",
                               "eval.speedup_repeats",
@@ -164,9 +171,9 @@ class Drafting:
       gradient would still shrink the policy's step whenever clipping is active (and a large
       policy gradient the heads'). False: one norm over all parameters. The optimizer state
       is the same either way, so a run resumes under both.
-    eagle3_dir: with name "eagle3" or "group+eagle3", an EAGLE-3 head in the public layout
-      to start from (`specjax train-drafter` writes one); None distils one from the
-      warm-started policy.
+    eagle3_dir: with an EAGLE-3 head ("eagle3", "group+eagle3", "history+eagle3"), one in
+      the public layout to start from (`specjax train-drafter` writes one); None distils one
+      from the warm-started policy.
     draft_vocab_size: draft vocabulary of a distilled EAGLE-3 head (None: the whole
       vocabulary).
     distill_steps: training steps of a distilled EAGLE-3 head.
@@ -177,13 +184,13 @@ class Drafting:
     distill_task: distil the head on this task's prompts instead of the run's (same
       tokenizer): a head that starts on another text distribution than the RL task, to
       measure what online training recovers.
-    checkpoint: with name "draft-model" or "group+draft-model", the draft model's HF
-      checkpoint directory (a smaller model of the policy's tokenizer, e.g. a 0.6B drafting
-      for a 4-8B).
-    draft_model_learning_rate: with a draft model ("draft-model", "group+draft-model"),
-      distil it from the policy online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6;
-      its loss is the KL divergence from the policy's next-token distributions, times
-      `loss_weight`); 0 keeps it frozen. The trained draft model is saved as
+    checkpoint: with a draft model ("draft-model", "group+draft-model",
+      "history+draft-model"), its HF checkpoint directory (a smaller model of the policy's
+      tokenizer, e.g. a 0.6B drafting for a 4-8B).
+    draft_model_learning_rate: with a draft model (the names above), distil it from the
+      policy online at this Adam rate (a fine-tuning rate: 1e-5 .. 1e-6; its loss is the KL
+      divergence from the policy's next-token distributions, times `loss_weight`); 0 keeps
+      it frozen. The trained draft model is saved as
       `run_dir/draft_model` at the end.
     history_slots, history_per_prompt, history_recent: with a history drafter ("history",
       "history+mtp"), the bank the train state keeps: prompts (a hashed slot each; a prompt
@@ -218,14 +225,14 @@ class Drafting:
                   "checkpoint)", "drafter.")
     require_field(self, "checkpoint",
                   (self.checkpoint is not None) == (self.weights == DRAFT_MODEL),
-                  f"give it exactly with name {DRAFT_MODEL!r} or 'group+{DRAFT_MODEL}' (the "
-                  "draft model's HF checkpoint directory)", "drafter.")
+                  f"give it exactly with name {names_with(DRAFT_MODEL)} (the draft model's HF "
+                  "checkpoint directory)", "drafter.")
     require_reals(self, ("loss_weight", "draft_model_learning_rate"), positive=False,
                   prefix="drafter.")
     require_field(self, "draft_model_learning_rate",
                   not self.draft_model_learning_rate or self.weights == DRAFT_MODEL,
-                  f"trains an external draft model: needs name {DRAFT_MODEL!r} or "
-                  f"'group+{DRAFT_MODEL}' (an EAGLE-3 head trains at drafter.learning_rate)",
+                  f"trains an external draft model: needs name {names_with(DRAFT_MODEL)} (an "
+                  "EAGLE-3 head trains at drafter.learning_rate)",
                   "drafter.")
     require_reals(self, ("learning_rate",), positive=True, prefix="drafter.")
     require_ints(self, ("ttt_steps", "distill_steps"), 1, "drafter.")
@@ -242,7 +249,7 @@ class Drafting:
   @property
   def weights(self) -> str | None:
     """The drafter with weights of its own this one drafts with: "eagle3", "draft-model"
-    (alone or behind group drafts), or None."""
+    (alone or behind group or history drafts), or None."""
     return weights_of(self.name)
 
 

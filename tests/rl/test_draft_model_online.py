@@ -98,7 +98,8 @@ def test_draft_model_distillation_is_configured_for_a_draft_model_only():
     Drafting(name="group+eagle3", draft_model_learning_rate=1e-3)
   # Behind group drafts as alone: the draft model's checkpoint is needed, and only there.
   with pytest.raises(ConfigError, match=r"drafter.checkpoint=None is invalid: give it exactly "
-                                        r"with name 'draft-model' or 'group\+draft-model'"):
+                                        r"with name 'draft-model', 'group\+draft-model' or "
+                                        r"'history\+draft-model'"):
     Drafting(name="group+draft-model")
   with pytest.raises(ConfigError, match="drafter.checkpoint='/x' is invalid"):
     Drafting(name="group+eagle3", checkpoint="/x")
