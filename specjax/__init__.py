@@ -12,7 +12,8 @@ only lists the ones it uses.
   L  sequence buffer width, P + max new tokens.
   S  KV-cache slots.
   E  d_model: embedding / residual-stream width.
-  F  MLP hidden width.
+  F  MLP hidden width (in a mixture-of-experts layer: one expert's).
+  Z  routed experts of a mixture-of-experts layer (k of them per token).
   V  vocabulary.
   W  draft vocabulary (EAGLE-3), W <= V.
   Q  query heads.

@@ -59,6 +59,9 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    # An MoE layer's experts: each device holds every expert, its share of their width split
+    # on "tensor" ("mlp") and of E on "fsdp" (expert tensor parallelism).
+    ("expert", None),
 )
 
 _CACHE_AXES = P("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]

@@ -158,13 +158,13 @@ CHAT_TEMPLATE = (
 
 def write_hf_checkpoint(path: Path, texts: list[str], family: str = "qwen3", seed: int = 0,
                         n_layers: int = 2, tokenizer_from: Path | None = None) -> Path:
-  """A random `n_layers` Qwen3 or Llama written by transformers, as the Hub serves a model: a
-  byte-level BPE tokenizer trained on `texts` (or `tokenizer_from`'s files) with a chat
-  template and <|im_end|> as EOS."""
+  """A random `n_layers` Qwen3, Qwen3-MoE (8 experts, top 2) or Llama written by transformers,
+  as the Hub serves a model: a byte-level BPE tokenizer trained on `texts` (or
+  `tokenizer_from`'s files) with a chat template and <|im_end|> as EOS."""
   import torch
   from tokenizers import decoders, trainers
   from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                            Qwen3Config, Qwen3ForCausalLM)
+                            Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
   path.mkdir(parents=True, exist_ok=True)
   if tokenizer_from is not None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_from)
@@ -181,12 +181,15 @@ def write_hf_checkpoint(path: Path, texts: list[str], family: str = "qwen3", see
     tokenizer.chat_template = CHAT_TEMPLATE
   tokenizer.save_pretrained(path)
   torch.manual_seed(seed)
-  kinds = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+  kinds = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
   config_class, model_class = kinds[family]
-  config = config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+  experts = (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                  norm_topk_prob=True) if family == "qwen3_moe" else {})
+  config = config_class(**experts,vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                         num_hidden_layers=n_layers, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                        tie_word_embeddings=family == "qwen3",
+                        tie_word_embeddings=family.startswith("qwen3"),
                         eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
   model_class(config).save_pretrained(path)

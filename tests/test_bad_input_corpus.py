@@ -112,7 +112,8 @@ HF_CASES = [
          _then_load(lambda p: edit_config(p, architectures=["GPT2LMHeadModel"],
                                            model_type="gpt2")),
          ConfigError, r"architectures=\['GPT2LMHeadModel'\] \(model_type='gpt2'\) is "
-                      r"unsupported: allowed model_type one of \['llama', 'qwen2', 'qwen3'\]"),
+                      r"unsupported: allowed model_type one of "
+                      r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     case("missing_required_field",
          _then_load(lambda p: _drop_config_fields(p, "hidden_size")),
          ConfigError, r"missing required fields \['hidden_size'\] for LlamaForCausalLM"),

@@ -153,7 +153,8 @@ def _merged(params: Params, adapters: dict[str, Any], run: Path, field: str,
                           f" {err})") from None
   factors = jax.tree.map(jnp.asarray, adapters["factors"])
   names = {name for layer in factors["layers"] for name in layer}
-  if names != set(config.targets) or len(factors["layers"]) != len(params["layers"]):
+  adaptable = {name for name in config.targets if name in params["layers"][0]}  # MoE: attention
+  if names != adaptable or len(factors["layers"]) != len(params["layers"]):
     raise CheckpointError(f"{field}={str(run_dir)!r}: the checkpoint's adapters ({sorted(names)}"
                           f", {len(factors['layers'])} layers) are not those of the recorded "
                           f"{config}")

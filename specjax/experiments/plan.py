@@ -344,9 +344,20 @@ def _layer_bytes(e: int, q: int, k: int, h: int, f: int, keys: int, c: int,
 
 
 def _matmul_weights(model) -> int:
-  """Weights a token meets in the trunk's matmuls (output head included)."""
-  e, q, k, h, f = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.mlp_dim
-  return model.n_layers * (e * (q + 2 * k) * h + q * h * e + 3 * e * f) + e * model.vocab_size
+  """Weights a token meets in the trunk's matmuls (output head included): of an MoE layer,
+  the router and its k experts."""
+  e, q, k, h = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim
+  mlp = (e * model.n_experts + 3 * e * model.experts_per_token * model.expert_dim
+         if model.is_moe else 3 * e * model.mlp_dim)
+  return model.n_layers * (e * (q + 2 * k) * h + q * h * e + mlp) + e * model.vocab_size
+
+
+def _mlp_weights(model, tf: int) -> int:
+  """One layer's MLP weights a device holds with the MLP width split `tf` ways: an MoE
+  layer's router and all its experts."""
+  if model.is_moe:
+    return model.d_model * model.n_experts * (1 + 3 * model.expert_dim // tf)
+  return 3 * model.d_model * model.mlp_dim // tf
 
 
 def estimate(config, train_config, state, batch, mesh: Mesh, *,
@@ -378,7 +389,14 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   e, q, k, h, f, v = (model.d_model, model.n_heads, model.n_kv_heads, model.head_dim,
                       model.mlp_dim, model.vocab_size)
   tq, tk, tf, tv = (_split(mesh, "heads", q), _split(mesh, "kv_heads", k),
-                    _split(mesh, "mlp", f), _split(mesh, "vocab", v))
+                    _split(mesh, "mlp", model.expert_dim if model.is_moe else f),
+                    _split(mesh, "vocab", v))
+  dispatch = 0
+  if model.is_moe:
+    # A token's MLP activations are its k experts' (F = k x one expert's width), and the
+    # grouped dispatch keeps its k gathered inputs and k outputs ([k, E] each).
+    f = model.experts_per_token * model.expert_dim
+    dispatch = 2 * model.experts_per_token * e * c
 
   # With LoRA the optimizer trains the adapters alone; the rollout decodes with the adapted
   # projections merged into a copy of the trunk's.
@@ -387,7 +405,9 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   opt = _bytes(state.opt_state)
   grads = _bytes(state.params if adapters is None else adapters)
   merged = 0 if adapters is None else sum(
-      _bytes(layer[name]) for layer in state.params["layers"] for name in adapters.config.targets)
+      _bytes(layer[name]) for layer, adapted in zip(state.params["layers"],
+                                                   adapters.factors["layers"], strict=True)
+      for name in adapted)
   if state.drafter is not None:
     params += _bytes(state.drafter.weights)
     if state.drafter.opt_state is not None:  # an EAGLE-3 head, or a draft model distilled
@@ -406,6 +426,7 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   kept = {"none": layer,
           "dots": c * (3 * e + q * h // tq + 2 * k * h // tk + 2 * f // tf),
           "full": c * e}[model.remat]
+  kept += dispatch if model.remat == "none" else 0
   token = model.n_layers * kept + (layer if model.remat != "none" else 0) + c * e
   head = (3 * 4 + c) * v // tv  # float32 log-probs, their and the logits' gradients; + cast
   token += head
@@ -432,7 +453,7 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   # (in the compute dtype, split only by tensor); the output head's gradient and the
   # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered (with LoRA
   # they have none).
-  layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + 3 * e * f // tf
+  layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + _mlp_weights(model, tf)
   gathered = model.n_layers * layer_weights * c if _split(mesh, "embed", e) > 1 else 0
   weight_bytes = np.dtype(model.weight_dtype).itemsize
   head_grads = 2 * 4 if adapters is None else 0

@@ -4,7 +4,7 @@
 immutable; everything about the architecture that changes shapes or control flow lives here.
 
 Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, R = Q / K,
-H head_dim, F MLP width).
+H head_dim, F MLP width, Z experts).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import jax.numpy as jnp
 from specjax.checks import is_plain_int
 from specjax.errors import ConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# How an MoE layer runs its experts (`ModelConfig.moe_impl`, `specjax.models.moe`).
+MOE_IMPLS = ("auto", "loop", "ragged")
 ATTENTION_IMPLS = ("auto", "dense", "blocked", "pallas", "pallas_interpret")
 # Per-layer rematerialisation of a training forward (`ModelConfig.remat`).
 REMAT_POLICIES = ("none", "dots", "full")
 # How a run is executed rather than what the model is: not part of an HF checkpoint's config.
-RUNTIME_FIELDS = ("attention_impl", "attention_block", "remat")
+RUNTIME_FIELDS = ("attention_impl", "attention_block", "remat", "moe_impl")
 # "auto" attention turns blocked from this cache size on, except on a GPU (see
 # `ModelConfig.attention_impl`).
 AUTO_BLOCKED_MIN_SLOTS = 2048
@@ -78,7 +80,8 @@ class Llama3RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a decoder-only transformer of the Llama 3 / Qwen2 / Qwen3 families.
+  """Architecture of a decoder-only transformer of the Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE
+  families.
 
   Attributes:
     vocab_size: V, number of token ids.
@@ -87,7 +90,8 @@ class ModelConfig:
     n_heads: Q, query heads.
     n_kv_heads: K, key/value heads (grouped-query attention when K < Q; Q % K == 0).
     head_dim: H, per-head width; independent of E / Q (Qwen3 uses 128 with E=1024, Q=16).
-    mlp_dim: F, hidden width of the SwiGLU MLP.
+    mlp_dim: F, hidden width of the SwiGLU MLP (of an MoE checkpoint: its dense width,
+      `intermediate_size`, kept for the round trip; every layer of it is sparse).
     rope_theta: RoPE base.
     rope_scaling: None, or Llama 3 style frequency scaling.
     rms_norm_eps: epsilon of every RMSNorm.
@@ -100,7 +104,15 @@ class ModelConfig:
     num_mtp_modules: DeepSeek-V3 style multi-token-prediction modules (0 = none).
     num_medusa_heads: Medusa residual-MLP heads (0 = none).
     medusa_layers: residual blocks per Medusa head.
-    family: checkpoint family written by `save_hf` ("llama", "qwen2", "qwen3").
+    family: checkpoint family written by `save_hf` ("llama", "qwen2", "qwen3", "qwen3_moe").
+    n_experts: Z, routed experts of every layer's mixture-of-experts MLP (0: a dense SwiGLU
+      MLP). Each expert is a SwiGLU MLP of width `expert_dim`; a router picks
+      `experts_per_token` of them per token (`specjax.models.moe`). Qwen3-MoE has no shared
+      expert and, as specjax supports it, no dense layers among the sparse ones.
+    experts_per_token: k, the experts each token is routed to (top-k of the router's softmax).
+    expert_dim: hidden width of one expert (HF `moe_intermediate_size`).
+    normalize_top_k: the k routing weights are renormalised to sum to one (HF
+      `norm_topk_prob`; Qwen3-MoE checkpoints set it).
     attention_impl: how a forward with a cache attends (`specjax.models.attention`):
       "dense" scores every slot of the buffer, "blocked" only the blocks of
       `attention_block` slots below the longest live row; "auto" picks blocked for caches
@@ -116,6 +128,12 @@ class ModelConfig:
       scores and probabilities, norms, the MLP's product); "full" keeps only each layer's
       input and recomputes the layer in the backward pass (about a third more FLOPs).
       Decoding (a forward with a cache) never rematerialises. Results are identical.
+    moe_impl: how an MoE layer runs its experts (`specjax.models.moe`): "loop" visits, per
+      forward, only the experts its tokens were routed to (reads only their weights: decode
+      steps), "ragged" sorts the (token, expert) pairs by expert and runs grouped matmuls
+      (`jax.lax.ragged_dot`: prefill and training on TPU / GPU); "auto" picks "loop" when a
+      forward has at most as many (token, expert) pairs as experts, else "ragged". Both are
+      dropless (no capacity: every token reaches its k experts); results agree to rounding.
   """
 
   vocab_size: int
@@ -141,6 +159,11 @@ class ModelConfig:
   attention_impl: Literal["auto", "dense", "blocked", "pallas", "pallas_interpret"] = "auto"
   attention_block: int = 256
   remat: Literal["none", "dots", "full"] = "none"
+  n_experts: int = 0
+  experts_per_token: int = 0
+  expert_dim: int = 0
+  normalize_top_k: bool = True
+  moe_impl: Literal["auto", "loop", "ragged"] = "auto"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -161,7 +184,22 @@ class ModelConfig:
              "must be a finite number > 0")
     _require(_is_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
              self.rms_norm_eps, "must be a finite number > 0")
-    for name in ("qkv_bias", "qk_norm", "tie_embeddings"):
+    for name in ("n_experts", "experts_per_token", "expert_dim"):
+      value = getattr(self, name)
+      _require(is_plain_int(value) and value >= 0, name, value, "must be an int >= 0")
+    if self.n_experts:
+      _require(1 <= self.experts_per_token <= self.n_experts, "experts_per_token",
+               self.experts_per_token,
+               f"must be between 1 and n_experts={self.n_experts} (the top-k experts each "
+               "token is routed to)")
+      _require(self.expert_dim > 0, "expert_dim", self.expert_dim,
+               "must be a positive int for an MoE model (n_experts > 0): one expert's width")
+    else:
+      _require(self.experts_per_token == 0 and self.expert_dim == 0, "experts_per_token",
+               (self.experts_per_token, self.expert_dim),
+               "a dense model (n_experts=0) has experts_per_token=0 and expert_dim=0")
+    _require(self.moe_impl in MOE_IMPLS, "moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
+    for name in ("qkv_bias", "qk_norm", "tie_embeddings", "normalize_top_k"):
       _require(isinstance(getattr(self, name), bool), name, getattr(self, name),
                "must be True or False")
     _require(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -179,8 +217,12 @@ class ModelConfig:
     if self.family == "qwen2":
       _require(self.qkv_bias and not self.qk_norm, "family", self.family,
                "qwen2 checkpoints have qkv_bias=True and qk_norm=False")
-    if self.family == "qwen3":
-      _require(self.qk_norm, "family", self.family, "qwen3 checkpoints have qk_norm=True")
+    if self.family in ("qwen3", "qwen3_moe"):
+      _require(self.qk_norm, "family", self.family,
+               f"{self.family} checkpoints have qk_norm=True")
+    _require((self.family == "qwen3_moe") == (self.n_experts > 0), "family", self.family,
+             "qwen3_moe checkpoints (and only they) have experts: n_experts > 0 exactly when "
+             "family='qwen3_moe'")
     if self.family == "llama":
       _require(not self.qk_norm, "family", self.family,
                "llama checkpoints have no qk_norm; use family='qwen3'")
@@ -202,6 +244,11 @@ class ModelConfig:
     if self.attention_impl in ("dense", "blocked"):
       return self.attention_impl == "blocked"
     return max_len >= AUTO_BLOCKED_MIN_SLOTS and platform not in AUTO_DENSE_PLATFORMS
+
+  @property
+  def is_moe(self) -> bool:
+    """Every layer's MLP is a mixture of experts (`n_experts` > 0)."""
+    return self.n_experts > 0
 
   @property
   def group_size(self) -> int:

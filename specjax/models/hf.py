@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: read and write `config.json` + safetensors for Llama / Qwen2 / Qwen3.
+"""Hugging Face checkpoints: read and write `config.json` + safetensors for Llama / Qwen2 / Qwen3 /
+Qwen3-MoE.
 
 `load_hf(path)` returns `(params, config)` in specjax's layout; `save_hf(params, config, path)`
 writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads as the same
@@ -11,6 +12,12 @@ axes split out, so each weight is transposed and reshaped:
   k/v_proj.weight [K*H, E] <->  wk/wv [E, K, H]     gate/up_proj.weight [F, E] <-> [E, F]
   down_proj.weight [E, F]  <->  w_down [F, E]       lm_head.weight [V, E]    <->  unembed [E, V]
   q_proj.bias [Q*H] <-> bq [Q, H]                   k/v_proj.bias [K*H] <-> bk/bv [K, H]
+
+A Qwen3-MoE layer stores its router and each expert apart; specjax stacks the experts:
+
+  mlp.gate.weight [Z, E]  <->  router [E, Z]
+  mlp.experts.{z}.gate_proj / up_proj.weight [F, E]  <->  experts_gate / experts_up[z] [E, F]
+  mlp.experts.{z}.down_proj.weight [E, F]  <->  experts_down[z] [F, E]
 
 Draft heads (MTP modules, Medusa heads) have no HF equivalent. They go to a separate
 `specjax_heads.safetensors` in specjax's own layout, with their counts under a "specjax" key
@@ -27,7 +34,7 @@ Loading refuses what it cannot represent exactly (an active sliding window, an u
 the file of any malformed JSON or unreadable safetensors.
 
 Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, H head_dim,
-F MLP width).
+F MLP width, Z experts).
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ class _Tensor:
     stored_shape: the shape in the file.
     transposed: the file holds an HF `Linear` weight `[out, in]`, so
       `param = stored.T.reshape(shape)` and `stored = param.reshape(stored_shape[::-1]).T`.
+    part, of: the tensor is entry `part` of `of` along the param's leading axis (one expert
+      of an MoE layer's stacked weights; `shape` is the entry's); None: the whole param.
+    about: what the tensor is, for messages ("the router of layer 0's experts").
   """
 
   name: str
@@ -94,6 +104,9 @@ class _Tensor:
   shape: tuple[int, ...]
   stored_shape: tuple[int, ...]
   transposed: bool = False
+  part: int | None = None
+  of: int = 1
+  about: str = ""
 
   def to_param(self, stored: np.ndarray) -> np.ndarray:
     return stored.T.reshape(self.shape) if self.transposed else stored.reshape(self.shape)
@@ -117,10 +130,22 @@ def _block_tensors(config: ModelConfig, prefix: str, key: tuple) -> list[_Tensor
       t("self_attn.v_proj.weight", "wv", (e, k, h), (k * h, e), True),
       t("self_attn.o_proj.weight", "wo", (q, h, e), (e, q * h), True),
       t("post_attention_layernorm.weight", "mlp_norm", (e,), (e,)),
-      t("mlp.gate_proj.weight", "w_gate", (e, f), (f, e), True),
-      t("mlp.up_proj.weight", "w_up", (e, f), (f, e), True),
-      t("mlp.down_proj.weight", "w_down", (f, e), (e, f), True),
-  ]
+      ]
+  if config.is_moe:
+    z, fe = config.n_experts, config.expert_dim
+    out.append(_Tensor(prefix + "mlp.gate.weight", key + ("router",), (e, z), (z, e), True,
+                       about=f"the router of {prefix.removesuffix('.') or 'the block'}'s "
+                       "experts"))
+    for x in range(z):
+      expert = lambda name, leaf, shape, stored: _Tensor(
+          f"{prefix}mlp.experts.{x}.{name}", key + (leaf,), shape, stored, True, part=x, of=z)
+      out += [expert("gate_proj.weight", "experts_gate", (e, fe), (fe, e)),
+              expert("up_proj.weight", "experts_up", (e, fe), (fe, e)),
+              expert("down_proj.weight", "experts_down", (fe, e), (e, fe))]
+  else:
+    out += [t("mlp.gate_proj.weight", "w_gate", (e, f), (f, e), True),
+            t("mlp.up_proj.weight", "w_up", (e, f), (f, e), True),
+            t("mlp.down_proj.weight", "w_down", (f, e), (e, f), True)]
   if config.qkv_bias:
     out += [t("self_attn.q_proj.bias", "bq", (q, h), (q * h,)),
             t("self_attn.k_proj.bias", "bk", (k, h), (k * h,)),
@@ -129,6 +154,14 @@ def _block_tensors(config: ModelConfig, prefix: str, key: tuple) -> list[_Tensor
     out += [t("self_attn.q_norm.weight", "q_norm", (h,), (h,)),
             t("self_attn.k_norm.weight", "k_norm", (h,), (h,))]
   return out
+
+
+def _expert_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+  """`(leaf, one expert's shape)` of an MoE block's stacked expert weights (none if dense)."""
+  if not config.is_moe:
+    return []
+  e, fe = config.d_model, config.expert_dim
+  return [("experts_gate", (e, fe)), ("experts_up", (e, fe)), ("experts_down", (fe, e))]
 
 
 def _trunk_tensors(config: ModelConfig) -> list[_Tensor]:
@@ -154,7 +187,10 @@ def _head_tensors(config: ModelConfig) -> list[_Tensor]:
             plain(f"mtp.{m}.e_norm", key + ("e_norm",), (e,)),
             plain(f"mtp.{m}.proj", key + ("proj",), (2 * e, e))]
     out += [plain(f"mtp.{m}.block.{b.key[-1]}", key + ("block", b.key[-1]), b.shape)
-            for b in _block_tensors(config, "", ())]
+            for b in _block_tensors(config, "", ()) if b.part is None]
+    # An MoE block's experts: each stacked weight as one tensor.
+    out += [plain(f"mtp.{m}.block.{leaf}", key + ("block", leaf), (config.n_experts,) + shape)
+            for leaf, shape in _expert_shapes(config)]
     out.append(plain(f"mtp.{m}.out_norm", key + ("out_norm",), (e,)))
   for k in range(config.num_medusa_heads):
     for j in range(config.medusa_layers):
@@ -247,11 +283,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
 def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
           tree: Params) -> None:
   """Read `tensors` from `files` into `tree`, checking each one's presence, dtype and shape."""
+  stacks: dict[tuple, dict[int, np.ndarray]] = {}  # an MoE layer's experts, until complete
   with ExitStack() as stack:
     handles: dict[Path, Any] = {}
     for t in tensors:
       if t.name not in files:
-        raise CheckpointError(f"missing tensor {t.name!r} (expected shape {t.stored_shape})")
+        about = f", {t.about}" if t.about else ""
+        raise CheckpointError(f"missing tensor {t.name!r} (expected shape {t.stored_shape}"
+                              f"{about})")
       file = files[t.name]
       if file not in handles:
         if not file.is_file():
@@ -274,7 +313,15 @@ def _read(tensors: list[_Tensor], files: dict[str, Path], dtype: np.dtype,
       stored = handle.get_tensor(t.name)
       check_finite(stored, f"tensor {t.name!r} in {file}", "the checkpoint is damaged or was "
                     "saved from a diverged run; re-export it from a healthy state")
-      _set(tree, t.key, jnp.asarray(t.to_param(stored).astype(dtype)))
+      value = t.to_param(stored).astype(dtype)
+      if t.part is None:
+        _set(tree, t.key, jnp.asarray(value))
+        continue
+      parts = stacks.setdefault(t.key, {})
+      parts[t.part] = value
+      if len(parts) == t.of:  # every expert read: one stacked array (host memory freed)
+        _set(tree, t.key, jnp.asarray(np.stack([parts[i] for i in range(t.of)])))
+        del stacks[t.key]
 
 
 def check_finite(array: np.ndarray, what: str, remedy: str) -> None:
@@ -332,7 +379,7 @@ def _resolve_tied_lm_head(config: ModelConfig, files: dict[str, Path], path: Pat
 
 def load_hf(path: str | os.PathLike, *, param_dtype: str = "float32",
             dtype: str | None = None) -> tuple[Params, ModelConfig]:
-  """Load an HF Llama / Qwen2 / Qwen3 checkpoint directory.
+  """Load an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint directory.
 
   Args:
     path: directory (or Hugging Face Hub id: `specjax.hub`) with `config.json` and
@@ -424,11 +471,16 @@ def _gather(params: Params, tensors: list[_Tensor]) -> dict[str, np.ndarray]:
     try:
       value = _get(params, t.key)
     except (KeyError, IndexError, TypeError):
+      want = t.shape if t.part is None else (t.of,) + t.shape
       raise ConfigError(f"params is missing {'/'.join(map(str, t.key))} (expected shape "
-                        f"{t.shape}) required by the config") from None
-    if tuple(value.shape) != t.shape:
+                        f"{want}) required by the config") from None
+    shape = tuple(value.shape) if t.part is None else tuple(value.shape)[1:]
+    if (shape != t.shape) or (t.part is not None and value.shape[0] != t.of):
+      want = t.shape if t.part is None else (t.of,) + t.shape
       raise ConfigError(f"params {'/'.join(map(str, t.key))} has shape {tuple(value.shape)}, "
-                        f"expected {t.shape} from the config")
+                        f"expected {want} from the config")
+    if t.part is not None:
+      value = value[t.part]
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise ConfigError(f"params {'/'.join(map(str, t.key))} has dtype {value.dtype}: allowed "
                         "a float dtype (float16, bfloat16, float32 or float64)")

@@ -1,4 +1,4 @@
-"""HF `config.json` <-> `ModelConfig` translation for Llama / Qwen2 / Qwen3.
+"""HF `config.json` <-> `ModelConfig` translation for Llama / Qwen2 / Qwen3 / Qwen3-MoE.
 
 `config_from_hf` reads a parsed `config.json` dict (both the transformers v5 `rope_parameters`
 / `dtype` and v4 `rope_theta` + `rope_scaling` / `torch_dtype` spellings) and refuses what the
@@ -20,7 +20,7 @@ from specjax.models.config import DTYPES, Llama3RopeScaling, ModelConfig
 
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 
 # transformers' Qwen2 / Qwen3 config defaults, used where config.json omits the key.
@@ -139,8 +139,47 @@ def _check_supported(hf: Mapping[str, Any], family: str, n_layers: int,
     if other:
       raise ConfigError(f"config.json: layer_types contains {other}: allowed only "
                         "'full_attention'")
-  elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+  elif family in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
     _check_no_sliding_window(hf, n_layers, max_position)
+
+
+# transformers' Qwen3MoeConfig defaults, used where config.json omits the key.
+_HF_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                    "intermediate_size": 6144}
+
+
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The MoE fields of a Qwen3-MoE `config.json`, refusing layouts specjax does not run:
+  dense layers among the sparse ones, shared experts, no experts."""
+  only = hf.get("mlp_only_layers") or []
+  step = _int_field(hf, "decoder_sparse_step", 1)
+  if not isinstance(only, list) or only or step != 1:
+    raise ConfigError(f"config.json: mlp_only_layers={hf.get('mlp_only_layers')!r} with "
+                      f"decoder_sparse_step={hf.get('decoder_sparse_step')!r} puts dense MLP "
+                      "layers among the sparse ones, which is unsupported: allowed "
+                      "mlp_only_layers=[] and decoder_sparse_step=1 (every layer a mixture of "
+                      "experts, as Qwen3-30B-A3B and Qwen3-235B-A22B are)")
+  if hf.get("shared_expert_intermediate_size"):
+    raise ConfigError(f"config.json: shared_expert_intermediate_size="
+                      f"{hf['shared_expert_intermediate_size']!r} (a shared expert, as in "
+                      "Qwen2-MoE) is unsupported: allowed Qwen3-MoE's routed experts only")
+  name = "num_local_experts" if hf.get("num_local_experts") is not None else "num_experts"
+  experts = _int_field(hf, name, _HF_MOE_DEFAULTS["num_experts"])
+  top_k = _int_field(hf, "num_experts_per_tok", _HF_MOE_DEFAULTS["num_experts_per_tok"])
+  if experts < 1:
+    raise ConfigError(f"config.json: {name}={experts} is invalid for qwen3_moe: allowed >= 1 "
+                      "(a model without experts is a qwen3 checkpoint)")
+  if not 1 <= top_k <= experts:
+    raise ConfigError(f"config.json: num_experts_per_tok={top_k} is invalid: allowed 1 .. "
+                      f"{name}={experts} (the top-k experts each token is routed to)")
+  normalize = hf.get("norm_topk_prob", False)
+  if not isinstance(normalize, bool):
+    raise ConfigError(f"config.json: norm_topk_prob={normalize!r} is invalid: allowed true or "
+                      "false")
+  return dict(n_experts=experts, experts_per_token=top_k,
+              expert_dim=_int_field(hf, "moe_intermediate_size",
+                                    _HF_MOE_DEFAULTS["moe_intermediate_size"]),
+              normalize_top_k=normalize)
 
 
 def _check_no_sliding_window(hf: Mapping[str, Any], n_layers: int, max_position: int) -> None:
@@ -215,7 +254,9 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
     raise ConfigError(f"config.json holds a {type(hf).__name__}: allowed a JSON object of "
                       "model settings")
   family = _family(hf)
-  missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+  # An all-sparse Qwen3-MoE never uses its dense width: transformers' default stands in.
+  dense_width = () if family == "qwen3_moe" else ("intermediate_size",)
+  missing = [f for f in ("vocab_size", "hidden_size", *dense_width, "num_hidden_layers",
                          "num_attention_heads") if f not in hf]
   if missing:
     raise ConfigError(f"config.json: missing required fields {missing} for "
@@ -239,14 +280,15 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
       n_kv_heads=(_int_field(hf, "num_key_value_heads")
                   if hf.get("num_key_value_heads") is not None else n_heads),
       head_dim=_head_dim(hf, family, d_model, n_heads),
-      mlp_dim=_int_field(hf, "intermediate_size"),
+      mlp_dim=_int_field(hf, "intermediate_size", _HF_MOE_DEFAULTS["intermediate_size"]
+                         if family == "qwen3_moe" else _REQUIRED),
       rope_theta=theta,
       rope_scaling=scaling,
       rms_norm_eps=_float_field(hf, "rms_norm_eps", 1e-6),
       # Qwen2 always has q/k/v biases; Llama and Qwen3 have them (and an o_proj bias, which
       # `load_hf` checks is zero) when attention_bias is set.
       qkv_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
-      qk_norm=family == "qwen3",
+      qk_norm=family in ("qwen3", "qwen3_moe"),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       max_position=max_position,
       dtype=dtype or param_dtype,
@@ -255,6 +297,7 @@ def config_from_hf(hf: Mapping[str, Any], *, param_dtype: str = "float32",
       num_medusa_heads=int_head("num_medusa_heads", 0),
       medusa_layers=int_head("medusa_layers", 1),
       family=family,
+      **(_moe_fields(hf) if family == "qwen3_moe" else {}),
   )
 
 
@@ -300,10 +343,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   }
   if config.family == "llama":
     hf |= {"attention_bias": config.qkv_bias, "mlp_bias": False}
-  elif config.family == "qwen3":
+  elif config.family in ("qwen3", "qwen3_moe"):
     hf |= {"attention_bias": config.qkv_bias, "use_sliding_window": False}
   else:
     hf |= {"use_sliding_window": False}
+  if config.is_moe:
+    hf |= {"num_experts": config.n_experts, "num_experts_per_tok": config.experts_per_token,
+           "moe_intermediate_size": config.expert_dim, "norm_topk_prob": config.normalize_top_k,
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
   if config.num_mtp_modules or config.num_medusa_heads:
     hf["specjax"] = {"num_mtp_modules": config.num_mtp_modules,
                      "num_medusa_heads": config.num_medusa_heads,

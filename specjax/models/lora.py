@@ -18,7 +18,9 @@ Two ways to apply them, the same function up to rounding:
   per token), and an export is merged.
 
 Adapter names are the trunk's projection names (`ADAPTABLE`): "wq", "wk", "wv", "wo"
-(attention), "w_gate", "w_up", "w_down" (MLP); PEFT calls them q_proj ... down_proj.
+(attention), "w_gate", "w_up", "w_down" (MLP); PEFT calls them q_proj ... down_proj. A
+mixture-of-experts model has no dense MLP: its adapters are on the attention projections
+(`adapted_targets`); the router and the experts train only in a full-parameter run.
 Shape letters: see `specjax` (E d_model, Q query heads, K kv heads, H head_dim, F MLP width).
 """
 
@@ -33,6 +35,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from specjax.checks import is_int, is_real, require
+from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import Params, block_axes
 
@@ -118,6 +121,23 @@ class LoraAdapters:
 
 
 
+def adapted_targets(model: ModelConfig, config: LoraConfig) -> tuple[str, ...]:
+  """The projections of `config.targets` that `model`'s layers have (an MoE layer has no
+  "w_gate", "w_up", "w_down"), in `config.targets`' order.
+
+  Raises:
+    ConfigError: none of them is there.
+  """
+  present = block_axes(model)
+  names = tuple(name for name in config.targets if name in present)
+  if not names:
+    raise ConfigError(f"lora.targets={config.targets!r} names no projection of this model: "
+                      f"its layers have {', '.join(n for n in ADAPTABLE if n in present)} "
+                      + ("(a mixture-of-experts model has no dense MLP to adapt)"
+                         if model.is_moe else ""))
+  return names
+
+
 def merged_policy(params: Params, adapters: LoraAdapters | None) -> Params:
   """The parameters a policy decodes with: `params`, with `adapters` merged in (if any)."""
   return params if adapters is None else adapters.merge(params)
@@ -137,10 +157,11 @@ def init_lora(model: ModelConfig, config: LoraConfig, key: jax.Array,
             "w_gate": (model.d_model, model.mlp_dim), "w_up": (model.d_model, model.mlp_dim),
             "w_down": (model.mlp_dim, model.d_model)}
   r = config.rank
+  targets = adapted_targets(model, config)
   layers = []
   for layer_key in jax.random.split(key, model.n_layers):
     layer = {}
-    for name, k in zip(config.targets, jax.random.split(layer_key, len(config.targets))):
+    for name, k in zip(targets, jax.random.split(layer_key, len(targets))):
       ins, outs = _split(name, shapes[name])
       std = 1.0 / math.sqrt(math.prod(ins))
       layer[name] = {"a": (std * jax.random.normal(k, ins + (r,))).astype(dtype),
@@ -155,7 +176,7 @@ def lora_axes(model: ModelConfig, config: LoraConfig) -> Params:
   axes, B its output axes; the rank axis is never split."""
   axes = block_axes(model)
   layer = {}
-  for name in config.targets:
+  for name in adapted_targets(model, config):
     ins, outs = _split(name, tuple(axes[name]))
     layer[name] = {"a": P(*ins, None), "b": P(None, *outs)}
   return {"layers": [dict(layer) for _ in range(model.n_layers)]}

@@ -4,11 +4,15 @@ Parameters are nested dicts of arrays. Layers are a list of per-layer dicts rath
 stacked array: the forward pass unrolls the layers in Python, so each layer's weights and KV
 buffers are separate XLA buffers and nothing is sliced out of (or copied into) a stack.
 
+A mixture-of-experts layer (`ModelConfig.n_experts` > 0) has, in place of the dense MLP's
+`w_gate`, `w_up`, `w_down`, a router `[E, Z]` and the experts' stacked weights
+`experts_gate`, `experts_up` `[Z, E, F]` and `experts_down` `[Z, F, E]` (`specjax.models.moe`).
+
 Shape letters: see `specjax` (V vocab, E d_model, Q query heads, K kv heads, H head_dim,
-F MLP width).
+F MLP width, Z experts).
 
 Logical axes (see `param_axes`) are `PartitionSpec`s of *logical* names — "vocab", "embed",
-"heads", "kv_heads", "head_dim", "mlp" — mapped to mesh axes by `specjax.sharding`.
+"heads", "kv_heads", "head_dim", "mlp", "expert" — mapped to mesh axes by `specjax.sharding`.
 """
 
 from __future__ import annotations
@@ -37,10 +41,15 @@ def block_axes(config: ModelConfig) -> dict[str, P]:
       "wv": P("embed", "kv_heads", "head_dim"),
       "wo": P("heads", "head_dim", "embed"),
       "mlp_norm": P("embed"),
-      "w_gate": P("embed", "mlp"),
-      "w_up": P("embed", "mlp"),
-      "w_down": P("mlp", "embed"),
   }
+  if config.is_moe:
+    axes |= {"router": P("embed", None),
+             "experts_gate": P("expert", "embed", "mlp"),
+             "experts_up": P("expert", "embed", "mlp"),
+             "experts_down": P("expert", "mlp", "embed")}
+  else:
+    axes |= {"w_gate": P("embed", "mlp"), "w_up": P("embed", "mlp"),
+             "w_down": P("mlp", "embed")}
   if config.qkv_bias:
     axes |= {"bq": P("heads", "head_dim"), "bk": P("kv_heads", "head_dim"),
              "bv": P("kv_heads", "head_dim")}
@@ -76,7 +85,7 @@ def _init_block(config: ModelConfig, key: jax.Array) -> Params:
   e, q, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                    config.mlp_dim)
   dt = config.weight_dtype
-  keys = jax.random.split(key, 7)
+  keys = jax.random.split(key, 8)
   normal = lambda kk, shape: (_INIT_STD * jax.random.normal(kk, shape)).astype(dt)
   block = {
       "attn_norm": jnp.ones((e,), dt),
@@ -85,10 +94,16 @@ def _init_block(config: ModelConfig, key: jax.Array) -> Params:
       "wv": normal(keys[2], (e, k, h)),
       "wo": normal(keys[3], (q, h, e)),
       "mlp_norm": jnp.ones((e,), dt),
-      "w_gate": normal(keys[4], (e, f)),
-      "w_up": normal(keys[5], (e, f)),
-      "w_down": normal(keys[6], (f, e)),
   }
+  if config.is_moe:
+    z, fe = config.n_experts, config.expert_dim
+    block |= {"router": normal(keys[7], (e, z)),
+              "experts_gate": normal(keys[4], (z, e, fe)),
+              "experts_up": normal(keys[5], (z, e, fe)),
+              "experts_down": normal(keys[6], (z, fe, e))}
+  else:
+    block |= {"w_gate": normal(keys[4], (e, f)), "w_up": normal(keys[5], (e, f)),
+              "w_down": normal(keys[6], (f, e))}
   if config.qkv_bias:
     block |= {"bq": jnp.zeros((q, h), dt), "bk": jnp.zeros((k, h), dt),
               "bv": jnp.zeros((k, h), dt)}

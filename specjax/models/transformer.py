@@ -1,4 +1,4 @@
-"""The trunk: a pure-functional Llama 3 / Qwen2 / Qwen3 decoder.
+"""The trunk: a pure-functional Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE decoder.
 
 `forward(params, config, tokens, positions, cache)` runs the model over T new tokens. With
 a cache it writes their keys/values in place after the committed slots; an optional
@@ -22,6 +22,7 @@ from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.layout import constrain_rows
 from specjax.models.lora import ATTACHED, low_rank
+from specjax.models.moe import moe_mlp
 from specjax.models.params import Params
 
 
@@ -95,7 +96,8 @@ def _write(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
           vis: Visibility, kv: tuple[jax.Array, jax.Array] | None, slots: jax.Array | None,
           inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-  """One pre-norm transformer block (attention + SwiGLU MLP).
+  """One pre-norm transformer block (attention + SwiGLU MLP, or a mixture of SwiGLU experts:
+  `specjax.models.moe`).
 
   Args:
     layer: the block's parameters (with LoRA factors under "lora" when attached:
@@ -158,6 +160,8 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
   x = x + project("BTX,XE->BTE", attn, "wo", wo)
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+  if config.is_moe:
+    return x + moe_mlp(layer, config, h), new_kv
   gate = project("BTE,EF->BTF", h, "w_gate", w("w_gate"))
   up = project("BTE,EF->BTF", h, "w_up", w("w_up"))
   x = x + project("BTF,FE->BTE", jax.nn.silu(gate) * up, "w_down", w("w_down"))

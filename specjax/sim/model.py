@@ -93,11 +93,14 @@ class ModelSpec:
 
   @classmethod
   def from_model_config(cls, config: Any, name: str = "model") -> ModelSpec:
-    """The spec of a `specjax.models.ModelConfig` (read by attribute; no JAX needed)."""
+    """The spec of a `specjax.models.ModelConfig` (read by attribute; no JAX needed); of an
+    MoE one (`n_experts` > 0), its experts, and no dense width."""
+    experts = getattr(config, "n_experts", 0)
+    mlp = (dict(n_experts=experts, experts_per_token=config.experts_per_token,
+                expert_dim=config.expert_dim) if experts else dict(mlp_dim=config.mlp_dim))
     return cls(name=name, n_layers=config.n_layers, d_model=config.d_model,
                n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-               vocab=config.vocab_size, mlp_dim=config.mlp_dim,
-               tied_embeddings=config.tie_embeddings,
+               vocab=config.vocab_size, tied_embeddings=config.tie_embeddings, **mlp,
                weight_bytes=_DTYPE_BYTES[config.param_dtype],
                kv_bytes=_DTYPE_BYTES[config.dtype])
 

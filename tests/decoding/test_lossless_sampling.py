@@ -22,8 +22,8 @@ import scipy.stats
 
 from support import CyclingPolicy
 from specjax.decoding import (CostTable, DraftModelDrafter, DraftTree, FallbackDrafter,
-                              FallbackParams, GroupDrafter, MedusaDrafter, SamplingConfig,
-                              generate, verify)
+                              FallbackParams, GroupDrafter, MedusaDrafter, MTPDrafter,
+                              SamplingConfig, generate, verify)
 from specjax.decoding.drafters.eagle3 import Eagle3Drafter, Eagle3Weights
 from specjax.decoding.drafters.history import HistoryDrafter, history_drafter
 from specjax.decoding.sampling import sample_tokens, processed_logprobs
@@ -39,6 +39,10 @@ TARGET = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads
 DRAFT = TARGET.replace(num_medusa_heads=0)
 EAGLE_TARGET = TARGET.replace(n_layers=2, num_medusa_heads=0)
 EAGLE = Eagle3Config.for_target(EAGLE_TARGET, draft_vocab_size=6)
+# A mixture-of-experts target (4 experts, top 2) drafted by its own MTP heads.
+MOE_TARGET = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                         head_dim=8, mlp_dim=32, qk_norm=True, family="qwen3_moe", n_experts=4,
+                         experts_per_token=2, expert_dim=16, num_mtp_modules=2, max_position=16)
 
 
 def _sharpen(params, scale, key):
@@ -65,6 +69,17 @@ def eagle_models():
   head["fc"] = head["fc"] * 10.0
   return (_sharpen(init_params(EAGLE_TARGET, jax.random.key(0)), 15.0, jax.random.key(10)),
           Eagle3Weights(params=head, d2t=jnp.array([0, 2, 3, 5, 6, 7], jnp.int32)))
+
+
+@pytest.fixture(scope="module")
+def moe_target():
+  """The sharpened MoE target, its router and experts scaled so that routing matters."""
+  params = _sharpen(init_params(MOE_TARGET, jax.random.key(0)), 15.0, jax.random.key(10))
+  for layer in params["layers"] + [m["block"] for m in params["mtp"]]:
+    layer["router"] = layer["router"] * 20.0
+    for name in ("experts_gate", "experts_up", "experts_down"):
+      layer[name] = layer[name] * 10.0
+  return params
 
 
 def _reference_probs(logits: np.ndarray, s: SamplingConfig) -> np.ndarray:
@@ -256,6 +271,26 @@ def _accept_every_draft(tree, node_tokens, target_logits, draft_logprobs, sampli
   return verify.VerifyResult(path=jnp.stack(path, 1), num_accepted=accepted,
                              next_token=sample_tokens(key, processed_logprobs(last, sampling),
                                                       sampling))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling_name", sorted(SAMPLINGS))
+def test_an_moe_target_drafted_by_its_mtp_heads_samples_the_exact_distribution(moe_target,
+                                                                               sampling_name):
+  s = SAMPLINGS[sampling_name]
+  tree = DraftTree.from_widths((2, 1))
+  tokens, stats = _sample((moe_target, None), s, MTPDrafter(sampled=True), tree,
+                          config=MOE_TARGET)
+  assert 0.05 < float(stats.accepted_per_depth[0]) < 0.95, stats.accepted_per_depth
+  p = _chi_square_pvalue(tokens, _exact_joint(moe_target, s, MOE_TARGET))
+  assert p > 1e-3, f"moe/{sampling_name}: chi-square p={p:.2e}"
+  if sampling_name != "t1":  # (top-k / top-p: it samples sequences of probability 0 outright)
+    return
+  # The accept-everything verifier on the same target and heads is rejected.
+  wrong, _ = _sample((moe_target, None), s, MTPDrafter(sampled=True), tree, seed=1,
+                     verifier=_accept_every_draft, config=MOE_TARGET)
+  p = _chi_square_pvalue(wrong, _exact_joint(moe_target, s, MOE_TARGET))
+  assert p < 1e-3, f"the negative control passed (p={p:.2e}); the test has no power"
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ from specjax.rl.rewards import JaxReward, RewardFunction
 from specjax.tokenizer import CharTokenizer, HFTokenizer
 from support import ROOT, child_env, write_hf_checkpoint
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 CONFIG = """
 from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, RolloutEvaluation,
                                  RolloutSettings, WarmStart)
@@ -102,7 +102,9 @@ DRAFTERS = {"draft-model": ["--drafter.name", "draft-model", "--drafter.checkpoi
     # All slow: a minute each on 2 cores; the fast tier's own-model run is the JAX-rewards one.
     pytest.param("llama", "draft-model", 0, marks=pytest.mark.slow),
     pytest.param("qwen3", "eagle3", 0, marks=pytest.mark.slow),
-    pytest.param("qwen3", "eagle3", 4, marks=pytest.mark.slow)])
+    pytest.param("qwen3", "eagle3", 4, marks=pytest.mark.slow),
+    # A mixture-of-experts policy (8 experts, top 2), LoRA on its attention projections.
+    pytest.param("qwen3_moe", "eagle3", 4, marks=pytest.mark.slow)])
 def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, capsys, family,
                                                                          drafter, lora):
   run_dir = own / f"run-{family}-lora{lora}"
@@ -161,8 +163,11 @@ def test_train_resume_and_export_on_an_hf_checkpoint_with_python_rewards(own, ca
     assert recorded["lora"]["rank"] == lora
     assert np.array_equal(params["embed"], base["embed"])
     assert np.array_equal(params["layers"][0]["attn_norm"], base["layers"][0]["attn_norm"])
+    adapted = [n for n in recorded["lora"]["targets"] if n in base["layers"][0]]  # MoE: no MLP
+    assert adapted == (["wq", "wk", "wv", "wo"] if family == "qwen3_moe"
+                       else recorded["lora"]["targets"])
     moved = [float(np.abs(params["layers"][i][n] - base["layers"][i][n]).max())
-             for i in range(2) for n in recorded["lora"]["targets"]]
+             for i in range(2) for n in adapted]
     assert min(moved) > 0, moved
 
 

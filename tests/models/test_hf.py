@@ -50,6 +50,12 @@ CASES = {
         lambda: transformers.Qwen3Config(**_SMALL, num_key_value_heads=2, head_dim=32,
                                          tie_word_embeddings=False),
         "30KB"),
+    "qwen3_moe_8_experts_top2_sharded": (
+        lambda: transformers.Qwen3MoeConfig(**_SMALL, num_key_value_heads=2, head_dim=16,
+                                            num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, norm_topk_prob=True,
+                                            tie_word_embeddings=False),
+        "30KB"),
 }
 
 
@@ -83,6 +89,8 @@ def _randomize(model) -> None:
     for name, p in model.named_parameters():
       if "norm" in name:
         p.copy_(1 + 0.2 * torch.randn_like(p))
+      elif name.endswith("mlp.gate.weight"):  # a router: distinct logits, no top-k ties
+        p.copy_(0.5 * torch.randn_like(p))
       elif name.endswith("o_proj.bias"):
         p.zero_()  # specjax has no output-projection bias; see test_nonzero_o_proj_bias_...
       elif name.endswith("bias"):
@@ -209,11 +217,16 @@ def test_config_to_hf_then_config_from_hf_is_identity():
                   family="llama", param_dtype="bfloat16", dtype="bfloat16"),
       ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=16,
                   mlp_dim=64, qk_norm=True, rms_norm_eps=1e-5, family="qwen3"),
+      ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  mlp_dim=64, qk_norm=True, family="qwen3_moe", n_experts=16,
+                  experts_per_token=4, expert_dim=8, normalize_top_k=False,
+                  num_mtp_modules=1),
   ]
   for config in configs:
     hf = config_to_hf(config)
     assert hf["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                    "qwen3": "Qwen3ForCausalLM"}[config.family]]
+                                    "qwen3": "Qwen3ForCausalLM",
+                                    "qwen3_moe": "Qwen3MoeForCausalLM"}[config.family]]
     assert config_from_hf(hf, param_dtype="auto", dtype=config.dtype) == config
 
 

@@ -212,7 +212,8 @@ def test_inactive_sliding_window_loads_negative_control(saved_qwen3, changes):
 
 
 @pytest.mark.parametrize("model_type,match", [
-    ("mistral", r"model_type='mistral'.*allowed model_type one of \['llama', 'qwen2', 'qwen3'\]"),
+    ("mistral", r"model_type='mistral'.*allowed model_type one of "
+                r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"),
     ("qwen2", r"model_type='qwen2' disagrees with architectures=\['LlamaForCausalLM'\]"),
 ])
 def test_model_type_other_than_the_llama_architecture_is_refused(saved, model_type, match):
