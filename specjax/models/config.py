@@ -131,9 +131,10 @@ class ModelConfig:
     moe_impl: how an MoE layer runs its experts (`specjax.models.moe`): "loop" visits, per
       forward, only the experts its tokens were routed to (reads only their weights: decode
       steps), "ragged" sorts the (token, expert) pairs by expert and runs grouped matmuls
-      (`jax.lax.ragged_dot`: prefill and training on TPU / GPU); "auto" picks "loop" when a
-      forward has at most as many (token, expert) pairs as experts, else "ragged". Both are
-      dropless (no capacity: every token reaches its k experts); results agree to rounding.
+      (`jax.lax.ragged_dot`: prefill and training on TPU / GPU); "auto" picks "loop" on a
+      CPU, and elsewhere when a forward has at most as many (token, expert) pairs as
+      experts, else "ragged". Both are dropless (no capacity: every token reaches its k
+      experts); results agree to rounding.
   """
 
   vocab_size: int
@@ -155,7 +156,7 @@ class ModelConfig:
   num_mtp_modules: int = 0
   num_medusa_heads: int = 0
   medusa_layers: int = 1
-  family: Literal["llama", "qwen2", "qwen3"] = "llama"
+  family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
   attention_impl: Literal["auto", "dense", "blocked", "pallas", "pallas_interpret"] = "auto"
   attention_block: int = 256
   remat: Literal["none", "dots", "full"] = "none"

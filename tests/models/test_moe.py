@@ -17,7 +17,7 @@ from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig, generate
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import (KVCache, LoraConfig, ModelConfig, forward, init_lora, init_params,
                             load_hf, save_hf)
-from specjax.models.moe import activated_experts, moe_mlp, route
+from specjax.models.moe import activated_experts, moe_mlp, route, uses_loop
 
 MOE = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qk_norm=True, family="qwen3_moe", n_experts=8,
@@ -65,6 +65,19 @@ def test_both_implementations_match_a_reference_that_runs_every_expert(impl, nor
   assert np.abs(want).max() > 1e-3  # not a comparison near zero
 
 
+def test_auto_runs_the_loop_on_a_cpu_and_grouped_matmuls_for_large_forwards_elsewhere():
+  assert uses_loop(MOE, 1000, "cpu") and uses_loop(MOE, 4, "tpu")  # 4 x 2 pairs <= 8 experts
+  assert not uses_loop(MOE, 5, "tpu") and not uses_loop(MOE, 5, "cuda")
+  assert not uses_loop(MOE.replace(moe_impl="ragged"), 1, "cpu")
+  # Lowered for TPU, a large forward holds the grouped matmuls; for the CPU, the loop.
+  params = _params()
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+  lower = lambda platform: jax.jit(forward, static_argnums=1).trace(
+      params, MOE, tokens, positions).lower(lowering_platforms=(platform,)).as_text()
+  assert "ragged_dot" in lower("tpu") and "ragged_dot" not in lower("cpu")
+
+
 def test_normalising_the_top_k_weights_changes_the_output_negative_control():
   layer = _params()["layers"][0]
   h = jax.random.normal(jax.random.key(1), (1, 4, MOE.d_model))
@@ -83,19 +96,20 @@ def test_the_router_picks_the_top_k_of_a_float32_softmax():
   np.testing.assert_allclose(weights.sum(1), 1.0, atol=1e-6)
 
 
-def test_a_cached_decode_gives_the_logits_of_a_forward_over_the_whole_sequence():
-  """Prefill (the ragged path: 2 x 9 tokens x 2 experts > 8 experts) then one token at a
-  time (the loop: 2 x 2 pairs <= 8) equals one uncached forward."""
+@pytest.mark.parametrize("impl", ["auto", "loop", "ragged"])
+def test_a_cached_decode_gives_the_logits_of_a_forward_over_the_whole_sequence(impl):
+  """Prefill of 9 tokens, then one token at a time, equals one uncached forward."""
+  config = MOE.replace(moe_impl=impl)
   params = _params()
   tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, MOE.vocab_size)
   positions = jnp.broadcast_to(jnp.arange(14), (2, 14))
-  whole = forward(params, MOE, tokens, positions).logits
-  cache = KVCache.create(MOE, 2, 16)
-  out = forward(params, MOE, tokens[:, :9], positions[:, :9], cache)
+  whole = forward(params, MOE.replace(moe_impl="loop"), tokens, positions).logits
+  cache = KVCache.create(config, 2, 16)
+  out = forward(params, config, tokens[:, :9], positions[:, :9], cache)
   steps = [out.logits]
   cache = out.cache
   for t in range(9, 14):
-    out = forward(params, MOE, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+    out = forward(params, config, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
     steps.append(out.logits)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(steps, 1), whole, atol=1e-5, rtol=1e-5)
