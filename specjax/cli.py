@@ -35,6 +35,7 @@ from specjax.decoding.policy import describe
 from specjax.errors import CheckpointError, ConfigError, SpecjaxError
 from specjax.hub import local_checkpoint
 from specjax.timing import interleaved
+from specjax.sharding import MESH_AXES
 from specjax.tokenizer import with_bos
 
 DEMO_PROMPTS = ("7,10,13,", "100,125,150,", "3,4,5,", "988,990,992,")
@@ -258,7 +259,7 @@ def train_command(argv: list[str]) -> dict:
   On several processes every process runs the same command line (with its own
   `--process-id`, or the cluster's environment): `jax.distributed` is joined first
   (`specjax.rl.join_cluster`), then the run shards its train state over the mesh of all
-  processes' devices (`--mesh.data/--mesh.fsdp/--mesh.tensor`). Only process 0 prints.
+  processes' devices (`--mesh.data/fsdp/tensor/expert`). Only process 0 prints.
   """
   from specjax.rl.distributed import DEFAULT_CLUSTER_TIMEOUT_S, check_same_config, join_cluster
   parser = argparse.ArgumentParser(
@@ -426,7 +427,7 @@ SIM_COMMANDS = {
 
 
 def plan_command(argv: list[str]) -> int:
-  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor S]
+  """`specjax plan --config FILE --devices N [--hbm-gib G] [--mesh.data/fsdp/tensor/expert S]
   [--model.remat POLICY] [--lora.rank R]`: print the plan; the mesh flags override the config's
   mesh axis by axis, `--model.remat` its rematerialisation, `--lora.rank` its LoRA rank (0:
   full-parameter training). Returns the exit status (0 fits, 1 does not fit)."""
@@ -441,7 +442,7 @@ def plan_command(argv: list[str]) -> int:
                       help="accelerators to plan for (compiled on as many fake CPU devices)")
   parser.add_argument("--hbm-gib", type=float, default=80.0,
                       help="memory per accelerator in GiB (default 80: H100 / A100 80GB)")
-  for axis in ("data", "fsdp", "tensor"):
+  for axis in MESH_AXES:
     parser.add_argument(f"--mesh.{axis}", type=int, default=None, dest=axis,
                         help=f"mesh {axis} size (-1: the devices the other axes leave); "
                              "default the config's")
@@ -462,8 +463,7 @@ def plan_command(argv: list[str]) -> int:
   except ConfigError as err:
     raise SystemExit(f"specjax plan: {err}") from None
   config = load_experiment(args.config)
-  overrides = {a: getattr(args, a) for a in ("data", "fsdp", "tensor")
-               if getattr(args, a) is not None}
+  overrides = {a: getattr(args, a) for a in MESH_AXES if getattr(args, a) is not None}
   try:
     mesh = None
     if overrides and isinstance(config, ExperimentConfig):

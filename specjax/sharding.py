@@ -5,10 +5,13 @@ rules table maps each logical name to mesh axes. Keeping the two apart means one
 definition runs data-parallel, FSDP, tensor-parallel or any mix by changing only the mesh
 shape (or, rarely, the rules).
 
-The mesh always has the axes ("data", "fsdp", "tensor"), some possibly of size 1:
+The mesh always has the axes ("data", "fsdp", "tensor", "expert"), some possibly of size 1:
   data    pure data parallelism: batch split, parameters replicated.
   fsdp    batch split and parameters split along "embed" (gathered when used).
   tensor  Megatron-style split of heads, MLP hidden units and the vocabulary.
+  expert  expert parallelism: a mixture-of-experts layer's experts split, each device
+          running its own on every token of its expert group (`specjax.models.moe`); the
+          batch is split over it too, so the rest of the model is data-parallel there.
 
 A dimension whose size the mapped mesh axes do not divide (kv_heads=2 on tensor=4) falls
 back to fewer of those axes and then to replication, and a mesh axis is used at most once
@@ -47,21 +50,21 @@ __all__ = [
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # A logical name may appear more than once: later entries are fallbacks tried in order when an
 # earlier one cannot be used (axis already taken in this array, or size not divisible).
 DEFAULT_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
-    # An MoE layer's experts: each device holds every expert, its share of their width split
-    # on "tensor" ("mlp") and of E on "fsdp" (expert tensor parallelism).
-    ("expert", None),
+    # An MoE layer's experts: split over "expert" (expert parallelism); within a device, its
+    # experts' width splits on "tensor" ("mlp") and E on "fsdp".
+    ("expert", "expert"),
 )
 
 _CACHE_AXES = P("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]
@@ -81,9 +84,10 @@ def _check_axis_sizes(sizes: dict[str, int], prefix: str = "") -> list[str]:
   return free
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, expert: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all global devices).
+  """A `("data", "fsdp", "tensor", "expert")` mesh over `devices` (default: all global
+  devices).
 
   One axis may be -1, meaning "all devices the other axes leave". On several hosts,
   `jax.devices()` lists every process's devices, so the same call on each host builds the
@@ -94,7 +98,7 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
       cover the devices exactly.
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor, "expert": expert}
   free = _check_axis_sizes(sizes)
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if free:
@@ -105,20 +109,22 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
     sizes[free[0]] = len(devices) // fixed
   shape = tuple(sizes[name] for name in MESH_AXES)
   if math.prod(shape) != len(devices):
+    named = " x ".join(f"{name}={size}" for name, size in zip(MESH_AXES, shape)
+                       if size != 1 or name != "expert")
     raise ConfigError(
-        f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} "
-        f"devices is invalid: there are {len(devices)} devices; the product must equal it "
-        "(use -1 on one axis to take the rest)")
+        f"mesh {named} = {math.prod(shape)} devices is invalid: there are {len(devices)} "
+        "devices; the product must equal it (use -1 on one axis to take the rest)")
   # Auto axes: the model code leaves sharding of intermediates to the compiler; explicit
   # (sharding-in-types) axes, the jax.make_mesh default, would demand annotations on them.
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+  return jax.make_mesh(shape, MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
                        devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The shape of a run's `("data", "fsdp", "tensor")` mesh over every device of every
-  process (`make_mesh`). One axis may be -1: all the devices the other two leave.
+  """The shape of a run's `("data", "fsdp", "tensor", "expert")` mesh over every device of
+  every process (`make_mesh`). One axis may be -1: all the devices the others leave.
 
   The default is pure data parallelism over all devices, what a run on one accelerator, on
   8 of them or on a pod slice needs unless the model does not fit one device (then fsdp
@@ -128,11 +134,14 @@ class MeshConfig:
     data: batch split, parameters replicated.
     fsdp: batch split and parameters split along "embed".
     tensor: heads, MLP hidden units and vocabulary split (Megatron style).
+    expert: a mixture-of-experts model's experts split (expert parallelism), the batch too;
+      it must divide the number of experts.
   """
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  expert: int = 1
 
   def __post_init__(self):
     _check_axis_sizes(dataclasses.asdict(self), prefix="mesh.")
@@ -145,10 +154,12 @@ class MeshConfig:
     """
     devices = list(jax.devices() if devices is None else devices)
     try:
-      return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
+      return make_mesh(self.data, self.fsdp, self.tensor, self.expert, devices=devices)
     except ValueError as err:
-      shape = f"mesh.data={self.data}, mesh.fsdp={self.fsdp}, mesh.tensor={self.tensor}"
-      fixed = math.prod(s for s in (self.data, self.fsdp, self.tensor) if s != -1)
+      sizes = dataclasses.asdict(self)
+      shape = ", ".join(f"mesh.{name}={size}" for name, size in sizes.items()
+                        if name != "expert" or size != 1)
+      fixed = math.prod(s for s in sizes.values() if s != -1)
       raise ConfigError(
           f"{shape} is invalid: there are {len(devices)} devices ({jax.process_count()} "
           f"process(es) x {jax.local_device_count()}); the sizes must multiply to that, or one "

@@ -54,8 +54,8 @@ def _assert_same_shardings(arrays, shardings):
 
 def test_make_mesh_has_named_axes_and_fills_minus_one_with_remaining_devices():
   mesh = sharding.make_mesh(data=-1, tensor=2)
-  assert mesh.axis_names == ("data", "fsdp", "tensor")
-  assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  assert mesh.axis_names == ("data", "fsdp", "tensor", "expert")
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
@@ -88,7 +88,7 @@ def test_rules_replicate_a_dimension_the_mesh_axis_does_not_divide():
 
 def test_rules_keep_the_divisible_prefix_of_a_multi_axis_rule():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  assert sharding.logical_to_mesh(P("batch"), mesh, (4,)) == P(("data", "fsdp"))
+  assert sharding.logical_to_mesh(P("batch"), mesh, (4,)) == P(("data", "fsdp", "expert"))
   assert sharding.logical_to_mesh(P("batch"), mesh, (2,)) == P("data")
   assert sharding.logical_to_mesh(P("batch"), mesh, (3,)) == P(None)
 
@@ -198,7 +198,7 @@ def test_sharded_kv_cache_decode_equals_unsharded(mesh, tokens):
   param_sh = sharding.param_shardings(CONFIG, mesh)
   cache = KVCache.create(CONFIG, B, max_len)
   cache_sh = sharding.kv_cache_shardings(cache, mesh)
-  assert cache_sh.keys[0].spec == P(("data", "fsdp"), "tensor", None, None)
+  assert cache_sh.keys[0].spec == P(("data", "fsdp", "expert"), "tensor", None, None)
   batch = sharding.batch_sharding(mesh, 2)
   # Donate the cache: the previous buffers are dead once the new entries are written.
   sharded_step = jax.jit(step, in_shardings=(param_sh, batch, batch, cache_sh),

@@ -369,11 +369,12 @@ class ExperimentConfig:
       `drafter.clip_heads_separately`).
     warm_start: the supervised warm start before RL (`WarmStart`).
     eval: the held-out evaluation and the speedup measurement (`RolloutEvaluation`).
-    mesh: the device mesh of the train state and step (`data`, `fsdp`, `tensor`; one of them
-      -1 for all the devices the others leave). The default splits the prompts of each step
-      over every device of every process (data parallelism); `fsdp` also splits parameters
-      and optimizer moments, `tensor` heads, MLP units and vocabulary. A prompt batch that
-      the batch axes do not divide is replicated instead.
+    mesh: the device mesh of the train state and step (`data`, `fsdp`, `tensor`, `expert`;
+      one of them -1 for all the devices the others leave). The default splits the prompts
+      of each step over every device of every process (data parallelism); `fsdp` also splits
+      parameters and optimizer moments, `tensor` heads, MLP units and vocabulary, `expert`
+      a mixture-of-experts policy's experts (and the prompts). A prompt batch that the
+      batch axes do not divide is replicated instead.
     pipeline: async (off-policy) and disaggregated rollouts (`Pipeline`).
     checkpoint: checkpoint frequency and retention (`Checkpointing`).
     log: metrics backends beside metrics.jsonl and TensorBoard (`Logging`: Weights & Biases).
@@ -440,6 +441,13 @@ class ExperimentConfig:
                     f"the supervised warm start learns references, and task {self.task.name!r} "
                     "has none (set task.reference_column, or warm_start.steps=0 to start RL "
                     "from policy_dir's weights)", "warm_start.")
+    expert = self.mesh.expert
+    require_field(self.mesh, "expert", expert in (1, -1) or (
+        self.model.is_moe and self.model.n_experts % expert == 0),
+                  f"splits a mixture-of-experts model's experts, and the model has "
+                  f"{self.model.n_experts} (allowed: 1, or a divisor of model.n_experts"
+                  + (f" = {self.model.n_experts})" if self.model.is_moe
+                     else ": this model has no experts)"), "mesh.")
     vocab = self.task.tokenizer.vocab_size
     require_field(self.model, "vocab_size", self.model.vocab_size >= vocab,
                   f"the task's tokenizer has {vocab} ids, which the model must embed "

@@ -183,7 +183,7 @@ class Plan:
 
   Attributes:
     name: what was planned (the config file).
-    mesh: mesh axis sizes, {"data": ., "fsdp": ., "tensor": .}.
+    mesh: mesh axis sizes, {"data": ., "fsdp": ., "tensor": ., "expert": .}.
     hbm_gib: memory per device to fit in.
     shapes: the step's sizes (rows, prompt buffer, new tokens, cache slots, minibatch rows,
       rows per device, parameter counts, dtypes).
@@ -241,7 +241,7 @@ class Plan:
     g = lambda n: f"{n / scale:9.2f}"
     blank = f"{'':>9}"
     both = lambda f: (blank, g(f(h)), g(f(e)))
-    mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+    mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items() if k != "expert" or v != 1)
     backend = f"XLA:{self.platform.upper()}"
     compared = "XLA:CPU" if self.platform == "cpu" else s["dtype"]
     rows = [
@@ -352,11 +352,12 @@ def _matmul_weights(model) -> int:
   return model.n_layers * (e * (q + 2 * k) * h + q * h * e + mlp) + e * model.vocab_size
 
 
-def _mlp_weights(model, tf: int) -> int:
+def _mlp_weights(model, tf: int, tx: int = 1) -> int:
   """One layer's MLP weights a device holds with the MLP width split `tf` ways: an MoE
-  layer's router and all its experts."""
+  layer's router and its experts, split `tx` ways (the "expert" axis)."""
   if model.is_moe:
-    return model.d_model * model.n_experts * (1 + 3 * model.expert_dim // tf)
+    z = model.n_experts
+    return model.d_model * (z + 3 * (z // tx) * model.expert_dim // tf)
   return 3 * model.d_model * model.mlp_dim // tf
 
 
@@ -453,7 +454,9 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   # (in the compute dtype, split only by tensor); the output head's gradient and the
   # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered (with LoRA
   # they have none).
-  layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + _mlp_weights(model, tf)
+  tx = _split(mesh, "expert", model.n_experts) if model.is_moe else 1
+  layer_weights = (e * (q // tq + 2 * k // tk) * h + q // tq * h * e
+                   + _mlp_weights(model, tf, tx))
   gathered = model.n_layers * layer_weights * c if _split(mesh, "embed", e) > 1 else 0
   weight_bytes = np.dtype(model.weight_dtype).itemsize
   head_grads = 2 * 4 if adapters is None else 0
@@ -556,14 +559,16 @@ def plan(config, devices: int | list[jax.Device], mesh=None, hbm_gib: float = 80
     raise ConfigError(f"hbm_gib={hbm_gib!r} is invalid: must be a number > 0")
   mesh_config = config.mesh if mesh is None else mesh
   if not isinstance(mesh_config, MeshConfig):
-    raise ConfigError(f"mesh={mesh!r} is invalid: must be a MeshConfig(data=, fsdp=, tensor=)")
+    raise ConfigError(f"mesh={mesh!r} is invalid: must be a MeshConfig(data=, fsdp=, tensor=, "
+                      "expert=)")
   devs = fake_devices(devices) if isinstance(devices, numbers.Number) else list(devices)
   try:
     device_mesh = mesh_config.make(devs)
   except ConfigError:
     sizes = dataclasses.asdict(mesh_config)
     raise ConfigError(
-        "mesh " + ", ".join(f"{k}={v}" for k, v in sizes.items()) + f" does not fit "
+        "mesh " + ", ".join(f"{k}={v}" for k, v in sizes.items() if k != "expert" or v != 1)
+        + f" does not fit "
         f"{len(devs)} devices: the sizes must multiply to {len(devs)}, or one be -1 and the "
         f"others' product divide {len(devs)}") from None
 

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 # The mesh axes rows are split over: the "batch" logical axis of `specjax.sharding`'s rules.
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:

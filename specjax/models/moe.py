@@ -39,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
 from specjax.models.params import Params
 
@@ -64,11 +65,14 @@ def _expert(layer: Params, e: jax.Array, x: jax.Array, dt) -> jax.Array:
 
 def experts_loop(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.Array,
                  weights: jax.Array) -> jax.Array:
-  """The "loop" implementation (module docstring): `[A, E]`."""
-  a, z = x.shape[0], config.n_experts
+  """The "loop" implementation (module docstring): `[A, E]`. `layer` holds Z experts (a
+  device's share under expert parallelism); an expert id of Z or more is not among them and
+  is skipped."""
+  a, z = x.shape[0], layer["experts_gate"].shape[0]
   # [A, Z] each token's weight on each expert (0: not routed there).
-  combine = jnp.zeros((a, z), weights.dtype).at[jnp.arange(a)[:, None], experts].add(weights)
-  hit = jnp.zeros((z,), bool).at[experts.reshape(-1)].set(True)
+  combine = jnp.zeros((a, z), weights.dtype).at[jnp.arange(a)[:, None], experts].add(
+      weights, mode="drop")
+  hit = jnp.zeros((z,), bool).at[experts.reshape(-1)].set(True, mode="drop")
   order = jnp.argsort(~hit, stable=True).astype(jnp.int32)  # the routed experts first
   steps = min(z, experts.size)
 
@@ -82,13 +86,15 @@ def experts_loop(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.
 
 def experts_ragged(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.Array,
                    weights: jax.Array) -> jax.Array:
-  """The "ragged" implementation (module docstring): `[A, E]`."""
+  """The "ragged" implementation (module docstring): `[A, E]`. Expert ids of Z or more (not
+  held here, `experts_loop`) sort last, outside every group, and carry weight 0."""
   a, k = experts.shape
   dt = x.dtype
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
   token = order // k
-  sizes = jnp.bincount(flat, length=config.n_experts).astype(jnp.int32)
+  z = layer["experts_gate"].shape[0]
+  sizes = jnp.zeros((z,), jnp.int32).at[flat].add(1, mode="drop")
   rows = x[token]  # [A*k, E]
   gate = jax.lax.ragged_dot(rows, layer["experts_gate"].astype(dt), sizes)
   up = jax.lax.ragged_dot(rows, layer["experts_up"].astype(dt), sizes)
@@ -120,6 +126,9 @@ def moe_mlp(layer: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
 
   def on(platform: str) -> jax.Array:
     run = experts_loop if uses_loop(config, b * t, platform) else experts_ragged
+    parallel = _expert_parallelism(config, b * t)
+    if parallel > 1:
+      return experts_parallel(run, layer, config, x, experts, weights, parallel)
     return run(layer, config, x, experts, weights)
 
   if all(uses_loop(config, b * t, p) == uses_loop(config, b * t) for p in RAGGED_PLATFORMS):
@@ -128,6 +137,50 @@ def moe_mlp(layer: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
     out = jax.lax.platform_dependent(
         default=lambda: on("cpu"), **{p: functools.partial(on, p) for p in RAGGED_PLATFORMS})
   return out.reshape(b, t, e)
+
+
+def _expert_parallelism(config: ModelConfig, tokens: int) -> int:
+  """The size of the current mesh's "expert" axis when a forward over `tokens` tokens splits
+  its experts over it (1: it does not; the compiler places the experts' weights)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or "expert" not in mesh.axis_names:
+    return 1
+  n = mesh.shape["expert"]
+  if n > 1 and config.n_experts % n:
+    raise ConfigError(f"the mesh's expert axis has {n} devices, which do not divide the "
+                      f"model's n_experts={config.n_experts}: allowed an expert axis that "
+                      "divides it (mesh.expert)")
+  return n if n > 1 and tokens % n == 0 else 1
+
+
+def experts_parallel(run, layer: Params, config: ModelConfig, x: jax.Array,
+                     experts: jax.Array, weights: jax.Array, n: int) -> jax.Array:
+  """`run` (`experts_loop` or `experts_ragged`) with the experts split over the mesh's
+  "expert" axis of size `n` (expert parallelism, `jax.shard_map` manual over that axis only).
+
+  Each device holds Z / n experts and A / n of the tokens. It gathers the tokens of its
+  expert group (and their routing) from the other n - 1, runs its own experts on every token
+  routed to them (the others weigh 0 there), and the partial outputs are summed back onto the
+  devices that own the tokens (`psum_scatter`): an all-gather and a reduce-scatter of `[A, E]`
+  per layer, dropless, each expert's weights read on one device only. The other mesh axes
+  stay with the compiler (fsdp gathers, tensor splits of the experts' width).
+  """
+  local = config.n_experts // n
+
+  def on_device(x, experts, weights, gate, up, down):
+    gather = lambda v: jax.lax.all_gather(v, "expert", axis=0, tiled=True)
+    x, experts, weights = gather(x), gather(experts), gather(weights)
+    first = jax.lax.axis_index("expert") * local
+    mine = (experts >= first) & (experts < first + local)
+    ids = jnp.where(mine, experts - first, local)  # `local`: held elsewhere, skipped
+    own = {"experts_gate": gate, "experts_up": up, "experts_down": down}
+    out = run(own, config, x, ids, jnp.where(mine, weights, 0))
+    return jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+
+  spec = jax.sharding.PartitionSpec("expert")
+  return jax.shard_map(on_device, in_specs=(spec,) * 6, out_specs=spec,
+                       axis_names=frozenset({"expert"}))(
+      x, experts, weights, layer["experts_gate"], layer["experts_up"], layer["experts_down"])
 
 
 def activated_experts(layer: Params, config: ModelConfig, h: jax.Array,

@@ -27,6 +27,7 @@ from specjax.errors import ConfigError, RewardError
 from specjax.experiments import (Checkpointing, Drafting, ExperimentConfig, Logging, Pipeline,
                                  RolloutEvaluation, RolloutSettings, WarmStart, run)
 from specjax.experiments.export import load_policy
+from specjax.sharding import MeshConfig
 from specjax.models import LoraConfig, ModelConfig
 from specjax.models.hf import load_hf
 from specjax.optimizers import MasterState
@@ -224,6 +225,20 @@ def test_a_run_that_cannot_work_fails_when_it_is_configured(own, change, message
   config = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
   with pytest.raises(ConfigError, match=message):
     dataclasses.replace(config, **change)
+
+
+def test_an_expert_mesh_axis_must_divide_the_policys_experts(own):
+  moe = runpy.run_path(str(own / "config-qwen3_moe.py"))["get_config"]()
+  assert moe.model.family == "qwen3_moe" and moe.model.n_experts == 8  # read from the checkpoint
+  dataclasses.replace(moe, mesh=MeshConfig(expert=4))
+  with pytest.raises(ConfigError, match=r"mesh.expert=3 is invalid: splits a mixture-of-experts "
+                                        r"model's experts, and the model has 8 \(allowed: 1, "
+                                        r"or a divisor of model.n_experts = 8\)"):
+    dataclasses.replace(moe, mesh=MeshConfig(expert=3))
+  dense = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
+  with pytest.raises(ConfigError, match=r"mesh.expert=2 is invalid: .* this model has no "
+                                        r"experts"):
+    dataclasses.replace(dense, mesh=MeshConfig(expert=2))
 
 
 def test_reward_workers_are_configured_for_python_rewards_only(own, capsys):

@@ -55,7 +55,7 @@ def test_plan_state_bytes_per_device_equal_the_compiled_arguments():
   what XLA's buffer assignment gives the compiled step as arguments, on a data x fsdp mesh;
   the report carries both columns, the FLOPs and the verdict."""
   result = plan(_tiny(), 8, hbm_gib=1.0, name="tiny")
-  assert result.mesh == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert result.mesh == {"data": 4, "fsdp": 2, "tensor": 1, "expert": 1}
   assert result.compiled.arguments == result.estimate.arguments
   # By hand: every weight has an E=32 axis, split over fsdp=2: embed and unembed 17 x 16,
   # wq, wk, wv, wo 2 x 16 x 16 each, w_gate, w_up, w_down 16 x 64 each, three norms 16;
@@ -202,3 +202,22 @@ def test_a_history_banks_bytes_are_counted_in_the_plan():
   r, t = config.drafter.history_per_prompt, config.rollout.max_new_tokens
   assert big.state_and_batch - small.state_and_batch == 1024 * 4 * (r * t + r + 2)
   assert big.kv_cache == small.kv_cache  # the call's copy holds rows, not slots
+
+
+def test_plan_of_an_moe_policy_with_its_experts_split_over_the_expert_axis():
+  """A Qwen3-MoE policy on a data=2 x expert=4 mesh: each device holds 2 of the 8 experts
+  (parameters, moments), the compiled step's arguments equal the analytical state, and the
+  report names the expert axis."""
+  base = _tiny()
+  moe = dataclasses.replace(base.model, family="qwen3_moe", qk_norm=True, n_experts=8,
+                            experts_per_token=2, expert_dim=16)
+  config = dataclasses.replace(base, model=moe, mesh=MeshConfig(data=2, expert=4))
+  result = plan(config, 8, hbm_gib=1.0, name="moe")
+  assert result.mesh == {"data": 2, "fsdp": 1, "tensor": 1, "expert": 4}
+  assert result.compiled.arguments == result.estimate.arguments
+  # By hand (float32, nothing split but the experts): embed and unembed 17 x 32, attention
+  # 4 x 32 x 32, norms 3 x 32 and q/k norms 2 x 16, the router 32 x 8, and 2 experts of
+  # 3 x 32 x 16 each.
+  own = 4 * (2 * 17 * 32 + 4 * 32 * 32 + 3 * 32 + 2 * 16 + 32 * 8 + 2 * 3 * 32 * 16)
+  assert result.estimate.parameters == own
+  assert "mesh data=2 x fsdp=1 x tensor=1 x expert=4" in result.format()

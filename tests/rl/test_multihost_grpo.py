@@ -259,8 +259,8 @@ def test_train_state_shardings_split_parameters_moments_and_pending_rows_and_rep
   assert adam.nu["embed"] == sh.params["embed"]
   assert adam.count.spec == P()
   # 16 rows (4 prompts x G=4) over data x fsdp = 4; the rollout's statistics replicated.
-  assert sh.pending.tokens.spec == P(("data", "fsdp"), None)
-  assert sh.pending.rewards.spec == P(("data", "fsdp"))
+  assert sh.pending.tokens.spec == P(("data", "fsdp", "expert"), None)
+  assert sh.pending.rewards.spec == P(("data", "fsdp", "expert"))
   assert sh.pending.accepted_per_depth.spec == P()
   assert sh.step.spec == P() and sh.key.spec == P()
   # A structure of shardings for every leaf of the state, nothing more.
@@ -304,8 +304,15 @@ def test_mesh_config_rejects_shapes_that_do_not_cover_the_devices():
     MeshConfig(data=-1, tensor=-1)
   with pytest.raises(ConfigError, match=r"mesh.fsdp=0 is invalid: must be an int >= 1"):
     MeshConfig(fsdp=0)
-  assert MeshConfig().make().shape == {"data": 8, "fsdp": 1, "tensor": 1}
-  assert MeshConfig(data=2, tensor=-1).make().shape == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert MeshConfig().make().shape == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
+  assert MeshConfig(data=2, tensor=-1).make().shape == {"data": 2, "fsdp": 1, "tensor": 4,
+                                                        "expert": 1}
+  assert MeshConfig(data=2, expert=4).make().shape == {"data": 2, "fsdp": 1, "tensor": 1,
+                                                       "expert": 4}
+  with pytest.raises(ConfigError, match=r"mesh.data=1, mesh.fsdp=1, mesh.tensor=1, mesh.expert=3 "
+                                        r"is invalid: there are 8 "
+                                        r"devices"):
+    MeshConfig(data=1, expert=3).make()
 
 
 @pytest.mark.parametrize("flags, env, missing", [
