@@ -22,6 +22,14 @@ decode step of each (T = 1, the cache donated, interleaved repeats, medians), at
 and the ratios moe / dense (issue 56 bounds it at 1.5 at batch 1 on a CPU) and ragged / loop.
 Also printed: the distinct experts the batch's tokens were routed to in the first layer
 (`specjax.models.moe.activated_experts`), what a step must read.
+
+Then what a speculative round's verify forward costs on each: B rows x (1 + k) tokens for
+chains of k = 1, 3, 7 drafts, as a multiple of the same model's decode step (T = 1), with the
+distinct experts the verify reads (measured, first layer) beside what `specjax.sim` assumes
+for it (`ModelSpec.touched_experts`, uniform routing). A dense verify of a few tokens costs
+about a decode step (the weights are read once either way); an MoE verify reads more
+experts the more tokens it checks, so its cost grows with k, and the simulator's choice of
+tree follows the experts it counts.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import numpy as np
 from specjax.models import KVCache, ModelConfig, forward, init_params
 from specjax.models.moe import activated_experts, uses_loop
 from specjax.models.transformer import embed, rms_norm
+from specjax.sim.model import ModelSpec
 from specjax.timing import interleaved
 
 
@@ -118,7 +127,46 @@ def main(argv=None) -> int:
     print(f"{b:>4} {auto:>7} {hit:>8} "
           + " ".join(f"{ms[name]:>10.3f}" for name in arms)
           + f" {ratio('moe', 'dense'):>9.2f}x {ratio('ragged', 'loop'):>11.2f}x")
+  _verify_table(moe, dense, params, batches, repeats, committed, slots)
   return 0
+
+
+def _verify_table(moe, dense, params, batches, repeats, committed, slots) -> None:
+  """Verify forwards of 1 + k tokens per row against a decode step, MoE and dense."""
+  spec = ModelSpec.from_model_config(moe)
+  chains = (1, 3, 7)
+  print(f"\nverify of 1 + k tokens per row, x the decode step of the same model (median of "
+        f"{repeats}); experts read in the first layer, measured / simulator")
+  print(f"{'B':>4} " + " ".join(f"{f'k={k} moe':>10} {f'k={k} dense':>11} {'experts':>9}"
+                                for k in chains))
+  for b in batches:
+    cells = []
+    fns, names = [], []
+    for name, config in (("moe", moe), ("dense", dense)):
+      for t in (1,) + tuple(k + 1 for k in chains):
+        tokens = jax.random.randint(jax.random.key(7 + t), (b, t), 0, moe.vocab_size)
+        positions = committed + jnp.broadcast_to(jnp.arange(t), (b, t))
+        cache = {"c": KVCache.create(config, b, slots).set_lengths(jnp.full((b,), committed))}
+        step = _step(config)
+
+        def call(_, step=step, cache=cache, tokens=tokens, positions=positions,
+                 p=params[name]):
+          nxt, cache["c"] = step(p, tokens, positions, cache["c"])
+          nxt.block_until_ready()
+        call(0)
+        fns.append(call)
+        names.append((name, t))
+    times, _ = interleaved(fns, repeats)
+    median = {key: statistics.median(t) for key, t in zip(names, times)}
+    for k in chains:
+      tokens = jax.random.randint(jax.random.key(7 + k + 1), (b, k + 1), 0, moe.vocab_size)
+      h = rms_norm(embed(params["moe"], moe, tokens), params["moe"]["layers"][0]["attn_norm"],
+                   moe.rms_norm_eps)
+      hit = int(activated_experts(params["moe"]["layers"][0], moe, h))
+      cells.append(f"{median[('moe', k + 1)] / median[('moe', 1)]:>9.2f}x "
+                   f"{median[('dense', k + 1)] / median[('dense', 1)]:>10.2f}x "
+                   f"{hit:>4}/{float(spec.touched_experts(b * (k + 1))):>4.1f}")
+    print(f"{b:>4} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ The mesh always has the axes ("data", "fsdp", "tensor", "expert"), some possibly
   expert  expert parallelism: a mixture-of-experts layer's experts split, each device
           running its own on every token of its expert group (`specjax.models.moe`); the
           batch is split over it too, so the rest of the model is data-parallel there.
+          Experts are split over fsdp as well (after "expert"): an fsdp mesh holds each
+          expert whole on one device rather than a slice of every expert on each.
 
 A dimension whose size the mapped mesh axes do not divide (kv_heads=2 on tensor=4) falls
 back to fewer of those axes and then to replication, and a mesh axis is used at most once
@@ -38,6 +40,7 @@ from specjax.checks import is_int
 from specjax.errors import ConfigError
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.layout import EXPERT_AXES
 from specjax.models.params import Params, init_params, param_axes
 
 __all__ = [
@@ -62,9 +65,9 @@ DEFAULT_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
-    # An MoE layer's experts: split over "expert" (expert parallelism); within a device, its
-    # experts' width splits on "tensor" ("mlp") and E on "fsdp".
-    ("expert", "expert"),
+    # An MoE layer's experts: split over "expert", then "fsdp" (expert parallelism:
+    # `specjax.models.moe`); within a device, its experts' width splits on "tensor" ("mlp").
+    ("expert", EXPERT_AXES),
 )
 
 _CACHE_AXES = P("batch", "kv_heads", None, "head_dim")  # [B, K, S, H]

@@ -11,6 +11,7 @@ def test_the_quick_run_prints_a_row_per_batch_with_every_arm(capsys):
   assert bench.main(["--quick", "--batches", "1,2", "--repeats", "1"]) == 0
   out = capsys.readouterr().out
   assert "32 experts, top 4" in out and "moe/dense" in out and "ragged/loop" in out
+  assert "verify of 1 + k tokens per row" in out and "k=7 moe" in out
   rows = re.findall(r"^\s+(\d+)\s+(loop|ragged)\s+(\d+)((?:\s+[\d.]+){4})\s+([\d.]+)x\s+"
                     r"([\d.]+)x$", out, re.M)
   assert [int(r[0]) for r in rows] == [1, 2], out

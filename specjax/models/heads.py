@@ -74,7 +74,7 @@ def mtp_forward(params: Params, config: ModelConfig, module: int, prev_hidden: j
   e = rms_norm(embed(params, config, ahead_tokens), m["e_norm"], config.rms_norm_eps)
   # X = 2E: [h; emb] concatenated.
   x = jnp.einsum("BTX,XE->BTE", jnp.concatenate([h, e], axis=-1), m["proj"].astype(dt))
-  x, _, cache = run_blocks([m["block"]], config, x, positions, cache, new_mask)
+  x, _, cache, _ = run_blocks([m["block"]], config, x, positions, cache, new_mask)
   logits = mtp_head_logits(params, config, module, x) if compute_logits else None
   if cache is not None:
     cache = cache.advance(ahead_tokens.shape[1] if advance is None else advance)

@@ -22,6 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 # The mesh axes rows are split over: the "batch" logical axis of `specjax.sharding`'s rules.
 BATCH_AXES = ("data", "fsdp", "expert")
+# The mesh axes a mixture-of-experts layer splits its experts over, in order (the "expert"
+# logical axis): the expert axis, then fsdp, so that on an fsdp mesh each device holds a
+# share of the experts whole instead of a slice of every expert's width
+# (`specjax.models.moe.experts_parallel`).
+EXPERT_AXES = ("expert", "fsdp")
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:

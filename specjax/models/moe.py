@@ -28,6 +28,11 @@ experts read), 2.9-3.0x at batch 4 (23 distinct experts read, 2.9x the weights);
 expanded grouped matmul 28-37x the loop at batch 1.
 How XLA:GPU runs `ragged_dot` is not measured here.
 
+Under a mesh whose "expert" (then "fsdp") axes split the experts (`layout.EXPERT_AXES`, the
+"expert" rule of `specjax.sharding`), either implementation runs inside `jax.shard_map` over
+those axes (`experts_parallel`): each device runs its own experts on its group's tokens, and
+no expert's weights are ever gathered.
+
 Shape letters: see `specjax` (E d_model, F one expert's width, Z experts); A is the number of
 tokens in the forward (B x T, flattened), k the experts per token.
 """
@@ -35,12 +40,14 @@ tokens in the forward (B x T, flattened), k the experts per token.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from specjax.errors import ConfigError
 from specjax.models.config import ModelConfig
+from specjax.models.layout import EXPERT_AXES
 from specjax.models.params import Params
 
 
@@ -76,10 +83,15 @@ def experts_loop(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.
   order = jnp.argsort(~hit, stable=True).astype(jnp.int32)  # the routed experts first
   steps = min(z, experts.size)
 
-  def body(i, out):
-    e = order[i]
+  # Rematerialised: a backward pass recomputes each expert's activations instead of keeping
+  # min(Z, pairs) of them ([A, E] and [A, F] each) for the whole loop.
+  @jax.checkpoint
+  def contribution(e):
     scale = jax.lax.dynamic_index_in_dim(combine, e, 1, keepdims=True)  # [A, 1]
-    return out + scale * _expert(layer, e, x, x.dtype)
+    return scale * _expert(layer, e, x, x.dtype)
+
+  def body(i, out):
+    return out + contribution(order[i])
 
   return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(x))
 
@@ -117,70 +129,128 @@ def uses_loop(config: ModelConfig, tokens: int, platform: str = "cpu") -> bool:
           or tokens * config.experts_per_token <= config.n_experts)
 
 
-def moe_mlp(layer: Params, config: ModelConfig, h: jax.Array) -> jax.Array:
-  """The mixture-of-experts MLP over the normalised residual stream `h [B, T, E]` ->
-  `[B, T, E]`."""
+def moe_mlp(layer: Params, config: ModelConfig, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The mixture-of-experts MLP over the normalised residual stream `h [B, T, E]`: its output
+  `[B, T, E]` and the router's logits `[B, T, Z]` float32 (`load_balancing_loss`)."""
   b, t, e = h.shape
   x = h.reshape(b * t, e)
-  _, experts, weights = route(layer["router"], config, x)
+  logits, experts, weights = route(layer["router"], config, x)
 
   def on(platform: str) -> jax.Array:
     run = experts_loop if uses_loop(config, b * t, platform) else experts_ragged
-    parallel = _expert_parallelism(config, b * t)
-    if parallel > 1:
-      return experts_parallel(run, layer, config, x, experts, weights, parallel)
+    axes = _expert_axes(config)
+    if axes:
+      return experts_parallel(run, layer, config, x, experts, weights, axes, platform)
     return run(layer, config, x, experts, weights)
 
-  if all(uses_loop(config, b * t, p) == uses_loop(config, b * t) for p in RAGGED_PLATFORMS):
+  if not _expert_axes(config) and all(uses_loop(config, b * t, p) == uses_loop(config, b * t)
+                                      for p in RAGGED_PLATFORMS):
     out = on("cpu")
   else:  # a program lowered for one platform holds only that platform's branch
     out = jax.lax.platform_dependent(
         default=lambda: on("cpu"), **{p: functools.partial(on, p) for p in RAGGED_PLATFORMS})
-  return out.reshape(b, t, e)
+  return out.reshape(b, t, e), logits.reshape(b, t, config.n_experts)
 
 
-def _expert_parallelism(config: ModelConfig, tokens: int) -> int:
-  """The size of the current mesh's "expert" axis when a forward over `tokens` tokens splits
-  its experts over it (1: it does not; the compiler places the experts' weights)."""
+def load_balancing_loss(router_logits: Sequence[jax.Array], config: ModelConfig,
+                        mask: jax.Array | None = None) -> jax.Array:
+  """The Switch Transformer load-balancing loss of a forward's routing, as transformers'
+  Qwen3-MoE computes it (`load_balancing_loss_func`): Z x sum over experts of (the share of
+  top-k assignments it received) x (its mean router probability), pooled over every layer and
+  every token where `mask [B, T]` (None: all) holds. k when the routing is balanced, up to
+  k x Z when every token picks the same experts.
+
+  Args:
+    router_logits: one `[B, T, Z]` per MoE layer (`ForwardOutput.router_logits`).
+  """
+  if not router_logits:
+    raise ConfigError("load_balancing_loss needs the router logits of a mixture-of-experts "
+                      "model's forward; this forward has none (a dense model)")
+  z, k = config.n_experts, config.experts_per_token
+  b, t, _ = router_logits[0].shape
+  weight = jnp.ones((b * t,), jnp.float32) if mask is None else mask.reshape(-1).astype(
+      jnp.float32)
+  counts = jnp.zeros((z,), jnp.float32)
+  probs = jnp.zeros((z,), jnp.float32)
+  for logits in router_logits:
+    p = jax.nn.softmax(logits.reshape(b * t, z).astype(jnp.float32), axis=-1)
+    top = jax.lax.top_k(p, k)[1]
+    counts = counts.at[top.reshape(-1)].add(jnp.repeat(weight, k))
+    probs = probs + jnp.sum(p * weight[:, None], axis=0)
+  rows = len(router_logits) * jnp.maximum(jnp.sum(weight), 1.0)
+  return z * jnp.sum((counts / rows) * (probs / rows))
+
+
+def _expert_axes(config: ModelConfig) -> tuple[str, ...]:
+  """The current mesh's axes the experts are split over (`layout.EXPERT_AXES`, the longest
+  prefix whose size divides n_experts, as `specjax.sharding`'s rules place the weights); ()
+  without a mesh or when they hold one device."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or "expert" not in mesh.axis_names:
-    return 1
-  n = mesh.shape["expert"]
+  if mesh.empty:
+    return ()
+  n = mesh.shape.get("expert", 1)
   if n > 1 and config.n_experts % n:
     raise ConfigError(f"the mesh's expert axis has {n} devices, which do not divide the "
                       f"model's n_experts={config.n_experts}: allowed an expert axis that "
                       "divides it (mesh.expert)")
-  return n if n > 1 and tokens % n == 0 else 1
+  axes, size = [], 1
+  for axis in EXPERT_AXES:
+    if axis not in mesh.axis_names or config.n_experts % (size * mesh.shape[axis]):
+      break
+    axes.append(axis)
+    size *= mesh.shape[axis]
+  return tuple(axes) if size > 1 else ()
 
 
 def experts_parallel(run, layer: Params, config: ModelConfig, x: jax.Array,
-                     experts: jax.Array, weights: jax.Array, n: int) -> jax.Array:
-  """`run` (`experts_loop` or `experts_ragged`) with the experts split over the mesh's
-  "expert" axis of size `n` (expert parallelism, `jax.shard_map` manual over that axis only).
+                     experts: jax.Array, weights: jax.Array, axes: tuple[str, ...],
+                     platform: str = "cpu") -> jax.Array:
+  """`run` (`experts_loop` or `experts_ragged`) with the experts split over the mesh axes
+  `axes` (n devices; expert parallelism, `jax.shard_map` manual over those axes only).
 
-  Each device holds Z / n experts and A / n of the tokens. It gathers the tokens of its
-  expert group (and their routing) from the other n - 1, runs its own experts on every token
-  routed to them (the others weigh 0 there), and the partial outputs are summed back onto the
-  devices that own the tokens (`psum_scatter`): an all-gather and a reduce-scatter of `[A, E]`
-  per layer, dropless, each expert's weights read on one device only. The other mesh axes
-  stay with the compiler (fsdp gathers, tensor splits of the experts' width).
+  Each device holds Z / n experts and A / n of the tokens (A padded to a multiple of n with
+  tokens routed nowhere). It gathers the tokens of its group (and their routing) from the
+  other n - 1, runs its own experts on every token routed to them (the others weigh 0 there),
+  and the partial outputs are summed back onto the devices that own the tokens
+  (`psum_scatter`): an all-gather and a reduce-scatter of `[A, E]` per layer, dropless, each
+  expert's weights read on one device only, never gathered. The other mesh axes stay with
+  the compiler (tensor splits of the experts' width). Lowered for a CPU (`platform`), floats
+  cross devices as float32: XLA:CPU aborts compiling a bfloat16 reduce-scatter (its
+  all-reduce promotion pass, jaxlib 0.10), which the gathers' gradients are too.
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  n = 1
+  for axis in axes:
+    n *= mesh.shape[axis]
   local = config.n_experts // n
+  a = x.shape[0]
+  pad = -a % n
+  if pad:  # rows routed to no expert: weight 0, an id held nowhere
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=config.n_experts)
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+
+  # XLA:CPU cannot compile bfloat16 reduce-scatters (nor so the gathers' transposes): there
+  # floats travel as float32.
+  wide = lambda v: (v.astype(jnp.promote_types(v.dtype, jnp.float32))
+                    if platform == "cpu" and jnp.issubdtype(v.dtype, jnp.floating) else v)
 
   def on_device(x, experts, weights, gate, up, down):
-    gather = lambda v: jax.lax.all_gather(v, "expert", axis=0, tiled=True)
+    gather = lambda v: jax.lax.all_gather(wide(v), axes, axis=0, tiled=True).astype(v.dtype)
     x, experts, weights = gather(x), gather(experts), gather(weights)
-    first = jax.lax.axis_index("expert") * local
+    first = jax.lax.axis_index(axes) * local
     mine = (experts >= first) & (experts < first + local)
     ids = jnp.where(mine, experts - first, local)  # `local`: held elsewhere, skipped
     own = {"experts_gate": gate, "experts_up": up, "experts_down": down}
     out = run(own, config, x, ids, jnp.where(mine, weights, 0))
-    return jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+    return jax.lax.psum_scatter(wide(out), axes, scatter_dimension=0,
+                                tiled=True).astype(x.dtype)
 
-  spec = jax.sharding.PartitionSpec("expert")
-  return jax.shard_map(on_device, in_specs=(spec,) * 6, out_specs=spec,
-                       axis_names=frozenset({"expert"}))(
+  spec = jax.sharding.PartitionSpec(axes)
+  out = jax.shard_map(on_device, in_specs=(spec,) * 6, out_specs=spec,
+                      axis_names=frozenset(axes))(
       x, experts, weights, layer["experts_gate"], layer["experts_up"], layer["experts_down"])
+  return out[:a]
 
 
 def activated_experts(layer: Params, config: ModelConfig, h: jax.Array,

@@ -35,12 +35,15 @@ class ForwardOutput:
     hidden: `[B, T, E]` final hidden state after the final norm (input of the output head).
     intermediates: residual stream after each layer listed in `hidden_layers`, `[B, T, E]`.
     cache: the cache with the new keys/values written, or None.
+    router_logits: of a mixture-of-experts model, each layer's router logits `[B, T, Z]`
+      float32 (`specjax.models.moe.load_balancing_loss`); () for a dense one.
   """
 
   logits: jax.Array | None
   hidden: jax.Array
   intermediates: tuple[jax.Array, ...]
   cache: KVCache | None
+  router_logits: tuple[jax.Array, ...] = ()
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -95,7 +98,8 @@ def _write(buf: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array,
           vis: Visibility, kv: tuple[jax.Array, jax.Array] | None, slots: jax.Array | None,
-          inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+          inv_freq: jax.Array
+          ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
   """One pre-norm transformer block (attention + SwiGLU MLP, or a mixture of SwiGLU experts:
   `specjax.models.moe`).
 
@@ -110,7 +114,8 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
     inv_freq: `[H/2]` RoPE inverse frequencies.
 
   Returns:
-    The new residual stream `[B, T, E]` and the updated `(keys, values)` (or None).
+    The new residual stream `[B, T, E]`, the updated `(keys, values)` (or None) and, of an
+    MoE block, its router logits `[B, T, Z]` (None for a dense one).
   """
   dt = config.compute_dtype
   w = lambda name: layer[name].astype(dt)
@@ -161,11 +166,12 @@ def block(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array
 
   h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
   if config.is_moe:
-    return x + moe_mlp(layer, config, h), new_kv
+    out, router_logits = moe_mlp(layer, config, h)
+    return x + out, new_kv, router_logits
   gate = project("BTE,EF->BTF", h, "w_gate", w("w_gate"))
   up = project("BTE,EF->BTF", h, "w_up", w("w_up"))
   x = x + project("BTF,FE->BTE", jax.nn.silu(gate) * up, "w_down", w("w_down"))
-  return x, new_kv
+  return x, new_kv, None
 
 
 def embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -198,12 +204,13 @@ _REMAT_POLICY = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveabl
 def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, positions: jax.Array,
                cache: KVCache | None, new_mask: jax.Array | None,
                hidden_layers: tuple[int, ...] = ()
-               ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache | None]:
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache | None,
+                          tuple[jax.Array, ...]]:
   """Apply `layers` to the residual stream `x [B, T, E]`, writing into `cache` if given.
 
   The cache must hold exactly `len(layers)` layers. Returns the final residual stream, the
-  streams after the layers named in `hidden_layers`, and the cache with new entries written
-  (lengths unchanged).
+  streams after the layers named in `hidden_layers`, the cache with new entries written
+  (lengths unchanged), and the router logits of each MoE layer (() for dense layers).
   """
   b, t, _ = x.shape
   if new_mask is None:
@@ -217,13 +224,15 @@ def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, position
       raise ValueError(f"cache has {len(cache.keys)} layers, the model {len(layers)}")
     vis = Visibility(lengths=cache.lengths, new_mask=new_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
-  keys, values, intermediates = [], [], []
+  keys, values, intermediates, routers = [], [], [], []
   layer_fn = block
   if cache is None and config.remat != "none":
     layer_fn = jax.checkpoint(block, static_argnums=(1,), policy=_REMAT_POLICY[config.remat])
   for i, layer in enumerate(layers):
     kv = None if cache is None else (cache.keys[i], cache.values[i])
-    x, new_kv = layer_fn(layer, config, x, positions, vis, kv, slots, inv_freq)
+    x, new_kv, router_logits = layer_fn(layer, config, x, positions, vis, kv, slots, inv_freq)
+    if router_logits is not None:
+      routers.append(router_logits)
     if new_kv is not None:
       keys.append(new_kv[0])
       values.append(new_kv[1])
@@ -231,7 +240,7 @@ def run_blocks(layers: list[Params], config: ModelConfig, x: jax.Array, position
       intermediates.append(x)
   if cache is not None:
     cache = cache.replace(keys=tuple(keys), values=tuple(values))
-  return x, tuple(intermediates), cache
+  return x, tuple(intermediates), cache, tuple(routers)
 
 
 def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -260,10 +269,11 @@ def forward(params: Params, config: ModelConfig, tokens: jax.Array, positions: j
     if not 0 <= idx < config.n_layers:
       raise ValueError(f"hidden_layers contains {idx}; allowed: 0..{config.n_layers - 1}")
   x = constrain_rows(embed(params, config, tokens))  # rows split under a mesh (layout.py)
-  x, intermediates, cache = run_blocks(params["layers"], config, x, positions, cache, new_mask,
-                                       hidden_layers)
+  x, intermediates, cache, routers = run_blocks(params["layers"], config, x, positions, cache,
+                                                new_mask, hidden_layers)
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
   logits = unembed(params, config, hidden) if compute_logits else None
   if cache is not None:
     cache = cache.advance(tokens.shape[1] if advance is None else advance)
-  return ForwardOutput(logits=logits, hidden=hidden, intermediates=intermediates, cache=cache)
+  return ForwardOutput(logits=logits, hidden=hidden, intermediates=intermediates, cache=cache,
+                       router_logits=routers)

@@ -59,6 +59,13 @@ class GRPOConfig:
     num_minibatches: minibatches each rollout batch is split into per pass.
     objective: the policy loss by name (`objectives()`; "grpo" is `grpo_loss`, whose settings
       above also give Dr. GRPO and DAPO); `register_objective` adds one.
+    router_aux_weight: weight of a mixture-of-experts policy's load-balancing loss
+      (`specjax.models.moe.load_balancing_loss`, over every token of the minibatch) added to
+      the objective. 0 (default): routing moves only with the policy loss, as RL recipes for
+      Qwen3-MoE run it (slime's Qwen3-30B-A3B script sets Megatron's --moe-aux-loss-coeff
+      0); transformers adds its router_aux_loss_coef (0.001) only when asked for router
+      logits, as pre-training does. The metric `router_balance` (k when balanced) is logged
+      for MoE policies either way.
   """
 
   group_size: int = 8
@@ -74,6 +81,7 @@ class GRPOConfig:
   num_epochs: int = 1
   num_minibatches: int = 1
   objective: str = "grpo"
+  router_aux_weight: float = 0.0
 
   def __post_init__(self):
     def require(ok: bool, field: str, allowed: str):
@@ -81,7 +89,7 @@ class GRPOConfig:
         raise ConfigError(f"{field}={getattr(self, field)!r} is invalid: {allowed}")
 
     # A string fails the comparisons below with a bare TypeError, and a bool passes them.
-    for field in ("eps_low", "eps_high", "beta", "adv_eps") + (
+    for field in ("eps_low", "eps_high", "beta", "adv_eps", "router_aux_weight") + (
         ("tis_cap",) if self.tis_cap is not None else ()):
       value = getattr(self, field)
       require(isinstance(value, numbers.Real) and not isinstance(value, bool), field,
@@ -101,6 +109,8 @@ class GRPOConfig:
               f"only used by aggregation='fixed_length', got {self.aggregation!r}; leave None")
     require(isinstance(self.normalize_std, bool), "normalize_std", "must be a bool")
     require(0 <= self.adv_eps < math.inf, "adv_eps", "must be a finite number >= 0")
+    require(0 <= self.router_aux_weight < math.inf, "router_aux_weight",
+            "must be a finite number >= 0 (0: no load-balancing loss)")
     require(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "must be > 0, or None to "
             "disable truncated importance sampling")
     for field in ("num_epochs", "num_minibatches"):

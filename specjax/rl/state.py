@@ -226,6 +226,10 @@ class TrainConfig:
                         "DrafterTraining(loss_weight=, learning_rate=, ttt_steps=)")
     if self.eagle3 is not None:
       self.eagle3.config.check_target(self.model)
+    if self.grpo.router_aux_weight and not self.model.is_moe:
+      raise ConfigError(f"grpo.router_aux_weight={self.grpo.router_aux_weight!r} is invalid: "
+                        "it weighs a mixture-of-experts model's load-balancing loss, and this "
+                        "model is dense (n_experts=0); allowed 0")
     if self.async_mode and self.grpo.tis_cap is None:
       raise ConfigError("async_mode=True needs grpo.tis_cap (the importance correction "
                         "against the one-step-old behaviour policy); set e.g. tis_cap=2.0")

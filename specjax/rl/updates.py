@@ -25,6 +25,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.eagle3 import eagle3_ttt_loss, select_aux
 from specjax.models.heads import DRAFT_HEAD_KEYS
 from specjax.models.layout import constrain_rows
+from specjax.models.moe import load_balancing_loss
 from specjax.models.params import Params
 from specjax.models.transformer import ForwardOutput, forward
 from specjax.rl.losses import objective_loss
@@ -62,6 +63,11 @@ def _minibatch_loss(params, config: TrainConfig, mb: dict[str, jax.Array]):
       logits=jax.lax.stop_gradient(out.logits[:, :-1]) / temperature)
   metrics = {k: v for k, v in dataclasses.asdict(gm).items() if v is not None}
   metrics |= logprob_gap(old[:, 1:], mb["behaviour_logprobs"][:, 1:], mb["response_mask"][:, 1:])
+  if config.model.is_moe:  # the routing's balance; with a weight, also a loss
+    balance = load_balancing_loss(out.router_logits, config.model, mb["valid_mask"])
+    metrics["router_balance"] = jax.lax.stop_gradient(balance)
+    if config.grpo.router_aux_weight:
+      loss = loss + config.grpo.router_aux_weight * balance
   if config.drafter_training.loss_weight and (config.model.num_mtp_modules
                                      or config.model.num_medusa_heads):
     head_loss, hm = draft_head_loss(params, config.model, out.hidden, mb["tokens"],

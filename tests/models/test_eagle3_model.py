@@ -324,7 +324,7 @@ def test_aux_layer_ids_are_inputs_of_target_layers():
   out = forward(params, TARGET, tokens, positions, hidden_layers=config.hidden_layers)
   x = jnp.take(params["embed"], tokens, axis=0)
   for layer_id, stream in zip(config.aux_layers, select_aux(config, out.intermediates)):
-    want, _, _ = run_blocks(params["layers"][:layer_id], TARGET, x, positions, None, None)
+    want, _, _, _ = run_blocks(params["layers"][:layer_id], TARGET, x, positions, None, None)
     np.testing.assert_array_equal(stream, want)
 
 

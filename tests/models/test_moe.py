@@ -17,7 +17,8 @@ from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig, generate
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import (KVCache, LoraConfig, ModelConfig, forward, init_lora, init_params,
                             load_hf, save_hf)
-from specjax.models.moe import activated_experts, moe_mlp, route, uses_loop
+from specjax.models.moe import (activated_experts, load_balancing_loss, moe_mlp, route,
+                                uses_loop)
 
 MOE = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qk_norm=True, family="qwen3_moe", n_experts=8,
@@ -59,7 +60,7 @@ def test_both_implementations_match_a_reference_that_runs_every_expert(impl, nor
   config = MOE.replace(moe_impl=impl, normalize_top_k=normalize)
   layer = _params(config)["layers"][0]
   h = jax.random.normal(jax.random.key(1), (3, 5, config.d_model))
-  got = np.asarray(moe_mlp(layer, config, h))
+  got = np.asarray(moe_mlp(layer, config, h)[0])
   want = _reference_mlp(layer, config, np.asarray(h))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert np.abs(want).max() > 1e-3  # not a comparison near zero
@@ -81,8 +82,8 @@ def test_auto_runs_the_loop_on_a_cpu_and_grouped_matmuls_for_large_forwards_else
 def test_normalising_the_top_k_weights_changes_the_output_negative_control():
   layer = _params()["layers"][0]
   h = jax.random.normal(jax.random.key(1), (1, 4, MOE.d_model))
-  a = moe_mlp(layer, MOE, h)
-  b = moe_mlp(layer, MOE.replace(normalize_top_k=False), h)
+  a = moe_mlp(layer, MOE, h)[0]
+  b = moe_mlp(layer, MOE.replace(normalize_top_k=False), h)[0]
   assert float(jnp.abs(a - b).max()) > 1e-3
 
 
@@ -241,3 +242,21 @@ def test_a_checkpoint_missing_one_expert_is_refused_naming_it(saved_moe, tmp_pat
   with pytest.raises(CheckpointError, match=r"missing tensor "
                                             r"'model.layers.0.mlp.experts.5.up_proj.weight'"):
     load_hf(path)
+
+
+def test_the_load_balancing_loss_is_transformers_and_k_when_balanced():
+  """Against transformers' own `load_balancing_loss_func` (two layers, a padding mask), and
+  by hand: k for routing that spreads evenly, larger when every token picks the same."""
+  import torch
+  from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+  logits = [jax.random.normal(jax.random.key(i), (2, 5, 8)) * 3 for i in range(2)]
+  mask = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+  want = load_balancing_loss_func(tuple(torch.tensor(np.asarray(x).reshape(10, 8))
+                                        for x in logits), 8, 2, torch.tensor(np.asarray(mask)))
+  np.testing.assert_allclose(load_balancing_loss(logits, MOE, mask), float(want), rtol=1e-5)
+  even = jnp.tile(jnp.log(jnp.eye(8) * 0.9 + 0.1 / 8), (1, 1, 1))  # token i prefers expert i
+  assert abs(float(load_balancing_loss([even], MOE)) - 2.0) < 0.3
+  same = jnp.tile(jnp.array([5.0, 4.0] + [0.0] * 6), (1, 8, 1))  # all pick experts 0 and 1
+  assert float(load_balancing_loss([same], MOE)) > 6.0
+  with pytest.raises(ConfigError, match="needs the router logits"):
+    load_balancing_loss([], MOE)

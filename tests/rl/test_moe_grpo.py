@@ -101,17 +101,27 @@ def test_three_steps_on_a_data_x_expert_mesh_equal_one_device_and_restore_there(
     np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def test_an_expert_axis_splits_the_experts_in_the_compiled_forward():
-  """Forward and gradient on a 2 x 4 (data x expert) mesh equal one device's; the compiled
-  program gathers the expert group's tokens and reduce-scatters the experts' outputs."""
+@pytest.mark.parametrize("mesh_shape, rows", [
+    (dict(data=2, expert=4), 8),
+    pytest.param(dict(fsdp=8), 8, marks=pytest.mark.slow),
+    pytest.param(dict(expert=2, fsdp=2, tensor=2), 8, marks=pytest.mark.slow),
+    (dict(fsdp=8), 3)])  # 3 x 6 tokens: padded to a multiple of the 8 experts' devices
+def test_experts_split_over_the_expert_and_fsdp_axes_in_the_compiled_forward(mesh_shape,
+                                                                                rows):
+  """Forward and gradient with the experts split over the "expert" axis, or over fsdp (no
+  expert is gathered), equal one device's; the compiled program gathers the expert group's
+  tokens and reduce-scatters the experts' outputs."""
   params = _params()
-  tokens = jax.random.randint(jax.random.key(1), (8, 6), 0, MOE.vocab_size)
-  positions = jnp.broadcast_to(jnp.arange(6), (8, 6))
+  tokens = jax.random.randint(jax.random.key(1), (rows, 6), 0, MOE.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(6), (rows, 6))
   loss = lambda p, t: jnp.mean(forward(p, MOE, t, positions).logits ** 2)
   want, want_grad = loss(params, tokens), jax.grad(loss)(params, tokens)
-  mesh = sharding.make_mesh(data=2, expert=4)
-  placed = jax.device_put(params, sharding.param_shardings(MOE, mesh))
-  rows = jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+  mesh = sharding.make_mesh(**({"data": -1} | mesh_shape))
+  shardings = sharding.param_shardings(MOE, mesh)
+  split = mesh.shape["expert"] * mesh.shape["fsdp"]
+  assert shardings["layers"][0]["experts_gate"].shard_shape((8, 32, 16))[0] == 8 // split
+  placed = jax.device_put(params, shardings)
+  rows = jax.device_put(tokens, sharding.logical_sharding(P("batch"), mesh, tokens.shape))
   with jax.sharding.set_mesh(mesh):
     fn = jax.jit(jax.value_and_grad(loss))
     got, grad = fn(placed, rows)
@@ -131,3 +141,46 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
       ConfigError, match=r"expert axis has 4 devices, which do not divide the model's "
                          r"n_experts=6"):
     jax.jit(lambda p: forward(p, odd, tokens, jnp.zeros((8, 2), jnp.int32)).logits)(params)
+
+
+def test_the_router_aux_weight_adds_the_load_balancing_loss_to_the_update():
+  from specjax.models.moe import load_balancing_loss
+  from specjax.rl.updates import _minibatch_loss
+  tokens = jax.random.randint(jax.random.key(2), (4, 8), 0, MOE.vocab_size)
+  mask = jnp.ones((4, 8), bool).at[2:, 6:].set(False)
+  mb = {"tokens": tokens, "valid_mask": mask, "response_mask": mask.at[:, :3].set(False),
+        "advantages": jnp.array([1.0, -1.0, 0.5, -0.5]),
+        "behaviour_logprobs": jnp.full((4, 8), -3.0)}
+  params = _params()
+  losses, grads = {}, {}
+  for weight in (0.0, 0.5):
+    config = TrainConfig(model=MOE, grpo=GRPOConfig(group_size=4, router_aux_weight=weight),
+                         rollout=_config().rollout)
+    (loss, (metrics, out)), grad = jax.value_and_grad(_minibatch_loss, has_aux=True)(
+        params, config, mb)
+    losses[weight], grads[weight] = loss, grad["layers"][0]["router"]
+    balance = load_balancing_loss(out.router_logits, MOE, mask)
+    np.testing.assert_allclose(metrics["router_balance"], balance, rtol=1e-6)
+  np.testing.assert_allclose(losses[0.5] - losses[0.0], 0.5 * balance, rtol=1e-4)
+  assert float(jnp.abs(grads[0.5] - grads[0.0]).max()) > 1e-6  # the router learns balance
+  dense = MOE.replace(family="qwen3", n_experts=0, experts_per_token=0, expert_dim=0)
+  with pytest.raises(ConfigError, match=r"grpo.router_aux_weight=0.5 is invalid: .* this model "
+                                        r"is dense"):
+    TrainConfig(model=dense, grpo=GRPOConfig(group_size=4, router_aux_weight=0.5),
+                rollout=_config().rollout)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_moe_on_an_fsdp_mesh_compiles_and_matches_one_device():
+  """XLA:CPU aborts on bfloat16 reduce-scatters; floats cross devices as float32 there."""
+  config = MOE.replace(dtype="bfloat16")
+  params = _params()
+  tokens = jax.random.randint(jax.random.key(3), (8, 4), 0, MOE.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(4), (8, 4))
+  loss = lambda p: jnp.mean(forward(p, config, tokens, positions).logits ** 2)
+  want = jax.grad(loss)(params)["layers"][0]["experts_up"]
+  mesh = sharding.make_mesh(fsdp=8)
+  with jax.sharding.set_mesh(mesh):
+    got = jax.jit(jax.grad(loss))(jax.device_put(params, sharding.param_shardings(MOE, mesh)))
+  np.testing.assert_allclose(np.asarray(got["layers"][0]["experts_up"]), want, atol=2e-3,
+                             rtol=5e-2)
