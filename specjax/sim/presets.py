@@ -3,6 +3,7 @@ small ones that match this repository's CPU benchmarks; or a checkpoint's own `c
 
 Parameter counts (computed, norms left out): llama3-8b 8.03B, qwen3-8b 8.19B, qwen3-32b 32.8B,
 qwen3-235b-a22b 235.1B of which 22.2B active, qwen3-30b-a3b 30.5B / 3.4B active,
+qwen3-a3b-dense 3.4B (the 30B-A3B's active size, dense),
 qwen3-0.6b 0.60B, qwen3-1.7b 1.72B, llama3.2-1b 1.24B.
 """
 
@@ -43,6 +44,10 @@ MODELS: dict[str, ModelSpec] = {
     "qwen3-30b-a3b": ModelSpec("qwen3-30b-a3b", n_layers=48, d_model=2048, n_heads=32,
                                n_kv_heads=4, head_dim=128, vocab=_QWEN_VOCAB, n_experts=128,
                                experts_per_token=8, expert_dim=768),
+    # Qwen3-30B-A3B's active size as a dense model (its 8 routed experts as one 6144-wide
+    # MLP): what speculation on the MoE is compared with (README, "Mixture of experts").
+    "qwen3-a3b-dense": ModelSpec("qwen3-a3b-dense", n_layers=48, d_model=2048, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, vocab=_QWEN_VOCAB, mlp_dim=6144),
     "qwen3-235b-a22b": ModelSpec("qwen3-235b-a22b", n_layers=94, d_model=4096, n_heads=64,
                                  n_kv_heads=4, head_dim=128, vocab=_QWEN_VOCAB, n_experts=128,
                                  experts_per_token=8, expert_dim=1536),

@@ -75,7 +75,7 @@ def test_three_steps_on_a_data_x_expert_mesh_equal_one_device_and_restore_there(
   mesh = sharding.make_mesh(data=2, expert=4)
   state, sharded = _run(mesh)
   gate = state.params["layers"][0]["experts_gate"]
-  assert gate.sharding.spec[0] == "expert"  # each device holds 2 of the 8 experts
+  assert gate.sharding.spec[0] == ("expert", "fsdp")  # each device holds 2 of the 8 experts
   assert {s.data.shape[0] for s in gate.addressable_shards} == {2}
   for a, b in zip(single, sharded):
     assert float(a["reward_mean"]) not in (0.0, 1.0)  # advantages are not all zero
