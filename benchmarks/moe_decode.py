@@ -21,7 +21,7 @@ decode step of each (T = 1, the cache donated, interleaved repeats, medians), at
 
 and the ratios moe / dense (issue 56 bounds it at 1.5 at batch 1 on a CPU) and ragged / loop.
 Also printed: the distinct experts the batch's tokens were routed to in the first layer
-(`specjax.models.moe.activated_experts`), what a step must read.
+(`specjax.models.moe.routed_experts` on the step's router logits), what a step must read.
 
 Then what a speculative round's verify forward costs on each: B rows x (1 + k) tokens for
 chains of k = 1, 3, 7 drafts, as a multiple of the same model's decode step (T = 1), with the
@@ -43,8 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import KVCache, ModelConfig, forward, init_params
-from specjax.models.moe import activated_experts, uses_loop
-from specjax.models.transformer import embed, rms_norm
+from specjax.models.moe import routed_experts, uses_loop
 from specjax.sim.model import ModelSpec
 from specjax.timing import interleaved
 
@@ -66,6 +65,15 @@ def _spread_router(params):
   for layer in params["layers"]:
     layer["router"] = layer["router"] * 50.0
   return params
+
+
+def _experts_read(config: ModelConfig, params, tokens, positions, slots: int) -> int:
+  """Distinct experts the first layer routes `tokens` to in the timed step's forward (a cache
+  of `slots` whose first `positions[0, 0]` hold entries), from its router logits."""
+  b = tokens.shape[0]
+  cache = KVCache.create(config, b, slots).set_lengths(jnp.full((b,), positions[0, 0]))
+  out = forward(params, config, tokens, positions, cache, advance=0)
+  return int(routed_experts(out.router_logits[0], config))
 
 
 def _step(config: ModelConfig):
@@ -119,9 +127,7 @@ def main(argv=None) -> int:
     ms = {name: 1e3 * statistics.median(t) for name, t in zip(arms, times)}
     ratio = lambda a, c: float(np.median(times[list(arms).index(a)]
                                          / times[list(arms).index(c)]))
-    h = rms_norm(embed(params["moe"], moe, tokens), params["moe"]["layers"][0]["attn_norm"],
-                 moe.rms_norm_eps)
-    hit = int(activated_experts(params["moe"]["layers"][0], moe, h))
+    hit = _experts_read(moe, params["moe"], tokens, positions, slots)
     platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     auto = "loop" if uses_loop(moe, b, platform) else "ragged"
     print(f"{b:>4} {auto:>7} {hit:>8} "
@@ -160,9 +166,8 @@ def _verify_table(moe, dense, params, batches, repeats, committed, slots) -> Non
     median = {key: statistics.median(t) for key, t in zip(names, times)}
     for k in chains:
       tokens = jax.random.randint(jax.random.key(7 + k + 1), (b, k + 1), 0, moe.vocab_size)
-      h = rms_norm(embed(params["moe"], moe, tokens), params["moe"]["layers"][0]["attn_norm"],
-                   moe.rms_norm_eps)
-      hit = int(activated_experts(params["moe"]["layers"][0], moe, h))
+      positions = committed + jnp.broadcast_to(jnp.arange(k + 1), (b, k + 1))
+      hit = _experts_read(moe, params["moe"], tokens, positions, slots)
       cells.append(f"{median[('moe', k + 1)] / median[('moe', 1)]:>9.2f}x "
                    f"{median[('dense', k + 1)] / median[('dense', 1)]:>10.2f}x "
                    f"{hit:>4}/{float(spec.touched_experts(b * (k + 1))):>4.1f}")

@@ -11,8 +11,8 @@ per token. bfloat16 parameters trained on float32 master weights and Adam moment
 per parameter, 3.3 TB in all: 39 devices of 80 GiB for the state alone), every layer
 rematerialised, 4 minibatches of 128 rows (one row per device). Mesh fsdp=16 x expert=8:
 each device holds one of every layer's 128 experts whole (`specjax.models.moe`'s expert
-parallelism) and a sixteenth of the 4.5B parameters outside them. On 64 devices (fsdp=8 x
-expert=8) the analytical state takes 59.98 GiB per device and the step 98.90: it does not
+parallelism) and a sixteenth of the 8.1B parameters outside them. On 64 devices (fsdp=8 x
+expert=8) the analytical state takes 59.98 GiB per device and the step 107.88: it does not
 fit 80 GiB. Rollout and task as configs/qwen3_1p7b_grpo.py (64 GSM8K-shaped prompts x 8
 samples, up to 512 new tokens, EAGLE-3 chain of 3).
 

@@ -13,7 +13,7 @@ configs/qwen3_1p7b_grpo.py (64 GSM8K-shaped prompts x 8 samples, up to 512 new t
 EAGLE-3 chain of 3; the same stand-in task); the update takes 32 minibatches of 16 rows. Mesh
 fsdp=8: the state fits 8 accelerators only split eight ways; the experts are split over fsdp
 whole (16 of each layer's 128 on a device, `specjax.models.moe.experts_parallel`), so no
-expert's weights are ever gathered, and the 2.2B parameters outside them split along E.
+expert's weights are ever gathered, and the 1.5B parameters outside them split along E.
 
 Measured plans: README.md, "Plans".
 """

@@ -256,8 +256,9 @@ def _is_spec(x: Any) -> bool:
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   """Sharding of a `[B, ...]` array of rank `ndim`: B over the first "batch" rule's axes.
 
-  B must be divisible by the product of those axes' sizes (data x fsdp by default); for a
-  B that may not be, use `logical_sharding(P("batch", ...), mesh, shape)`, which falls back.
+  B must be divisible by the product of those axes' sizes (data x fsdp x expert by default);
+  for a B that may not be, use `logical_sharding(P("batch", ...), mesh, shape)`, which falls
+  back.
   """
   if ndim < 1:
     raise ValueError(f"ndim={ndim} is invalid: a batch array has rank >= 1")

@@ -61,7 +61,7 @@ from specjax.files import DirectoryLock, storage
 from specjax.models.config import RUNTIME_FIELDS
 from specjax.models.eagle3_io import load_eagle3, save_eagle3
 from specjax.models.hf import load_hf, save_hf
-from specjax.models.lora import merged_policy
+from specjax.models.lora import adapted_targets, merged_policy
 from specjax.models.params import count_params, init_params
 from specjax.rl.data import PromptReader
 from specjax.rl.datasets import host_scores
@@ -462,7 +462,7 @@ def _run(config: ExperimentConfig, log, pool: RewardPool) -> dict:
   if restored is None:
     trained = ("" if abstract.adapters is None else
                f", {count_params(abstract.adapters):,} of them trained (LoRA rank "
-               f"{config.lora.rank} on {', '.join(config.lora.targets)})")
+               f"{config.lora.rank} on {', '.join(adapted_targets(config.model, config.lora))})")
     log(f"policy: {count_params(abstract.params):,} parameters{trained}")
     params = initial_policy(config, log)
     head = None

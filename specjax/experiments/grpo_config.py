@@ -442,12 +442,13 @@ class ExperimentConfig:
                     "has none (set task.reference_column, or warm_start.steps=0 to start RL "
                     "from policy_dir's weights)", "warm_start.")
     expert = self.mesh.expert
-    require_field(self.mesh, "expert", expert in (1, -1) or (
-        self.model.is_moe and self.model.n_experts % expert == 0),
+    require_field(self.mesh, "expert", expert == 1 or (self.model.is_moe and (
+        expert == -1 or self.model.n_experts % expert == 0)),
                   f"splits a mixture-of-experts model's experts, and the model has "
-                  f"{self.model.n_experts} (allowed: 1, or a divisor of model.n_experts"
-                  + (f" = {self.model.n_experts})" if self.model.is_moe
-                     else ": this model has no experts)"), "mesh.")
+                  f"{self.model.n_experts} (allowed: 1, or a divisor of model.n_experts = "
+                  f"{self.model.n_experts})" if self.model.is_moe else
+                  "splits a mixture-of-experts model's experts, and this model is dense "
+                  "(n_experts=0): allowed only mesh.expert=1", "mesh.")
     vocab = self.task.tokenizer.vocab_size
     require_field(self.model, "vocab_size", self.model.vocab_size >= vocab,
                   f"the task's tokenizer has {vocab} ids, which the model must embed "

@@ -18,9 +18,11 @@ alone, term by term:
                    logits' gradient, and the output head's weight gathered whole with its
                    whole float32 gradient (and the embedding's) before the reduce-scatter;
                    with fsdp, every layer's weights gathered whole and kept for the backward
-                   pass (compute dtype); MTP
-                   and Medusa heads likewise; an EAGLE-3 head trains after the policy's
-                   backward, so the larger of the two counts.
+                   pass (compute dtype), except experts split over devices, which are never
+                   gathered; an MoE layer's dispatch buffers (with split experts, over all
+                   tokens of the device's expert group); MTP and Medusa heads likewise; an
+                   EAGLE-3 head trains after the policy's backward, so the larger of the two
+                   counts.
   log-prob pass    with several minibatches or epochs (pi_old) or a KL penalty (reference),
                    the update first runs a forward over every row, a minibatch of rows at a
                    time: float32 logits and log-probabilities `[B / M, L, V]`.
@@ -352,12 +354,11 @@ def _matmul_weights(model) -> int:
   return model.n_layers * (e * (q + 2 * k) * h + q * h * e + mlp) + e * model.vocab_size
 
 
-def _mlp_weights(model, tf: int, tx: int = 1) -> int:
-  """One layer's MLP weights a device holds with the MLP width split `tf` ways: an MoE
-  layer's router and its experts, split `tx` ways (the "expert" axis)."""
+def _mlp_weights(model, tf: int) -> int:
+  """One layer's MLP weights with the MLP width split `tf` ways: of an MoE layer, the router
+  and every expert."""
   if model.is_moe:
-    z = model.n_experts
-    return model.d_model * (z + 3 * (z // tx) * model.expert_dim // tf)
+    return model.d_model * model.n_experts * (1 + 3 * model.expert_dim // tf)
   return 3 * model.d_model * model.mlp_dim // tf
 
 
@@ -392,12 +393,17 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   tq, tk, tf, tv = (_split(mesh, "heads", q), _split(mesh, "kv_heads", k),
                     _split(mesh, "mlp", model.expert_dim if model.is_moe else f),
                     _split(mesh, "vocab", v))
-  dispatch = 0
+  dispatch, tx = 0, 1
   if model.is_moe:
     # A token's MLP activations are its k experts' (F = k x one expert's width), and the
-    # grouped dispatch keeps its k gathered inputs and k outputs ([k, E] each).
-    f = model.experts_per_token * model.expert_dim
-    dispatch = 2 * model.experts_per_token * e * c
+    # grouped dispatch keeps its k gathered inputs and k outputs ([k, E] each). With the
+    # experts split tx ways (`moe.experts_parallel`), a device runs its experts on the tokens
+    # of all tx devices of its group: the gathered tokens and the reduce-scatter's input
+    # ([E] each), and every pair's input, SwiGLU and output, per token of the group.
+    ke, fe = model.experts_per_token, model.expert_dim
+    f = ke * fe
+    tx = _split(mesh, "expert", model.n_experts)
+    dispatch = (tx * (2 * e + ke * (2 * e + 3 * fe // tf)) if tx > 1 else 2 * ke * e) * c
 
   # With LoRA the optimizer trains the adapters alone; the rollout decodes with the adapted
   # projections merged into a copy of the trunk's.
@@ -423,11 +429,10 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
   # Update: one minibatch's forward kept for the backward pass (`model.remat`: per layer
   # everything, the projections' outputs, or the layer's input; a rematerialised layer's
   # whole activations are live again while its backward runs, one layer at a time).
-  layer = _layer_bytes(e, q, k, h, f, l, c, tq, tk, tf)
+  layer = _layer_bytes(e, q, k, h, f, l, c, tq, tk, tf) + dispatch
   kept = {"none": layer,
           "dots": c * (3 * e + q * h // tq + 2 * k * h // tk + 2 * f // tf),
           "full": c * e}[model.remat]
-  kept += dispatch if model.remat == "none" else 0
   token = model.n_layers * kept + (layer if model.remat != "none" else 0) + c * e
   head = (3 * 4 + c) * v // tv  # float32 log-probs, their and the logits' gradients; + cast
   token += head
@@ -447,16 +452,18 @@ def estimate(config, train_config, state, batch, mesh: Mesh, *,
       ec, w = eagle.config, eagle.config.draft_vocab_size
       eagle_token = 4 * v // tv + c * 3 * e
       eagle_token += sum(_layer_bytes(ec.d_model, ec.n_heads, ec.n_kv_heads, ec.head_dim,
-                                      ec.mlp_dim, (j + 1) * l, c, tq, tk, tf)
+                                      ec.mlp_dim, (j + 1) * l, c, tq, tk,
+                                      _split(mesh, "mlp", ec.mlp_dim))
                          + c * 2 * ec.d_model + (3 * 4 + c) * w
                          for j in range(train_config.drafter_training.ttt_steps))
   # Weights split over fsdp are gathered whole for the forward and kept for the backward
   # (in the compute dtype, split only by tensor); the output head's gradient and the
   # embedding lookup's are whole float32 [E, V] buffers until reduce-scattered (with LoRA
   # they have none).
-  tx = _split(mesh, "expert", model.n_experts) if model.is_moe else 1
-  layer_weights = (e * (q // tq + 2 * k // tk) * h + q // tq * h * e
-                   + _mlp_weights(model, tf, tx))
+  # Experts split over devices are never gathered (each runs where it lives): of their
+  # layer, only the router is.
+  mlp = e * model.n_experts if tx > 1 else _mlp_weights(model, tf)
+  layer_weights = e * (q // tq + 2 * k // tk) * h + q // tq * h * e + mlp
   gathered = model.n_layers * layer_weights * c if _split(mesh, "embed", e) > 1 else 0
   weight_bytes = np.dtype(model.weight_dtype).itemsize
   head_grads = 2 * 4 if adapters is None else 0

@@ -196,9 +196,9 @@ class ModelConfig:
       _require(self.expert_dim > 0, "expert_dim", self.expert_dim,
                "must be a positive int for an MoE model (n_experts > 0): one expert's width")
     else:
-      _require(self.experts_per_token == 0 and self.expert_dim == 0, "experts_per_token",
-               (self.experts_per_token, self.expert_dim),
-               "a dense model (n_experts=0) has experts_per_token=0 and expert_dim=0")
+      for name in ("experts_per_token", "expert_dim"):
+        _require(getattr(self, name) == 0, name, getattr(self, name),
+                 "a dense model (n_experts=0) has 0 (set n_experts for a mixture of experts)")
     _require(self.moe_impl in MOE_IMPLS, "moe_impl", self.moe_impl, f"one of {MOE_IMPLS}")
     for name in ("qkv_bias", "qk_norm", "tie_embeddings", "normalize_top_k"):
       _require(isinstance(getattr(self, name), bool), name, getattr(self, name),

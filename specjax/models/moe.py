@@ -8,10 +8,11 @@ expert.
 
 Two ways to run the experts, one function up to rounding (`ModelConfig.moe_impl`):
 - "loop" (decode steps): a loop over the distinct experts the forward's tokens were routed
-  to, at most min(Z, pairs) iterations, each one expert's three matmuls over every token
-  (weighted by that token's routing weight, zero where it did not pick the expert). It reads
-  only the activated experts' weights, which is what a memory-bound decode step pays for.
-  Static trip count: differentiable, and iterations past the distinct experts carry weight 0.
+  to, each one expert's three matmuls over every token (weighted by that token's routing
+  weight, zero where it did not pick the expert). It reads only the activated experts'
+  weights, which is what a memory-bound decode step pays for. Static trip count of
+  min(Z, pairs), so it is differentiable; iterations past the distinct experts skip their
+  work (`lax.cond`) and read nothing.
 - "ragged" (prefill, training): the k * A (token, expert) pairs sorted by expert and run as
   grouped matmuls (`jax.lax.ragged_dot`: one contiguous group of rows per expert), then added
   back to their tokens. MaxText's megablox path and sglang-jax's fused MoE do the same
@@ -22,11 +23,8 @@ Two ways to run the experts, one function up to rounding (`ModelConfig.moe_impl`
 work, less than the expanded grouped matmul's Z / k), and elsewhere when the forward has at
 most Z pairs (every pair can then touch a different expert and the loop still reads no
 weight twice), ragged otherwise; the choice is made per platform when the program is lowered.
-Measured on a 2-core CPU (`benchmarks/moe_decode.py`, 64 experts, top 8, E = 1024, two runs):
-a decode step costs 1.04x / 1.20x a dense model of the same active size at batch 1 (8
-experts read), 2.9-3.0x at batch 4 (23 distinct experts read, 2.9x the weights); the
-expanded grouped matmul 28-37x the loop at batch 1.
-How XLA:GPU runs `ragged_dot` is not measured here.
+Measured costs: `benchmarks/README.md` (`moe_decode.py`). How XLA:GPU runs `ragged_dot` is not
+measured here.
 
 Under a mesh whose "expert" (then "fsdp") axes split the experts (`layout.EXPERT_AXES`, the
 "expert" rule of `specjax.sharding`), either implementation runs inside `jax.shard_map` over
@@ -81,6 +79,7 @@ def experts_loop(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.
       weights, mode="drop")
   hit = jnp.zeros((z,), bool).at[experts.reshape(-1)].set(True, mode="drop")
   order = jnp.argsort(~hit, stable=True).astype(jnp.int32)  # the routed experts first
+  routed = jnp.sum(hit, dtype=jnp.int32)
   steps = min(z, experts.size)
 
   # Rematerialised: a backward pass recomputes each expert's activations instead of keeping
@@ -90,8 +89,8 @@ def experts_loop(layer: Params, config: ModelConfig, x: jax.Array, experts: jax.
     scale = jax.lax.dynamic_index_in_dim(combine, e, 1, keepdims=True)  # [A, 1]
     return scale * _expert(layer, e, x, x.dtype)
 
-  def body(i, out):
-    return out + contribution(order[i])
+  def body(i, out):  # past the routed experts: no work, no weights read
+    return jax.lax.cond(i < routed, lambda: out + contribution(order[i]), lambda: out)
 
   return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(x))
 
@@ -111,7 +110,10 @@ def experts_ragged(layer: Params, config: ModelConfig, x: jax.Array, experts: ja
   gate = jax.lax.ragged_dot(rows, layer["experts_gate"].astype(dt), sizes)
   up = jax.lax.ragged_dot(rows, layer["experts_up"].astype(dt), sizes)
   out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, layer["experts_down"].astype(dt), sizes)
-  out = out * weights.reshape(-1)[order][:, None]
+  # Rows past every group (ids not held here) are left undefined by ragged_dot: masked, not
+  # multiplied by their zero weight (NaN x 0 is NaN).
+  grouped = jnp.arange(a * k) < jnp.sum(sizes)
+  out = jnp.where(grouped[:, None], out * weights.reshape(-1)[order][:, None], 0)
   return jnp.zeros((a, x.shape[1]), dt).at[token].add(out)
 
 
@@ -157,8 +159,8 @@ def load_balancing_loss(router_logits: Sequence[jax.Array], config: ModelConfig,
   """The Switch Transformer load-balancing loss of a forward's routing, as transformers'
   Qwen3-MoE computes it (`load_balancing_loss_func`): Z x sum over experts of (the share of
   top-k assignments it received) x (its mean router probability), pooled over every layer and
-  every token where `mask [B, T]` (None: all) holds. k when the routing is balanced, up to
-  k x Z when every token picks the same experts.
+  every token where `mask [B, T]` (None: all) holds. k when the routing is balanced, up to Z
+  when every token picks the same experts with all its probability.
 
   Args:
     router_logits: one `[B, T, Z]` per MoE layer (`ForwardOutput.router_logits`).
@@ -253,12 +255,13 @@ def experts_parallel(run, layer: Params, config: ModelConfig, x: jax.Array,
   return out[:a]
 
 
-def activated_experts(layer: Params, config: ModelConfig, h: jax.Array,
-                      rows: jax.Array | None = None) -> jax.Array:
-  """How many distinct experts the tokens `h [B, T, E]` of the rows `rows [B]` (bool; None:
-  all) are routed to: `[]` int32, what one MoE layer of a forward over them reads."""
-  b, t, e = h.shape
-  _, experts, _ = route(layer["router"], config, h.reshape(b * t, e))
+def routed_experts(router_logits: jax.Array, config: ModelConfig,
+                   rows: jax.Array | None = None) -> jax.Array:
+  """How many distinct experts one MoE layer routed the tokens of the rows `rows [B]` (bool;
+  None: all) to, from its router logits `[B, T, Z]` (`ForwardOutput.router_logits`): `[]`
+  int32, the experts whose weights that layer of the forward read."""
+  b, t, z = router_logits.shape
+  experts = jax.lax.top_k(router_logits.reshape(b * t, z), config.experts_per_token)[1]
   live = jnp.ones((b * t,), bool) if rows is None else jnp.repeat(rows, t)
-  hit = jnp.zeros((config.n_experts,), bool).at[experts].max(live[:, None])
+  hit = jnp.zeros((z,), bool).at[experts].max(live[:, None])
   return jnp.sum(hit, dtype=jnp.int32)

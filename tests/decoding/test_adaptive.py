@@ -564,10 +564,16 @@ def test_round_parts_split_a_round_into_drafting_verify_and_the_engines_rest():
   # The drafter is nearly the whole round, so the round is its drafting plus one verify.
   assert heavy.drafting(0, 0) > 0.8 * heavy.round[0][0]
   assert heavy.lean(0, 0) == pytest.approx(1.0, abs=0.2)
-  # A drafter that does no work leaves the round to the verify forward and the engine.
-  idle = measure(_Echo())
-  assert idle.drafting(0, 0) < 0.5 * idle.round[0][0]
-  assert 0 < idle.verify[0][0] < idle.engine[0][0] * 1.5
+  # A drafter that does no work leaves the round to the verify forward and the engine. The
+  # parts are tens of microseconds: a busy spell during one of them (a shared CI machine)
+  # can swamp it, so up to three measurements are taken; the property must hold in one.
+  for _ in range(3):
+    idle = measure(_Echo())
+    if (idle.drafting(0, 0) < 0.5 * idle.round[0][0]
+        and 0 < idle.verify[0][0] < idle.engine[0][0] * 1.5):
+      break
+  assert idle.drafting(0, 0) < 0.5 * idle.round[0][0], idle
+  assert 0 < idle.verify[0][0] < idle.engine[0][0] * 1.5, idle
   assert "chain2" in idle.format() and "lean" in idle.format()
   with pytest.raises(ConfigError, match="at least one drafting tree"):
     round_parts(params, MODEL, _Echo(), (DraftTree.empty(),), batch_sizes=(2,), prompt_len=4,

@@ -236,8 +236,8 @@ def test_an_expert_mesh_axis_must_divide_the_policys_experts(own):
                                         r"or a divisor of model.n_experts = 8\)"):
     dataclasses.replace(moe, mesh=MeshConfig(expert=3))
   dense = runpy.run_path(str(own / "config-llama.py"))["get_config"]()
-  with pytest.raises(ConfigError, match=r"mesh.expert=2 is invalid: .* this model has no "
-                                        r"experts"):
+  with pytest.raises(ConfigError, match=r"mesh.expert=2 is invalid: .* this model is dense "
+                                        r"\(n_experts=0\): allowed only mesh.expert=1"):
     dataclasses.replace(dense, mesh=MeshConfig(expert=2))
 
 

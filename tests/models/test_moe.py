@@ -17,8 +17,7 @@ from specjax.decoding import DraftTree, MTPDrafter, SamplingConfig, generate
 from specjax.errors import CheckpointError, ConfigError
 from specjax.models import (KVCache, LoraConfig, ModelConfig, forward, init_lora, init_params,
                             load_hf, save_hf)
-from specjax.models.moe import (activated_experts, load_balancing_loss, moe_mlp, route,
-                                uses_loop)
+from specjax.models.moe import load_balancing_loss, moe_mlp, route, routed_experts, uses_loop
 
 MOE = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   mlp_dim=64, qk_norm=True, family="qwen3_moe", n_experts=8,
@@ -132,14 +131,15 @@ def test_gradients_through_both_implementations_agree():
   assert float(jnp.abs(experts).max()) > 0  # the experts are trained, not only attention
 
 
-def test_activated_experts_counts_the_distinct_experts_of_the_live_rows():
-  layer = _params()["layers"][0]
-  h = jax.random.normal(jax.random.key(5), (4, 3, MOE.d_model))
-  _, experts, _ = route(layer["router"], MOE, h.reshape(12, -1))
-  experts = np.asarray(experts).reshape(4, 3, 2)
-  assert int(activated_experts(layer, MOE, h)) == len(np.unique(experts))
+def test_routed_experts_counts_the_distinct_experts_a_layer_read_for_the_live_rows():
+  params = _params()
+  tokens = jax.random.randint(jax.random.key(5), (4, 3), 0, MOE.vocab_size)
+  out = forward(params, MOE, tokens, jnp.broadcast_to(jnp.arange(3), (4, 3)))
+  logits = out.router_logits[1]  # the second layer's
+  experts = np.argsort(-np.asarray(logits), axis=-1)[..., :2]  # [B, T, k]
+  assert int(routed_experts(logits, MOE)) == len(np.unique(experts))
   rows = jnp.array([True, False, False, True])
-  assert int(activated_experts(layer, MOE, h, rows)) == len(np.unique(experts[[0, 3]]))
+  assert int(routed_experts(logits, MOE, rows)) == len(np.unique(experts[[0, 3]]))
 
 
 def test_greedy_mtp_drafting_of_an_moe_target_equals_plain_decoding():
@@ -182,6 +182,8 @@ def test_lora_on_an_moe_model_adapts_the_attention_and_refuses_only_mlp_targets(
     (dict(experts_per_token=0), r"experts_per_token=0 is invalid"),
     (dict(expert_dim=0), r"expert_dim=0 is invalid"),
     (dict(n_experts=0, experts_per_token=0, expert_dim=0), r"family='qwen3_moe' is invalid"),
+    (dict(n_experts=0, experts_per_token=0), r"expert_dim=16 is invalid: a dense model "
+                                             r"\(n_experts=0\) has 0"),
     (dict(family="qwen3"), r"family='qwen3' is invalid: qwen3_moe checkpoints \(and only "
                            r"they\) have experts"),
     (dict(moe_impl="dense"), r"moe_impl='dense' is invalid: one of \('auto', 'loop', "
