@@ -3,9 +3,11 @@ the MoE step routes each token of the batch to its k experts."""
 
 import re
 
+import pytest
 from support import load_benchmark
 
 
+@pytest.mark.slow  # two dozen compiles: 40 s on 2 cores
 def test_the_quick_run_prints_a_row_per_batch_with_every_arm(capsys):
   bench = load_benchmark("moe_decode")
   assert bench.main(["--quick", "--batches", "1,2", "--repeats", "1"]) == 0

@@ -96,7 +96,8 @@ def test_the_router_picks_the_top_k_of_a_float32_softmax():
   np.testing.assert_allclose(weights.sum(1), 1.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["auto", "loop", "ragged"])
+@pytest.mark.parametrize("impl", ["auto", pytest.param("loop", marks=pytest.mark.slow),
+                                  pytest.param("ragged", marks=pytest.mark.slow)])
 def test_a_cached_decode_gives_the_logits_of_a_forward_over_the_whole_sequence(impl):
   """Prefill of 9 tokens, then one token at a time, equals one uncached forward."""
   config = MOE.replace(moe_impl=impl)
@@ -115,6 +116,7 @@ def test_a_cached_decode_gives_the_logits_of_a_forward_over_the_whole_sequence(i
   np.testing.assert_allclose(jnp.concatenate(steps, 1), whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # two gradient compiles
 def test_gradients_through_both_implementations_agree():
   params = _params()
   tokens = jax.random.randint(jax.random.key(4), (2, 6), 0, MOE.vocab_size)
@@ -142,6 +144,7 @@ def test_routed_experts_counts_the_distinct_experts_a_layer_read_for_the_live_ro
   assert int(routed_experts(logits, MOE, rows)) == len(np.unique(experts[[0, 3]]))
 
 
+@pytest.mark.slow  # three generate compiles; the chi-square test of MTP drafting is slow too
 def test_greedy_mtp_drafting_of_an_moe_target_equals_plain_decoding():
   params = _params(router_scale=3.0)
   prompts = jax.random.randint(jax.random.key(6), (3, 8), 0, MOE.vocab_size)

@@ -105,7 +105,8 @@ def test_three_steps_on_a_data_x_expert_mesh_equal_one_device_and_restore_there(
     (dict(data=2, expert=4), 8),
     pytest.param(dict(fsdp=8), 8, marks=pytest.mark.slow),
     pytest.param(dict(expert=2, fsdp=2, tensor=2), 8, marks=pytest.mark.slow),
-    (dict(fsdp=8), 3)])  # 3 x 6 tokens: padded to a multiple of the 8 experts' devices
+    # 3 x 6 tokens: padded to a multiple of the 8 experts' devices
+    pytest.param(dict(fsdp=8), 3, marks=pytest.mark.slow)])
 def test_experts_split_over_the_expert_and_fsdp_axes_in_the_compiled_forward(mesh_shape,
                                                                                 rows):
   """Forward and gradient with the experts split over the "expert" axis, or over fsdp (no
@@ -143,6 +144,7 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
     jax.jit(lambda p: forward(p, odd, tokens, jnp.zeros((8, 2), jnp.int32)).logits)(params)
 
 
+@pytest.mark.slow  # (the loss itself is checked against transformers in the fast tier)
 def test_the_router_aux_weight_adds_the_load_balancing_loss_to_the_update():
   from specjax.models.moe import load_balancing_loss
   from specjax.rl.updates import _minibatch_loss
