@@ -204,6 +204,7 @@ def test_a_history_banks_bytes_are_counted_in_the_plan():
   assert big.kv_cache == small.kv_cache  # the call's copy holds rows, not slots
 
 
+@pytest.mark.slow  # a compile of the whole step on 8 fake devices
 def test_plan_of_an_moe_policy_with_its_experts_split_over_the_expert_axis():
   """A Qwen3-MoE policy on a data=2 x expert=4 mesh: each device holds 2 of the 8 experts
   (parameters, moments), the compiled step's arguments equal the analytical state, and the

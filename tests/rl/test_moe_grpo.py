@@ -102,7 +102,7 @@ def test_three_steps_on_a_data_x_expert_mesh_equal_one_device_and_restore_there(
 
 
 @pytest.mark.parametrize("mesh_shape, rows", [
-    (dict(data=2, expert=4), 8),
+    pytest.param(dict(data=2, expert=4), 8, marks=pytest.mark.slow),
     pytest.param(dict(fsdp=8), 8, marks=pytest.mark.slow),
     pytest.param(dict(expert=2, fsdp=2, tensor=2), 8, marks=pytest.mark.slow),
     # 3 x 6 tokens: padded to a multiple of the 8 experts' devices
