@@ -138,7 +138,7 @@ def qwen3_1p7b_plan():
 def test_qwen3_1p7b_state_per_device_matches_the_estimate(qwen3_1p7b_plan):
   """fsdp=8 over 8 devices: float32 weights, Adam moments and the EAGLE-3 head's, 1/8 each."""
   result = qwen3_1p7b_plan
-  assert result.mesh == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert result.mesh == {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}
   assert result.compiled.arguments == result.estimate.arguments
   # 1.72B policy + 0.14B head, 12 bytes each (weight, two moments), split 8 ways but for the
   # few leaves without an E axis (norms, the head's draft vocabulary map), which replicate.
