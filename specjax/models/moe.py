@@ -137,15 +137,15 @@ def moe_mlp(layer: Params, config: ModelConfig, h: jax.Array) -> tuple[jax.Array
   b, t, e = h.shape
   x = h.reshape(b * t, e)
   logits, experts, weights = route(layer["router"], config, x)
+  axes = _expert_axes(config)
 
   def on(platform: str) -> jax.Array:
     run = experts_loop if uses_loop(config, b * t, platform) else experts_ragged
-    axes = _expert_axes(config)
     if axes:
       return experts_parallel(run, layer, config, x, experts, weights, axes, platform)
     return run(layer, config, x, experts, weights)
 
-  if not _expert_axes(config) and all(uses_loop(config, b * t, p) == uses_loop(config, b * t)
+  if not axes and all(uses_loop(config, b * t, p) == uses_loop(config, b * t)
                                       for p in RAGGED_PLATFORMS):
     out = on("cpu")
   else:  # a program lowered for one platform holds only that platform's branch
